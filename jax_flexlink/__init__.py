@@ -1,0 +1,26 @@
+"""FlexLink for JAX: collectives that split their bytes across every link of a machine.
+
+Drop-ins for jax.lax's collectives inside jax.shard_map and jax.pmap (same signatures, typing, vmap
+and autodiff), lowered to XLA FFI custom calls; or, with `replace_collectives()`, the plain jax.lax
+collectives of an existing program lowered the same way.
+"""
+from jax_flexlink._src import native as _native
+
+_native.register_targets()
+
+# Importing the collective modules defines their primitives and routes lax's binds to them.
+from jax_flexlink._src import all_gather as _all_gather  # noqa: E402,F401
+from jax_flexlink._src import all_reduce as _all_reduce  # noqa: E402,F401
+from jax_flexlink._src import reduce_scatter as _reduce_scatter  # noqa: E402,F401
+from jax_flexlink._src.api import (  # noqa: E402
+    all_gather, pmax, pmean, pmin, psum, psum_scatter)
+from jax_flexlink._src.replace import replace_collectives, replacing_collectives  # noqa: E402
+from jax_flexlink._src.runtime import configure, reset_stats, stats  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter",
+    "replace_collectives", "replacing_collectives", "configure", "stats", "reset_stats",
+    "__version__",
+]

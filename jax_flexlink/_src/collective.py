@@ -1,0 +1,111 @@
+"""What the three FlexLink collective primitives share: the ordering effect, rules borrowed from lax,
+dtype checks and the emission of the custom call.
+
+A FlexLink primitive stands in for one or more lax primitives and carries the lax primitive it replaces
+as its `lax_prim` parameter, with that primitive's own parameters beside it. Typing (shape, varying
+axes, named-axis effects, axis-name checks), batching and transposition are lax's rules for `lax_prim`;
+FlexLink adds an ordered effect, so every device runs its FlexLink calls in program order, and its own
+lowering to a custom call.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import numpy as np
+
+from jax_flexlink._src import compat
+from jax_flexlink._src import routing
+
+
+class FlexLinkOrdering(compat.Effect):
+  """Threads a token through every FlexLink call of a program.
+
+  XLA:CPU runs independent custom calls in whatever order their operands become ready, which differs
+  per device; blocking collectives entered in different orders on different devices deadlock. The
+  token chain makes program order the execution order on every device.
+  """
+
+  def __repr__(self):
+    return "FlexLinkOrdering"
+
+  __str__ = __repr__
+
+
+flexlink_ordering = FlexLinkOrdering()
+compat.register_ordered_effect_type(FlexLinkOrdering)
+
+# What the engine reduces and moves (xla_ffi/core): every dtype lax's collectives accept on CPU.
+SUPPORTED_DTYPES = frozenset(np.dtype(d) for d in (
+    "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+    "uint16", "uint32", "uint64", "bool", "complex64", "complex128"))
+
+
+def _dtype_of(x) -> np.dtype | None:
+  dtype = getattr(getattr(x, "aval", None), "dtype", None)
+  if dtype is None:
+    dtype = getattr(x, "dtype", None)
+  return None if dtype is None else np.dtype(dtype)
+
+
+def dtype_supported(x, *_, **__) -> bool:
+  dtype = _dtype_of(x)
+  return dtype is not None and dtype in SUPPORTED_DTYPES
+
+
+def check_dtype(api_name: str, aval) -> None:
+  if np.dtype(aval.dtype) not in SUPPORTED_DTYPES:
+    accepted = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
+    raise TypeError(f"{api_name} does not accept dtype {aval.dtype}. "
+                    f"Accepted dtypes are: {accepted}.")
+
+
+def define_primitive(name: str, api_name: Callable[[compat.Primitive], str],
+                     lowering: Callable, lax_prims) -> compat.Primitive:
+  """Creates a FlexLink primitive standing in for `lax_prims`, with all its rules."""
+  prim = compat.Primitive(name)
+
+  def abstract_eval(aval, *, lax_prim, **params):
+    check_dtype(api_name(lax_prim), aval)
+    out_aval, effects = compat.abstract_eval_of(lax_prim, aval, **params)
+    return out_aval, {*effects, flexlink_ordering}
+
+  def impl(*args, **params):
+    # Reached only outside shard_map/pmap, where lax's abstract evaluation rejects the axis name.
+    raise NotImplementedError(f"{name} runs only under jax.shard_map or jax.pmap")
+
+  def transpose(ct, x, *, lax_prim, **params):
+    # lax's rule emits the dual collective (psum_scatter for all_gather, ...) through lax's API;
+    # routing sends it back to FlexLink.
+    with routing.explicit_scope():
+      return compat.primitive_transposes[lax_prim](ct, x, **params)
+
+  def batch(axis_data, vals_in, dims_in, *, lax_prim, **params):
+    with routing.explicit_scope():
+      return compat.fancy_primitive_batchers[lax_prim](axis_data, vals_in, dims_in, **params)
+
+  prim.def_effectful_abstract_eval(abstract_eval)
+  prim.def_impl(impl)
+  compat.primitive_jvps[prim] = functools.partial(compat.linear_jvp, prim)
+  compat.primitive_transposes[prim] = transpose
+  compat.fancy_primitive_batchers[prim] = batch
+  # Not cacheable: the rule bakes in device ids from the enclosing mesh, which JAX's lowering cache
+  # key does not include (two shard_maps over different meshes would share one lowering).
+  compat.register_lowering(prim, lowering, platform="cpu", cacheable=False)
+  for lax_prim in lax_prims:
+    routing.install(lax_prim, prim, dtype_supported)
+  return prim
+
+
+def emit_custom_call(ctx, target: str, x, *, alias_input: bool = False, **attrs):
+  """Emits `target(x, token) -> (y, token)` and threads the FlexLink ordering token."""
+  token = ctx.tokens_in.get(flexlink_ordering)
+  call_ctx = ctx.replace(avals_in=[*ctx.avals_in, compat.abstract_token],
+                         avals_out=[*ctx.avals_out, compat.abstract_token])
+  op = compat.build_ffi_lowering_function(
+      target, has_side_effect=True,
+      operand_output_aliases={0: 0} if alias_input else None,
+  )(call_ctx, x, token, **attrs)
+  y, token_out = op.results
+  ctx.set_tokens_out(ctx.tokens_in.update_tokens(compat.TokenSet({flexlink_ordering: token_out})))
+  return y

@@ -1,0 +1,62 @@
+"""The one place FlexLink reads its configuration (`FLEXLINK_*` environment variables)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jax_flexlink._src import compat
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _env_bool(name: str, default: bool) -> bool:
+  raw = os.environ.get(name)
+  if raw is None:
+    return default
+  value = raw.strip().lower()
+  if value in _TRUE:
+    return True
+  if value in _FALSE:
+    return False
+  raise ValueError(f"{name}={raw!r}: expected one of {_TRUE + _FALSE[:-1]}")
+
+
+def _env_float(name: str, default: float) -> float:
+  raw = os.environ.get(name)
+  if raw is None or not raw.strip():
+    return default
+  try:
+    value = float(raw)
+  except ValueError:
+    raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+  if not value > 0:
+    raise ValueError(f"{name}={raw!r}: must be positive")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  timeout_s: float
+  replace_collectives: bool
+  debug: str
+
+
+def from_environment() -> EnvConfig:
+  return EnvConfig(
+      timeout_s=_env_float("FLEXLINK_TIMEOUT_S", 300.0),
+      replace_collectives=_env_bool("FLEXLINK_REPLACE_COLLECTIVES", False),
+      debug=os.environ.get("FLEXLINK_DEBUG", "").strip().upper(),
+  )
+
+
+ENV = from_environment()
+
+# `jax.config.update("jax_flexlink_replace_collectives", True)`, `--jax_flexlink_replace_collectives`
+# (absl) and JAX_FLEXLINK_REPLACE_COLLECTIVES all set it; FLEXLINK_REPLACE_COLLECTIVES gives its default.
+replace_collectives_option = compat.bool_config_state(
+    "jax_flexlink_replace_collectives",
+    ENV.replace_collectives,
+    help=("Lower jax.lax.psum/pmean/pmax/pmin/all_gather/psum_scatter inside shard_map and pmap "
+          "to FlexLink's custom calls instead of XLA's native collectives."),
+)

@@ -1,0 +1,31 @@
+"""Turns a collective's axis names (and axis_index_groups) into groups of global device ids.
+
+lax computes groups as partition indices into `mesh.devices.flat` (in its rank order); at run time
+partition i runs on device `mesh.devices.flat[i]`, and the FFI handler knows only its device
+(`DeviceOrdinal` = global device id on CPU). So the groups are translated to device ids here, at
+lowering time, where the mesh is known; a device's rank is its position in its group.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jax_flexlink._src import compat
+
+
+def device_groups(axis_context, axis_names, axis_index_groups, api_name: str):
+  """Returns (flat device ids of all groups, size of each group) as int64 arrays."""
+  mesh = compat.spmd_mesh(axis_context)
+  if mesh is None:
+    raise NotImplementedError(
+        f"{api_name}: FlexLink collectives lower only inside jax.shard_map or jax.pmap "
+        f"(got axis context {type(axis_context).__name__}).")
+  devices = getattr(mesh, "devices", None)
+  if devices is None:
+    raise NotImplementedError(
+        f"{api_name}: FlexLink needs a concrete mesh (jax.sharding.Mesh with devices) to know "
+        f"which devices form each group; got an abstract mesh {mesh}.")
+  device_ids = np.array([d.id for d in np.asarray(devices).flat], dtype=np.int64)
+  partition_groups = compat.replica_groups(axis_context, tuple(axis_names), axis_index_groups)
+  flat = np.concatenate([device_ids[list(g)] for g in partition_groups]).astype(np.int64)
+  sizes = np.array([len(g) for g in partition_groups], dtype=np.int64)
+  return flat, sizes

@@ -1,0 +1,28 @@
+"""Loads the C++ extension and registers its FFI handlers with XLA, once per process."""
+from __future__ import annotations
+
+import jax
+
+from jax_flexlink import _flexlink  # the nanobind module built from xla_ffi/
+from jax_flexlink._src.config import ENV
+
+ALL_REDUCE = "flexlink_all_reduce"
+ALL_GATHER = "flexlink_all_gather"
+REDUCE_SCATTER = "flexlink_reduce_scatter"
+
+_registered = False
+
+
+def register_targets() -> None:
+  global _registered
+  if _registered:
+    return
+  targets = _flexlink.registrations()
+  missing = {ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER} - set(targets)
+  if missing:
+    raise ImportError(f"jax_flexlink's native module lacks FFI targets {sorted(missing)}; "
+                      "rebuild it (pip install .)")
+  for name, capsule in targets.items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  _flexlink.set_timeout(ENV.timeout_s)
+  _registered = True
