@@ -17,9 +17,17 @@ _LAX = {
     compat.pmin_p: ("min", "pmin", lax.reduce_min),
 }
 
-# The output aliases the input: XLA then reduces into the input's buffer when it is donated (and
-# copies it first when not), which spares the first-touch page faults of a fresh output buffer.
-ALIAS_INPUT = True
+
+
+def _reduce_in_place(x) -> bool:
+  """Whether the output should alias the input.
+
+  XLA:CPU pays heavily for first-touching the pages of a fresh output buffer; reducing into the
+  input's buffer avoids that when XLA may reuse it: a donated argument or an intermediate value. For
+  an argument that is not donated, XLA would first copy it into a fresh buffer, paying the page
+  faults *and* a copy, so the result goes to a fresh buffer instead.
+  """
+  return compat.operand_origin(x) != "parameter"
 
 
 def _reduce_positional(ctx, x, positional, reducer):
@@ -41,7 +49,7 @@ def _lowering(ctx, x, *, lax_prim, axes, axis_index_groups=None):
   groups, sizes = device_groups(ctx.module_context.axis_context, named, axis_index_groups,
                                 api_name)
   return [collective.emit_custom_call(
-      ctx, native.ALL_REDUCE, x, alias_input=ALIAS_INPUT, groups=groups, group_sizes=sizes,
+      ctx, native.ALL_REDUCE, x, alias_input=_reduce_in_place(x), groups=groups, group_sizes=sizes,
       reduction=reduction, label=f"{api_name} over axes {named}")]
 
 

@@ -9,6 +9,7 @@ lowering to a custom call.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -18,22 +19,43 @@ from jax_flexlink._src import compat
 from jax_flexlink._src import routing
 
 
-class FlexLinkOrdering(compat.Effect):
-  """Threads a token through every FlexLink call of a program.
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlexLinkOrdering(compat.NamedAxisEffect):
+  """Threads a token through every FlexLink call inside a shard_map/pmap body.
 
   XLA:CPU runs independent custom calls in whatever order their operands become ready, which differs
-  per device; blocking collectives entered in different orders on different devices deadlock. The
+  per device; blocking collectives entered in different orders on different devices deadlock. A
   token chain makes program order the execution order on every device.
+
+  The effect is a named-axis effect of the outermost bound axis, so, like lax's own NamedAxisEffect,
+  it ends at the shard_map/pmap that binds that axis: inside, JAX threads its token through loops and
+  branches; outside, the jitted function has no effect at all, which keeps jit's C++ fast dispatch
+  path (any JAX-level effect turns it off and costs ~100+ us per call). The body's chain starts from a
+  token created by shard_map's lowering (see compat.wrap_shard_map_lowering).
   """
 
   def __repr__(self):
-    return "FlexLinkOrdering"
+    return f"FlexLinkOrdering({self.name!r})"
 
   __str__ = __repr__
 
 
-flexlink_ordering = FlexLinkOrdering()
 compat.register_ordered_effect_type(FlexLinkOrdering)
+
+
+def _ordering_effect(axis_names) -> FlexLinkOrdering:
+  outermost = compat.outermost_axis_name()
+  return FlexLinkOrdering(outermost if outermost is not None else axis_names[0])
+
+
+def _tokens_started_by_shard_map(ctx, jaxpr):
+  present = ctx.tokens_in.effects()
+  return [e for e in compat.ordered_effects.filter_in(jaxpr.effects)
+          if isinstance(e, FlexLinkOrdering) and e not in present]
+
+
+compat.wrap_shard_map_lowering(_tokens_started_by_shard_map)
+
 
 # What the engine reduces and moves (xla_ffi/core): every dtype lax's collectives accept on CPU.
 SUPPORTED_DTYPES = frozenset(np.dtype(d) for d in (
@@ -68,7 +90,8 @@ def define_primitive(name: str, api_name: Callable[[compat.Primitive], str],
   def abstract_eval(aval, *, lax_prim, **params):
     check_dtype(api_name(lax_prim), aval)
     out_aval, effects = compat.abstract_eval_of(lax_prim, aval, **params)
-    return out_aval, {*effects, flexlink_ordering}
+    names = [e.name for e in effects if isinstance(e, compat.NamedAxisEffect)]
+    return out_aval, {*effects, _ordering_effect(names)}
 
   def impl(*args, **params):
     # Reached only outside shard_map/pmap, where lax's abstract evaluation rejects the axis name.
@@ -99,7 +122,8 @@ def define_primitive(name: str, api_name: Callable[[compat.Primitive], str],
 
 def emit_custom_call(ctx, target: str, x, *, alias_input: bool = False, **attrs):
   """Emits `target(x, token) -> (y, token)` and threads the FlexLink ordering token."""
-  token = ctx.tokens_in.get(flexlink_ordering)
+  ordering, = (e for e in ctx.tokens_in.effects() if isinstance(e, FlexLinkOrdering))
+  token = ctx.tokens_in.get(ordering)
   call_ctx = ctx.replace(avals_in=[*ctx.avals_in, compat.abstract_token],
                          avals_out=[*ctx.avals_out, compat.abstract_token])
   op = compat.build_ffi_lowering_function(
@@ -107,5 +131,5 @@ def emit_custom_call(ctx, target: str, x, *, alias_input: bool = False, **attrs)
       operand_output_aliases={0: 0} if alias_input else None,
   )(call_ctx, x, token, **attrs)
   y, token_out = op.results
-  ctx.set_tokens_out(ctx.tokens_in.update_tokens(compat.TokenSet({flexlink_ordering: token_out})))
+  ctx.set_tokens_out(ctx.tokens_in.update_tokens(compat.TokenSet({ordering: token_out})))
   return y
