@@ -35,23 +35,24 @@ def _reduce_positional(ctx, x, positional, reducer):
   aval_out = aval.update(shape=tuple(np.delete(np.array(aval.shape, dtype=np.int64), positional)))
   lowered = compat.lower_fun(lambda v: reducer(v, tuple(positional)), multiple_results=False)
   out, = lowered(ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval_out]), x)
-  return out, ctx.replace(avals_in=[aval_out])
+  return out, aval_out
 
 
 def _lowering(ctx, x, *, lax_prim, axes, axis_index_groups=None):
   reduction, api_name, reducer = _LAX[lax_prim]
   named = tuple(a for a in axes if not isinstance(a, int))
   positional = [a for a in axes if isinstance(a, int)]
+  aval_in = ctx.avals_in[0]
   if positional:
-    x, ctx = _reduce_positional(ctx, x, positional, reducer)
+    x, aval_in = _reduce_positional(ctx, x, positional, reducer)
   if not named:
     return [x]
   groups, sizes = device_groups(ctx.module_context.axis_context, named, axis_index_groups,
                                 api_name)
   return [collective.emit_custom_call(
-      ctx, native.ALL_REDUCE, x, alias_input=_reduce_in_place(x), groups=groups, group_sizes=sizes,
-      reduction=reduction, label=f"{api_name} over axes {named}")]
+      ctx, native.ALL_REDUCE, x, aval_in=aval_in, alias_input=_reduce_in_place(x),
+      groups=groups, group_sizes=sizes, reduction=reduction, label=f"{api_name} over axes {named}")]
 
 
 all_reduce_p = collective.define_primitive(
-    "flexlink_all_reduce", lambda p: _LAX[p][1], _lowering, tuple(_LAX))
+    "flexlink_all_reduce", lambda p: _LAX[p][1], lambda p: _LAX[p][0], _lowering, tuple(_LAX))

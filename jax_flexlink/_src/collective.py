@@ -14,6 +14,7 @@ import functools
 from typing import Callable
 
 import numpy as np
+from jax import lax
 
 from jax_flexlink._src import compat
 from jax_flexlink._src import routing
@@ -70,27 +71,50 @@ def _dtype_of(x) -> np.dtype | None:
   return None if dtype is None else np.dtype(dtype)
 
 
-def dtype_supported(x, *_, **__) -> bool:
+def runnable(x, *_, **__) -> bool:
+  """Whether FlexLink can run this bind; replacement mode leaves the others to lax."""
   dtype = _dtype_of(x)
-  return dtype is not None and dtype in SUPPORTED_DTYPES
+  return (dtype is not None and dtype in SUPPORTED_DTYPES
+          and not compat.partially_automatic_axes())
 
 
-def check_dtype(api_name: str, aval) -> None:
-  if np.dtype(aval.dtype) not in SUPPORTED_DTYPES:
+def check_dtype(api_name: str, aval, reduction: str | None) -> None:
+  """Trace-time dtype errors, in lax's words where lax has them."""
+  dtype = np.dtype(aval.dtype)
+  if dtype not in SUPPORTED_DTYPES:
     accepted = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
-    raise TypeError(f"{api_name} does not accept dtype {aval.dtype}. "
-                    f"Accepted dtypes are: {accepted}.")
+    raise TypeError(f"{api_name} does not accept dtype {dtype}. Accepted dtypes are: {accepted}.")
+  if reduction == "sum" and dtype == np.bool_:
+    # lax's psum converts bool first; psum_scatter's reducer is lax.add, which rejects bool.
+    lax.add(np.bool_(True), np.bool_(True))
+  if reduction in ("max", "min") and np.issubdtype(dtype, np.complexfloating):
+    raise TypeError(f"{api_name} does not accept dtype {dtype}: complex numbers have no order, so "
+                    f"{reduction} is not defined for them.")
+
+
+def check_partially_automatic(api_name: str) -> None:
+  auto = compat.partially_automatic_axes()
+  if auto:
+    raise NotImplementedError(
+        f"{api_name}: FlexLink collectives need every mesh axis of size > 1 manual; this shard_map "
+        f"leaves {auto} automatic (axis_names= a subset of the mesh). Use a fully manual "
+        "shard_map, or jax.lax's collective here.")
 
 
 def define_primitive(name: str, api_name: Callable[[compat.Primitive], str],
+                     reduction: Callable[[compat.Primitive], str | None],
                      lowering: Callable, lax_prims) -> compat.Primitive:
   """Creates a FlexLink primitive standing in for `lax_prims`, with all its rules."""
   prim = compat.Primitive(name)
 
   def abstract_eval(aval, *, lax_prim, **params):
-    check_dtype(api_name(lax_prim), aval)
+    check_dtype(api_name(lax_prim), aval, reduction(lax_prim))
     out_aval, effects = compat.abstract_eval_of(lax_prim, aval, **params)
     names = [e.name for e in effects if isinstance(e, compat.NamedAxisEffect)]
+    if not names:
+      # Only positional axes left (vmap reduced its own axis locally): no cross-device call.
+      return out_aval, effects
+    check_partially_automatic(api_name(lax_prim))
     return out_aval, {*effects, _ordering_effect(names)}
 
   def impl(*args, **params):
@@ -116,15 +140,18 @@ def define_primitive(name: str, api_name: Callable[[compat.Primitive], str],
   # key does not include (two shard_maps over different meshes would share one lowering).
   compat.register_lowering(prim, lowering, platform="cpu", cacheable=False)
   for lax_prim in lax_prims:
-    routing.install(lax_prim, prim, dtype_supported)
+    routing.install(lax_prim, prim, runnable)
   return prim
 
 
-def emit_custom_call(ctx, target: str, x, *, alias_input: bool = False, **attrs):
-  """Emits `target(x, token) -> (y, token)` and threads the FlexLink ordering token."""
+def emit_custom_call(ctx, target: str, x, *, aval_in=None, alias_input: bool = False, **attrs):
+  """Emits `target(x, token) -> (y, token)` and threads the FlexLink ordering token.
+
+  `aval_in`: x's aval when the rule has already transformed the primitive's operand.
+  """
   ordering, = (e for e in ctx.tokens_in.effects() if isinstance(e, FlexLinkOrdering))
   token = ctx.tokens_in.get(ordering)
-  call_ctx = ctx.replace(avals_in=[*ctx.avals_in, compat.abstract_token],
+  call_ctx = ctx.replace(avals_in=[aval_in or ctx.avals_in[0], compat.abstract_token],
                          avals_out=[*ctx.avals_out, compat.abstract_token])
   op = compat.build_ffi_lowering_function(
       target, has_side_effect=True,

@@ -10,6 +10,7 @@ from jax._src import config as jax_config
 from jax._src import core
 from jax._src import effects
 from jax._src import ffi as jax_ffi
+from jax._src import mesh as mesh_lib
 from jax._src import shard_map as jax_shard_map
 from jax._src.interpreters import ad
 from jax._src.interpreters import batching
@@ -52,6 +53,19 @@ def register_ordered_effect_type(effect_type: type) -> None:
   effects.control_flow_allowed_effects.add_type(effect_type)
   effects.custom_derivatives_allowed_effects.add_type(effect_type)
   effects.remat_allowed_effects.add_type(effect_type)
+
+
+def bound_axis_sizes() -> dict:
+  """Named axes in scope (shard_map, pmap, vmap with axis_name) and their sizes."""
+  return dict(core.get_axis_env().axis_sizes)
+
+
+def partially_automatic_axes() -> tuple:
+  """Mesh axes of size > 1 left automatic by the enclosing shard_map (`axis_names=` a subset)."""
+  mesh = mesh_lib.get_abstract_mesh()
+  if mesh.empty or not mesh._any_axis_manual:
+    return ()
+  return tuple(a for a in mesh.auto_axes if mesh.shape[a] > 1)
 
 
 def outermost_axis_name():

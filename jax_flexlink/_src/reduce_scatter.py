@@ -24,4 +24,4 @@ def _lowering(ctx, x, *, lax_prim, scatter_dimension, axis_name, axis_index_grou
 
 
 reduce_scatter_p = collective.define_primitive(
-    "flexlink_reduce_scatter", lambda p: "psum_scatter", _lowering, (compat.reduce_scatter_p,))
+    "flexlink_reduce_scatter", lambda p: "psum_scatter", lambda p: "sum", _lowering, (compat.reduce_scatter_p,))

@@ -1,0 +1,58 @@
+"""Named setups (`--scenario`): device count, link spec and default sweep. Pure Python, no jax."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    devices: int = 8
+    links: str | None = None            # FLEXLINK_LINKS syntax; None = the library's default links
+    requires: str | None = None         # link kinds the installed jax_flexlink must have, see check()
+    defaults: dict = dataclasses.field(default_factory=dict)  # flag defaults this scenario changes
+    unavailable: str | None = None      # set when the scenario cannot run at all yet
+
+
+# NVLink : PCIe : NIC ~ 160 : 50 : 45 (an H800 node), scaled down so that this machine's real copy
+# speed (several GB/s) is not the bottleneck: the emulated links, not the CPU, limit the rates.
+H800_LINKS = ("emulated:nvlink@gbps=1.6,latency_us=5;"
+              "emulated:pcie@gbps=0.5,latency_us=10;"
+              "emulated:nic@gbps=0.45,latency_us=15")
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
+    Scenario("host8", "8 host (CPU) devices in one process, the library's default links (shm)."),
+    Scenario("emulated-h800",
+             "8 host devices over three emulated links with H800-like ratios "
+             "(NVLink:PCIe:NIC = 160:50:45, scaled to 1.6/0.5/0.45 GB/s busbw).",
+             links=H800_LINKS, requires="emulated",
+             defaults={"minbytes": "64K", "maxbytes": "64M", "stepfactor": 4.0}),
+    Scenario("multiprocess", "several processes, one host device each (later issue).",
+             unavailable="scenario 'multiprocess' is not implemented yet (a later issue)"),
+]}
+DEFAULT_SCENARIO = "host8"
+
+
+def get(name: str) -> Scenario:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}") from None
+
+
+def check(scenario: Scenario, flexlink) -> None:
+    """Raises RuntimeError when the installed jax_flexlink cannot run the scenario (never fakes it)."""
+    if scenario.unavailable:
+        raise RuntimeError(scenario.unavailable)
+    if scenario.requires and not flexlink.has_configure():
+        raise RuntimeError(requirement(scenario) + ": this jax_flexlink has no configure(links=...)")
+
+
+def requirement(scenario: Scenario) -> str:
+    return f"scenario {scenario.name!r} requires links {scenario.requires!r} (issue 3)"
+
+
+def describe() -> str:
+    return "\n".join(f"  {s.name:<14} {s.description}" for s in SCENARIOS.values())

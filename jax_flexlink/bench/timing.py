@@ -1,0 +1,128 @@
+"""Warm-up, then iterations timed around block_until_ready; per-iteration samples give mean/min/max.
+
+FlexLink and the native baseline are timed alternately, call by call, so that background load on a
+shared machine does not favour whichever ran second.
+
+In-place (donated input): a donated buffer is consumed by the call, so every iteration needs a fresh
+input. `make_arg` builds it *outside* the timed region (an on-device copy of the seeded input, completed
+before the clock starts), so the time is the collective alone, on an input whose pages are already
+touched — like a gradient buffer that was just computed. Out-of-place reuses one input; the previous
+output is dropped before the next call, as in a training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+# Default iteration count scales down with the size so a sweep to 64 MiB finishes in minutes on 2 cores.
+AUTO_BYTES_BUDGET = 256 << 20
+AUTO_MIN_ITERS = 5
+AUTO_MAX_ITERS = 50
+
+
+def auto_iters(nbytes: int) -> int:
+    """Iterations for a size when -n is not given: ~256 MiB moved per rank, clamped to [5, 50]."""
+    if nbytes <= 0:
+        return AUTO_MAX_ITERS
+    return max(AUTO_MIN_ITERS, min(AUTO_MAX_ITERS, AUTO_BYTES_BUDGET // nbytes))
+
+
+@dataclasses.dataclass
+class Timing:
+    samples_s: list[float]
+    warmup: int
+
+    @property
+    def iters(self) -> int:
+        return len(self.samples_s)
+
+    @property
+    def mean_s(self) -> float:
+        return statistics.fmean(self.samples_s) if self.samples_s else math.nan
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s) if self.samples_s else math.nan
+
+    @property
+    def min_s(self) -> float:
+        return min(self.samples_s) if self.samples_s else math.nan
+
+    @property
+    def max_s(self) -> float:
+        return max(self.samples_s) if self.samples_s else math.nan
+
+
+def _block(x):
+    import jax
+    return jax.block_until_ready(x)
+
+
+def time_calls(fn: Callable[[Any], Any], make_arg: Callable[[], Any], warmup: int, iters: int,
+               probe: Callable[[Any], Any] | None = None) -> tuple[Timing, Any, Any]:
+    """Runs fn(make_arg()) warmup + iters times; times only fn + block_until_ready.
+
+    probe(arg), if given, runs untimed just before the last timed call (e.g. to note the donated input's
+    buffer addresses). Returns (Timing, the last output, probe's result).
+    """
+    timings, outs, probed = time_interleaved([fn], make_arg, warmup, iters, [probe])
+    return timings[0], outs[0], probed[0]
+
+
+def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any], warmup: int, iters: int,
+                     probes: list | None = None) -> tuple[list[Timing], list[Any], list[Any]]:
+    """Times several implementations of one collective, alternating them call by call (A B A B ...),
+    so that load from other processes on a shared machine falls on all of them alike.
+
+    Each call gets its own make_arg() (made and completed before the clock starts). probes[k](arg) runs
+    untimed before fns[k]'s last timed call. Returns per fn: Timing, last output, probe result.
+    """
+    if iters < 1:
+        raise ValueError("iters must be >= 1")
+    probes = list(probes or []) + [None] * (len(fns) - len(probes or []))
+    outs: list[Any] = [None] * len(fns)
+    samples: list[list[float]] = [[] for _ in fns]
+    probed: list[Any] = [None] * len(fns)
+    for i in range(max(0, warmup) + iters):
+        timed = i >= max(0, warmup)
+        last = i == max(0, warmup) + iters - 1
+        for k, fn in enumerate(fns):
+            arg = _block(make_arg())
+            if last and probes[k] is not None:
+                probed[k] = probes[k](arg)
+            outs[k] = None  # drop the previous output before the next call, as a training loop would
+            t0 = time.perf_counter()
+            out = fn(arg)
+            _block(out)
+            dt = time.perf_counter() - t0
+            outs[k] = out
+            del arg, out
+            if timed:
+                samples[k].append(dt)
+    return [Timing(s, max(0, warmup)) for s in samples], outs, probed
+
+
+def bandwidths(nbytes: int, seconds: float, busbw_factor: float) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes/s), nccl-tests formulas: algbw = bytes / time."""
+    if not seconds or seconds <= 0 or math.isnan(seconds):
+        return math.nan, math.nan
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * busbw_factor
+
+
+def memcpy_gbps(nbytes: int = 64 << 20, repeats: int = 3) -> float:
+    """This machine's single-thread copy speed, read+write bytes per second / 1e9 (a reference point)."""
+    import numpy as np
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch pages
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9

@@ -1,0 +1,72 @@
+"""Flag parsing of jax_flexlink.bench (no jax needed)."""
+import pytest
+
+from jax_flexlink.bench import cli
+
+
+def test_defaults_are_the_main_job():
+    c = cli.parse([])
+    assert c.sizes[0] == 4 << 10 and c.sizes[-1] == 64 << 20 and len(c.sizes) == 15
+    assert c.collectives == ["all_reduce", "all_gather"] and c.ops == ["sum"] and c.dtypes == ["float"]
+    assert c.devices == 8 and c.modes == [False, True] and c.baseline == "native" and c.check
+    assert c.iters is None and c.scenario == "host8" and c.links is None and c.impl == "flexlink"
+
+
+def test_flags():
+    c = cli.parse("-b 1K -e 1M -f 4 -o max,min -d half -C all -n 7 -w 0 -c 0 --devices 4 --inplace "
+                  "--baseline none --links shm;tcp --json x.json --seed 9".split())
+    assert c.sizes == [1024, 4096, 16384, 65536, 262144, 1048576]
+    assert c.ops == ["max", "min"] and c.dtypes == ["half"] and len(c.collectives) == 3
+    assert (c.iters, c.warmup, c.check, c.devices, c.modes) == (7, 0, False, 4, [True])
+    assert (c.baseline, c.links, c.json_path, c.seed) == ("none", "shm;tcp", "x.json", 9)
+    assert cli.parse(["--outofplace"]).modes == [False]
+    assert cli.parse(["--both"]).modes == [False, True]
+    assert cli.parse(["-b", "1K", "-e", "4K", "-i", "1K"]).sizes == [1024, 2048, 3072, 4096]
+
+
+def test_scenario_defaults_and_overrides():
+    c = cli.parse(["--scenario", "emulated-h800"])
+    assert c.links and "emulated" in c.links and c.sizes[0] == 64 << 10 and c.sizes[-1] == 64 << 20
+    assert cli.parse(["--scenario", "emulated-h800", "--links", "shm"]).links == "shm"
+    assert cli.parse(["--scenario", "emulated-h800", "-b", "1M", "-e", "1M"]).sizes == [1 << 20]
+
+
+@pytest.mark.parametrize("argv", [["-b", "4X"], ["-b", "1M", "-e", "1K"], ["-o", "avg"], ["-d", "fp8"],
+                                  ["-C", "bcast"], ["--scenario", "nope"], ["--inplace", "--outofplace"],
+                                  ["--baseline", "nccl"], ["-c", "2"], ["--devices", "0"], ["-n", "-1"]])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_before_running(capsys):
+    try:
+        import matplotlib  # noqa: F401
+        pytest.skip("matplotlib is installed")
+    except ImportError:
+        pass
+    with pytest.raises(SystemExit):
+        cli.parse(["--plot", "x.png"])
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_help_mentions_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--minbytes", "--maxbytes", "--stepfactor", "--stepbytes", "--op", "--datatype", "--iters",
+                 "--warmup_iters", "--check", "--collective", "--devices", "--links", "--inplace",
+                 "--outofplace", "--both", "--baseline", "--json", "--plot", "--scenario", "emulated-h800"):
+        assert flag in out
+    assert "--_impl" not in out
+
+
+def test_set_device_count_replaces():
+    env = {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=2"}
+    cli.set_device_count(8, env)
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=8"]
+    env = {}
+    cli.set_device_count(4, env)
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"

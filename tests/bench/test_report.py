@@ -1,0 +1,138 @@
+"""JSON schema, table formatting and scenarios of jax_flexlink.bench."""
+import json
+import math
+
+import pytest
+
+from jax_flexlink.bench import report, scenarios, table
+
+
+def _row(**kw):
+    r = dict(collective="all_reduce", op="sum", dtype="float", bytes=4096, count=1024, devices=8,
+             inplace=False, iters=5, warmup=2, wrong=0, shares={"shm": 1.0}, aliased=None,
+             time_us=100.0, time_min_us=90.0, time_max_us=120.0, time_median_us=95.0,
+             algbw_gbps=0.04096, busbw_gbps=0.07168,
+             baseline="native", baseline_impl="lax.psum", baseline_wrong=0, speedup=2.0,
+             baseline_time_us=200.0, baseline_time_min_us=150.0, baseline_time_max_us=250.0,
+             baseline_time_median_us=190.0, baseline_algbw_gbps=0.02048, baseline_busbw_gbps=0.03584)
+    r.update(kw)
+    return r
+
+
+def _doc(rows):
+    return {"schema": report.SCHEMA, "machine": report.machine_info(),
+            "versions": {"python": "3", "jax": "0.10.2", "jaxlib": "0.10.2", "jax_flexlink": "0.1.0",
+                         "numpy": "2"},
+            "links": "default", "command": "python -m jax_flexlink.bench", "argv": [], "scenario": "host8",
+            "devices": 8, "baseline": "native", "settings": {}, "started_utc": "t0", "finished_utc": "t1",
+            "summary": {"out_of_bounds": 0, "ok": True, "avg_busbw_gbps": 0.07}, "notes": [], "rows": rows}
+
+
+def test_valid_document():
+    assert report.validate(_doc([_row(), _row(inplace=True, aliased=True)])) == []
+
+
+def test_issue_required_row_fields_are_in_schema():
+    required = ("collective op dtype bytes count devices inplace time_us algbw_gbps busbw_gbps wrong "
+                "baseline_time_us baseline_busbw_gbps speedup shares").split()
+    assert set(required) <= set(report.ROW_FIELDS)
+    for k in ("machine", "versions", "links", "command", "rows"):
+        assert k in report.TOP_FIELDS
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda d: d.pop("machine"), "machine"),
+    (lambda d: d["rows"][0].pop("busbw_gbps"), "busbw_gbps"),
+    (lambda d: d["rows"][0].update(inplace="yes"), "inplace"),
+    (lambda d: d["rows"][0].update(bytes=True), "bytes"),
+    (lambda d: d["rows"][0].update(shares={"shm": 1.5}), "shares"),
+    (lambda d: d["versions"].pop("jaxlib"), "jaxlib"),
+    (lambda d: d["summary"].pop("ok"), "ok"),
+    (lambda d: d.update(schema="other"), "schema"),
+])
+def test_invalid_documents(mutate, msg):
+    d = _doc([_row()])
+    mutate(d)
+    errs = report.validate(d)
+    assert errs and any(msg in e for e in errs), errs
+
+
+def test_baseline_none_rows_are_valid():
+    r = _row(baseline="none", baseline_impl=None, baseline_time_us=None, baseline_time_min_us=None,
+             baseline_time_max_us=None, baseline_time_median_us=None, baseline_algbw_gbps=None,
+             baseline_busbw_gbps=None, baseline_wrong=None, speedup=None, shares=None, wrong=None)
+    assert report.validate(_doc([r])) == []
+
+
+def test_write_json_turns_nan_into_null(tmp_path):
+    p = tmp_path / "sub" / "out.json"
+    report.write_json(str(p), _doc([_row(speedup=math.nan)]))
+    d = json.loads(p.read_text())
+    assert d["rows"][0]["speedup"] is None and report.validate(d) == []
+
+
+def test_table_formatting():
+    assert table.fmt_time(12.345) == "12.35" and table.fmt_time(123.45) == "123.5"
+    assert table.fmt_time(12345.6) == "12346" and table.fmt_time(None) == "N/A"
+    assert table.fmt_bw(math.nan) == "N/A" and table.fmt_bw(1.234) == "1.23"
+    assert table.fmt_wrong(None) == "N/A" and table.fmt_speedup(2.0) == "2.00x"
+    assert table.fmt_shares({"shm": 0.625, "tcp": 0.375}) == "shm:62% tcp:38%"
+    assert table.fmt_shares(None) == "-"
+
+
+@pytest.mark.parametrize("modes", [[False], [True], [False, True]])
+@pytest.mark.parametrize("baseline", [True, False])
+def test_table_lines_line_up(modes, baseline):
+    head = table.header("AllReduce sum float", modes, baseline)
+    rows = {m: _row(inplace=m) for m in modes}
+    line = table.size_line(rows, modes, baseline)
+    assert head[3].startswith("#") and head[3][1:].split()[:4] == ["size", "count", "type", "redop"]
+    # the header's column names and the row's values end at the same offsets
+    ends_h = [i + len(w) for i, w in _words(" " + head[3][1:])]
+    ends_r = [i + len(w) for i, w in _words(line)]
+    n = len(ends_r) - 1  # the last field (links) is free-form
+    assert ends_h[:n] == ends_r[:n]
+    assert "shm:100%" in line
+    assert ("speedup" in head[3]) == baseline
+    assert ("in-place" in head[1]) == (True in modes)
+
+
+def _words(s):
+    i, out = 0, []
+    for w in s.split():
+        i = s.index(w, i)
+        out.append((i, w))
+        i += len(w)
+    return out
+
+
+def test_footer():
+    rows = [_row(), _row(busbw_gbps=0.1, wrong=3)]
+    lines = table.footer(rows, baseline=True)
+    assert lines[0] == "# Out of bounds values : 3 FAILED"
+    assert lines[1].startswith("# Avg bus bandwidth    : 0.0858")
+    assert table.footer([_row()], True)[0] == "# Out of bounds values : 0 OK"
+
+
+def test_scenarios():
+    assert scenarios.get("host8").devices == 8 and scenarios.get("host8").links is None
+    h800 = scenarios.get("emulated-h800")
+    assert h800.links.count("emulated:") == 3 and h800.requires == "emulated"
+
+    class NoConfigure:
+        def has_configure(self):
+            return False
+    with pytest.raises(RuntimeError, match=r"requires links 'emulated' \(issue 3\)"):
+        scenarios.check(h800, NoConfigure())
+    scenarios.check(scenarios.get("host8"), NoConfigure())
+    with pytest.raises(RuntimeError, match="not implemented"):
+        scenarios.check(scenarios.get("multiprocess"), NoConfigure())
+    with pytest.raises(ValueError, match="host8"):
+        scenarios.get("nope")
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = tmp_path / "bw.png"
+    report.plot(str(p), [_row(), _row(bytes=8192), _row(collective="all_gather", op="none")])
+    assert p.stat().st_size > 1000

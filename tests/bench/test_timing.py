@@ -1,0 +1,62 @@
+"""Timing helpers of jax_flexlink.bench."""
+import math
+
+import pytest
+
+from jax_flexlink.bench import timing
+
+
+def test_auto_iters_scale_down_with_size():
+    assert timing.auto_iters(4 << 10) == timing.AUTO_MAX_ITERS
+    assert timing.auto_iters(64 << 20) == timing.AUTO_MIN_ITERS
+    assert timing.auto_iters(16 << 20) == 16
+    its = [timing.auto_iters(1 << k) for k in range(10, 31)]
+    assert its == sorted(its, reverse=True)
+
+
+def test_bandwidths():
+    alg, bus = timing.bandwidths(1_000_000_000, 0.5, 1.75)
+    assert alg == pytest.approx(2.0) and bus == pytest.approx(3.5)
+    assert all(math.isnan(v) for v in timing.bandwidths(100, 0.0, 1.0))
+
+
+def test_time_calls_counts_and_keeps_setup_outside():
+    calls, made = [], []
+
+    def make():
+        made.append(1)
+        return len(made)
+
+    def fn(x):
+        calls.append(x)
+        return x * 10
+
+    t, out, probed = timing.time_calls(fn, make, warmup=2, iters=3, probe=lambda a: ("probe", a))
+    assert t.iters == 3 and t.warmup == 2 and len(calls) == 5 and len(made) == 5
+    assert out == 50 and probed == ("probe", 5)
+    assert t.min_s <= t.mean_s <= t.max_s
+    with pytest.raises(ValueError):
+        timing.time_calls(fn, make, 0, 0)
+
+
+def test_memcpy_reference_is_positive():
+    assert timing.memcpy_gbps(1 << 20, 1) > 0
+
+
+def test_interleaved_alternates_and_separates():
+    log = []
+
+    def fa(x):
+        log.append(("a", x))
+        return ("a", x)
+
+    def fb(x):
+        log.append(("b", x))
+        return ("b", x)
+
+    counter = iter(range(100))
+    ts, outs, probed = timing.time_interleaved([fa, fb], lambda: next(counter), warmup=1, iters=2,
+                                               probes=[lambda a: a, None])
+    assert [n for n, _ in log] == ["a", "b"] * 3
+    assert [x for _, x in log] == list(range(6))  # a fresh argument for every call
+    assert [t.iters for t in ts] == [2, 2] and outs == [("a", 4), ("b", 5)] and probed == [4, None]

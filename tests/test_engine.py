@@ -1,0 +1,289 @@
+"""The native engine on its own (``_flexlink.engine_run``: the code path an FFI handler runs, on
+numpy arrays, GIL released), with Python threads standing in for devices: results, groups,
+zero-size, validation, the deadline when a rank never arrives, and the runtime controls (timeout,
+stats)."""
+import itertools
+import random
+import re
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jax_flexlink as flx
+from helpers import N, make_data, per_device, run_python
+
+from jax_flexlink import _flexlink as fl  # noqa: E402  (a missing extension must fail, not skip)
+
+_run_ids = itertools.count(random.randrange(1 << 40, 1 << 41))
+LABEL = "psum over axes ('engine_test',)"
+
+
+def run_ranks(kind, op, groups, group_sizes, inputs, outs, *, axis=0, label=LABEL,
+              devices=None, join_s=60):
+    """One collective: a thread per device (default: every device of ``groups``) calls engine_run
+    with the same run id. Returns {device: exception} for the ranks that raised."""
+    run_id = next(_run_ids)
+    devices = list(groups) if devices is None else list(devices)
+    errors = {}
+
+    def work(d):
+        try:
+            fl.engine_run(kind, op, list(groups), list(group_sizes), d, run_id, inputs[d],
+                          outs[d], axis=axis, label=label)
+        except Exception as e:  # noqa: BLE001
+            errors[d] = e
+
+    threads = [threading.Thread(target=work, args=(d,), daemon=True) for d in devices]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    assert not any(t.is_alive() for t in threads), "engine_run did not return (deadline ignored?)"
+    return errors
+
+
+@pytest.fixture
+def short_timeout():
+    old = fl.timeout()
+    yield fl.set_timeout
+    fl.set_timeout(old)
+
+
+def _lax_reference(body, stacked):
+    """What lax computes for the same per-rank inputs (rank r = mesh position r)."""
+    mesh_ = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    return np.asarray(per_device(body, mesh_)(stacked))
+
+
+@pytest.mark.parametrize("dtype,op", [("int32", "sum"), ("uint8", "sum"), ("int64", "max"),
+                                      ("int16", "min"), ("uint32", "prod"), ("float64", "max")])
+def test_all_reduce_matches_lax(dtype, op):
+    shape = (1001,)
+    xs = make_data(dtype, (N,) + shape, seed=100)
+    outs = {d: np.empty(shape, dtype) for d in range(N)}
+    errors = run_ranks("all_reduce", op, range(N), [N], {d: xs[d].copy() for d in range(N)}, outs)
+    assert not errors, errors
+    lax_op = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}.get(op)
+    if lax_op is not None:
+        want = _lax_reference(lambda v: lax_op(v, "x"), xs)
+    else:  # lax has no pprod; integer products wrap exactly like numpy's
+        want = np.broadcast_to(np.prod(xs, axis=0, dtype=dtype), (N,) + shape)
+    for d in range(N):
+        assert np.array_equal(outs[d], want[d]), f"rank {d}"
+
+
+def test_all_reduce_in_place():
+    """all_reduce may alias its output to its input: passing the same array works."""
+    xs = make_data("int32", (N, 4097), seed=101)
+    bufs = {d: xs[d].copy() for d in range(N)}
+    errors = run_ranks("all_reduce", "sum", range(N), [N], bufs, bufs)
+    assert not errors, errors
+    want = _lax_reference(lambda v: jax.lax.psum(v, "x"), xs)
+    for d in range(N):
+        assert np.array_equal(bufs[d], want[d])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_float_sum_in_rank_order(dtype):
+    """Rank order, not device id order or arrival order: group [3,1,4,0,6,2,7,5]."""
+    group = [3, 1, 4, 0, 6, 2, 7, 5]
+    xs = {d: make_data(dtype, (3001,), seed=102 + d) for d in range(N)}
+    expected = np.zeros(3001, dtype)
+    for d in group:
+        expected = expected + xs[d]
+    for rep in range(2):
+        outs = {d: np.empty(3001, dtype) for d in range(N)}
+        errors = run_ranks("all_reduce", "sum", group, [N], xs, outs)
+        assert not errors, errors
+        for d in range(N):
+            assert outs[d].tobytes() == expected.tobytes(), f"device {d}, repetition {rep}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_sum_accumulates_in_float32(dtype):
+    """float16/bfloat16 are summed in float32 in rank order and rounded once."""
+    group = [6, 2, 0, 4, 1, 7, 3, 5]
+    xs = {d: make_data(dtype, (2049,), seed=105 + d) for d in range(N)}
+    acc = np.zeros(2049, np.float32)
+    for d in group:
+        acc = acc + xs[d].astype(np.float32)
+    expected = acc.astype(xs[0].dtype)
+    outs = {d: np.empty(2049, xs[0].dtype) for d in range(N)}
+    errors = run_ranks("all_reduce", "sum", group, [N], xs, outs)
+    assert not errors, errors
+    for d in range(N):
+        assert outs[d].tobytes() == expected.tobytes(), f"device {d}"
+
+
+def test_bool_and_complex():
+    b = {d: make_data("bool", (77,), seed=110 + d) for d in range(N)}
+    for op, fn in (("max", np.logical_or.reduce), ("min", np.logical_and.reduce)):
+        outs = {d: np.empty(77, bool) for d in range(N)}
+        assert not run_ranks("all_reduce", op, range(N), [N], b, outs)
+        want = fn([b[d] for d in range(N)])
+        assert all(np.array_equal(outs[d], want) for d in range(N)), op
+    c = {d: make_data("complex128", (33,), seed=120 + d) for d in range(N)}
+    outs = {d: np.empty(33, np.complex128) for d in range(N)}
+    assert not run_ranks("all_reduce", "sum", range(N), [N], c, outs)
+    want = np.zeros(33, np.complex128)
+    for d in range(N):
+        want = want + c[d]
+    assert all(outs[d].tobytes() == want.tobytes() for d in range(N))
+
+
+def test_uneven_groups():
+    groups, sizes = [6, 0, 2, 1, 3, 4, 5, 7], [1, 2, 5]  # {6}, {0, 2}, {1, 3, 4, 5, 7}
+    xs = {d: make_data("int64", (50,), seed=130 + d) for d in range(N)}
+    outs = {d: np.empty(50, np.int64) for d in range(N)}
+    assert not run_ranks("all_reduce", "sum", groups, sizes, xs, outs)
+    start = 0
+    for size in sizes:
+        members = groups[start:start + size]
+        start += size
+        want = np.sum([xs[d] for d in members], axis=0, dtype=np.int64)
+        for d in members:
+            assert np.array_equal(outs[d], want), f"device {d} of group {members}"
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_all_gather_axis(axis):
+    group = [2, 7, 0, 5, 1, 4, 3, 6]
+    shape = (2, 3, 5)
+    xs = {d: make_data("int32", shape, seed=140 + d) for d in range(N)}
+    want = np.concatenate([xs[d] for d in group], axis=axis)  # rank r's block at position r
+    outs = {d: np.empty(want.shape, np.int32) for d in range(N)}
+    assert not run_ranks("all_gather", "sum", group, [N], xs, outs, axis=axis)
+    for d in range(N):
+        assert np.array_equal(outs[d], want), f"device {d}"
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_reduce_scatter_axis(axis):
+    group = [4, 1, 6, 3, 0, 7, 2, 5]
+    in_shape = [3, 5]
+    in_shape[axis] *= N
+    xs = {d: make_data("int64", tuple(in_shape), seed=150 + d) for d in range(N)}
+    total = np.sum([xs[d] for d in group], axis=0, dtype=np.int64)
+    blocks = np.split(total, N, axis=axis)
+    outs = {d: np.empty(blocks[0].shape, np.int64) for d in range(N)}
+    assert not run_ranks("reduce_scatter", "sum", group, [N], xs, outs, axis=axis)
+    for rank, d in enumerate(group):
+        assert np.array_equal(outs[d], blocks[rank]), f"device {d} (rank {rank})"
+
+
+def test_zero_size_returns_without_rendezvous(short_timeout):
+    """Zero-size buffers return at once on every rank: one rank alone must not wait or time out."""
+    short_timeout(0.5)
+    x = np.empty((0, 3), np.float32)
+    out = np.empty((0, 3), np.float32)
+    t0 = time.monotonic()
+    errors = run_ranks("all_reduce", "sum", range(N), [N], {3: x}, {3: out}, devices=[3])
+    assert not errors, errors
+    assert time.monotonic() - t0 < 0.4
+
+
+def test_device_not_in_any_group():
+    x = np.zeros(4, np.int32)
+    errors = run_ranks("all_reduce", "sum", [0, 1, 2, 3], [4], {9: x}, {9: x.copy()},
+                       devices=[9])
+    assert isinstance(errors.get(9), RuntimeError), errors
+
+
+def test_deadline_names_collective_group_and_missing_rank(short_timeout):
+    """7 of 8 ranks arrive; after the deadline each gets an error that names the collective (its
+    label), the group (device ids) and the rank that never arrived."""
+    timeout = 0.5
+    short_timeout(timeout)
+    group = list(range(2048, 2048 + N))  # device ids as in process 1 of a multi-process job
+    missing_rank = 5
+    missing = group[missing_rank]
+    present = [d for d in group if d != missing]
+    xs = {d: np.ones(1024, np.float32) for d in group}
+    outs = {d: np.empty(1024, np.float32) for d in group}
+    t0 = time.monotonic()
+    errors = run_ranks("all_reduce", "sum", group, [N], xs, outs, devices=present,
+                       label=LABEL, join_s=30)
+    elapsed = time.monotonic() - t0
+    assert sorted(errors) == present, f"ranks without an error: {set(present) - set(errors)}"
+    assert elapsed >= timeout * 0.9, f"gave up after {elapsed:.2f}s, before the deadline"
+    assert elapsed < timeout + 10, f"took {elapsed:.2f}s for a {timeout}s deadline"
+    for d, e in errors.items():
+        assert isinstance(e, RuntimeError), f"device {d}: {type(e).__name__}: {e}"
+        msg = str(e)
+        assert LABEL in msg, f"device {d}: label missing from {msg!r}"
+        for g in group:
+            assert str(g) in msg, f"device {d}: group member {g} missing from {msg!r}"
+        names_missing = re.search(rf"\b{missing_rank}\b", msg) or msg.count(str(missing)) >= 2
+        assert names_missing, (
+            f"device {d}: missing rank {missing_rank} ({missing}) not named: {msg!r}")
+
+
+def test_waits_block_rather_than_spin(short_timeout):
+    """While 7 ranks wait for the 8th, the process burns (almost) no CPU time."""
+    timeout = 1.0
+    short_timeout(timeout)
+    group = list(range(N))
+    xs = {d: np.ones(16, np.float32) for d in group}
+    outs = {d: np.empty(16, np.float32) for d in group}
+    cpu0, t0 = time.process_time(), time.monotonic()
+    errors = run_ranks("all_reduce", "sum", group, [N], xs, outs, devices=group[:-1])
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
+    assert len(errors) == N - 1
+    assert wall >= timeout * 0.9
+    assert cpu < 0.5 * timeout, f"{cpu:.2f}s of CPU time in {wall:.2f}s of waiting: spinning?"
+
+
+def test_timeout_controls():
+    old = fl.timeout()
+    try:
+        fl.set_timeout(12.5)
+        assert fl.timeout() == 12.5
+        flx.configure(timeout_s=7.0)
+        assert fl.timeout() == 7.0
+    finally:
+        fl.set_timeout(old)
+
+
+def test_timeout_from_environment():
+    res = run_python("""
+        from jax_flexlink import _flexlink
+        print("TIMEOUT", _flexlink.timeout())
+    """, env_extra={"FLEXLINK_TIMEOUT_S": "42.5"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "TIMEOUT 42.5" in res.stdout, res.stdout
+
+
+def test_default_timeout_is_300s():
+    res = run_python("""
+        import jax_flexlink
+        from jax_flexlink import _flexlink
+        print("TIMEOUT", _flexlink.timeout())
+    """, env_remove=("FLEXLINK_TIMEOUT_S",))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "TIMEOUT 300" in res.stdout, res.stdout
+
+
+def test_stats_count_calls_and_reset(mesh1d):
+    f = per_device(lambda v: flx.psum(v, "x"), mesh1d)
+    x = make_data("float32", (N, 1024), seed=160)
+    f(x).block_until_ready()  # compile and warm up
+    flx.reset_stats()
+    s0 = flx.stats()
+    assert all(link["calls"] == 0 and link["bytes"] == 0 for link in s0["links"].values()), s0
+    for _ in range(3):
+        f(x).block_until_ready()
+    s = flx.stats()
+    assert s["links"], s
+    calls = sum(link["calls"] for link in s["links"].values())
+    moved = sum(link["bytes"] for link in s["links"].values())
+    assert calls >= 3, s
+    assert moved >= 3 * 1024 * 4, s
+    fields = {"bytes", "calls", "seconds", "healthy"}
+    assert all(set(link) >= fields for link in s["links"].values())
+    assert all(link["healthy"] for link in s["links"].values()), s
+    assert fl.stats().keys() == s.keys()
+    flx.reset_stats()
+    assert all(link["calls"] == 0 for link in flx.stats()["links"].values())
