@@ -1,0 +1,71 @@
+// Engine timing without XLA: 8 persistent threads as devices (as XLA:CPU runs them), float32
+// all_reduce / all_gather per size, buffers allocated and touched once (what a donated, reused
+// buffer costs). Not a test; build and run by hand:
+//   g++ -std=c++20 -O3 -I. tests/cpp/engine_bench.cc -L<build> -lflexlink_core -lpthread -o /tmp/engine_bench
+//   /tmp/engine_bench [staging_bytes]
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/engine.h"
+
+using namespace flexlink;
+
+int main(int argc, char** argv) {
+  if (argc > 1) SetShmStagingBytes(std::strtoull(argv[1], nullptr, 10));
+  const size_t max_bytes = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : (64u << 20);
+  const int n = 8;
+  std::vector<int64_t> group = {0, 1, 2, 3, 4, 5, 6, 7}, sizes = {n};
+  std::printf("%-14s %10s %12s %12s %12s\n", "collective", "bytes", "in-place us", "out-place us",
+              "algbw GB/s");
+  int64_t run = 1;
+  for (Kind kind : {Kind::kAllReduce, Kind::kAllGather}) {
+    for (size_t bytes = 4096; bytes <= max_bytes; bytes *= 4) {
+      const size_t count = bytes / 4;
+      const int iters = bytes <= (1 << 20) ? 200 : bytes <= (16 << 20) ? 20 : 6;
+      double us[2] = {0, 0};
+      for (int in_place = 1; in_place >= 0; --in_place) {
+        if (kind == Kind::kAllGather && in_place) continue;
+        std::vector<std::vector<float>> x(n, std::vector<float>(count, 1.f));
+        std::vector<std::vector<float>> y(n, std::vector<float>(kind == Kind::kAllGather ? count * n : count));
+        std::vector<double> elapsed(n);
+        ++run;
+        std::vector<std::thread> threads;
+        for (int d = 0; d < n; ++d)
+          threads.emplace_back([&, d] {
+            std::vector<int64_t> in_dims = {static_cast<int64_t>(count)};
+            std::vector<int64_t> out_dims = {static_cast<int64_t>(y[d].size())};
+            CollectiveArgs a;
+            a.groups = group;
+            a.group_sizes = sizes;
+            a.device = d;
+            a.run_id = run;
+            a.request.kind = kind;
+            a.request.reduction = "sum";
+            a.request.in_dims = in_dims;
+            a.request.out_dims = out_dims;
+            a.request.in = x[d].data();
+            a.request.out = in_place ? x[d].data() : y[d].data();
+            for (int w = 0; w < 3; ++w) (void)RunCollective(a);  // warm-up
+            const auto t0 = std::chrono::steady_clock::now();
+            for (int i = 0; i < iters; ++i) {
+              Status s = RunCollective(a);
+              if (!s.ok()) std::printf("error: %s\n", s.message().c_str());
+            }
+            elapsed[d] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          });
+        for (auto& t : threads) t.join();
+        double worst = 0;
+        for (double e : elapsed) worst = std::max(worst, e);
+        us[in_place] = worst / iters * 1e6;
+      }
+      std::printf("%-14s %10zu %12.1f %12.1f %12.2f\n", std::string(Name(kind)).c_str(), bytes,
+                  kind == Kind::kAllGather ? 0.0 : us[1], us[0], bytes / (us[0] * 1e3));
+    }
+  }
+  return 0;
+}

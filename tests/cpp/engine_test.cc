@@ -1,0 +1,500 @@
+// Engine tests: std::threads stand in for devices and call the same entry point as the FFI handlers
+// (flexlink::RunCollective). Results are checked against references computed here, independently of
+// the engine's kernels. Plain C++: prints "N passed, N failed" and exits non-zero on any failure.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <complex>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/engine.h"
+#include "xla_ffi/links/shm.h"
+#include "tests/cpp/reference.h"
+
+using namespace flexlink;
+using namespace flexlink::testing;
+
+namespace {
+
+int g_passed = 0, g_failed = 0;
+
+void Expect(bool ok, const std::string& what) {
+  if (ok) {
+    ++g_passed;
+  } else {
+    ++g_failed;
+    std::printf("FAIL: %s\n", what.c_str());
+  }
+}
+
+int64_t NextRunId() {
+  static int64_t run = 1000;
+  return ++run;
+}
+
+struct Spec {
+  Kind kind = Kind::kAllReduce;
+  DType dtype = DType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  std::vector<std::vector<int64_t>> groups = {{0, 1, 2, 3, 4, 5, 6, 7}};
+  std::vector<int64_t> in_dims;  // per rank
+  int64_t axis = 0;
+  bool in_place = false;
+  bool with_nan = false;
+};
+
+std::string Describe(const Spec& s) {
+  std::string d = std::string(Name(s.kind)) + "(" + std::string(Name(s.op)) + ") " +
+                  std::string(Name(s.dtype)) + " dims[";
+  for (auto x : s.in_dims) d += std::to_string(x) + ",";
+  d += "] axis " + std::to_string(s.axis) + " groups " + std::to_string(s.groups.size());
+  if (s.in_place) d += " in-place";
+  return d;
+}
+
+size_t Prod(const std::vector<int64_t>& d) {
+  size_t p = 1;
+  for (auto x : d) p *= static_cast<size_t>(x);
+  return p;
+}
+
+// Runs `spec` on one thread per device; returns every device's output (indexed by device id).
+std::vector<std::vector<uint8_t>> RunSpec(const Spec& s, const std::vector<std::vector<uint8_t>>& inputs,
+                                          std::vector<Status>* statuses, int64_t run_id) {
+  std::vector<int64_t> flat, sizes;
+  for (const auto& g : s.groups) {
+    flat.insert(flat.end(), g.begin(), g.end());
+    sizes.push_back(static_cast<int64_t>(g.size()));
+  }
+  const size_t devices = flat.size();
+  std::vector<std::vector<uint8_t>> outs(devices);
+  std::vector<std::vector<uint8_t>> ins = inputs;
+  statuses->assign(devices, Status());
+  std::vector<std::thread> threads;
+  for (const auto& g : s.groups) {
+    const int64_t n = static_cast<int64_t>(g.size());
+    for (int64_t dev : g) {
+      std::vector<int64_t> out_dims = s.in_dims;
+      if (s.kind == Kind::kAllGather) out_dims = {static_cast<int64_t>(Prod(s.in_dims)) * n};
+      if (s.kind == Kind::kReduceScatter) out_dims[s.axis] /= n;
+      outs[dev].assign(Prod(out_dims) * ByteWidth(s.dtype), 0xAB);
+      threads.emplace_back([&, dev, out_dims] {
+        CollectiveArgs a;
+        a.groups = flat;
+        a.group_sizes = sizes;
+        a.device = dev;
+        a.run_id = run_id;
+        a.label = "engine_test";
+        a.request.kind = s.kind;
+        a.request.reduction = Name(s.op);
+        a.request.in_dtype = a.request.out_dtype = s.dtype;
+        a.request.in_dims = s.in_dims;
+        a.request.out_dims = out_dims;
+        a.request.axis = s.axis;
+        a.request.in = ins[dev].data();
+        a.request.out = s.in_place ? ins[dev].data() : outs[dev].data();
+        (*statuses)[dev] = RunCollective(a);
+      });
+    }
+  }
+  for (auto& t : threads) t.join();
+  if (s.in_place) return ins;
+  return outs;
+}
+
+std::vector<uint8_t> Reference(const Spec& s, const std::vector<std::vector<uint8_t>>& in,
+                               const std::vector<int64_t>& group, int rank) {
+  const size_t n = group.size(), w = ByteWidth(s.dtype), count = Prod(s.in_dims);
+  size_t outer = 1;
+  for (int64_t i = 0; i < s.axis; ++i) outer *= static_cast<size_t>(s.in_dims[i]);
+  std::vector<const uint8_t*> srcs;
+  for (int64_t d : group) srcs.push_back(in[d].data());
+  std::vector<uint8_t> out;
+  if (s.kind == Kind::kAllReduce) {
+    out.resize(count * w);
+    for (size_t i = 0; i < count; ++i) RefReduce(s.dtype, s.op, srcs, i, &out[i * w]);
+  } else if (s.kind == Kind::kAllGather) {
+    const size_t inner = outer ? count / outer : 0;
+    out.resize(count * n * w);
+    for (size_t o = 0; o < outer; ++o)
+      for (size_t k = 0; k < n; ++k)
+        std::memcpy(&out[((o * n + k) * inner) * w], srcs[k] + o * inner * w, inner * w);
+  } else {
+    const size_t out_count = count / n, inner = outer ? out_count / outer : 0;
+    out.resize(out_count * w);
+    std::vector<uint8_t> tmp(w);
+    for (size_t o = 0; o < outer; ++o)
+      for (size_t i = 0; i < inner; ++i)
+        RefReduce(s.dtype, s.op, srcs, (o * n + rank) * inner + i, &out[(o * inner + i) * w]);
+  }
+  return out;
+}
+
+void CheckSpec(const Spec& s) {
+  size_t devices = 0;
+  for (const auto& g : s.groups) devices += g.size();
+  std::vector<std::vector<uint8_t>> inputs(devices);
+  for (size_t d = 0; d < devices; ++d)
+    inputs[d] = RandomData(s.dtype, Prod(s.in_dims), static_cast<uint32_t>(d * 7919 + Prod(s.in_dims)),
+                           s.with_nan);
+  std::vector<Status> st;
+  auto outs = RunSpec(s, inputs, &st, NextRunId());
+  bool ok = true;
+  std::string why;
+  for (const auto& g : s.groups)
+    for (size_t r = 0; r < g.size(); ++r) {
+      const int64_t dev = g[r];
+      if (!st[dev].ok()) {
+        ok = false;
+        why = st[dev].message();
+        break;
+      }
+      const size_t wrong = CountWrong(s.dtype, outs[dev], Reference(s, inputs, g, static_cast<int>(r)));
+      if (wrong) {
+        ok = false;
+        why = "device " + std::to_string(dev) + ": " + std::to_string(wrong) + " wrong elements";
+        break;
+      }
+    }
+  Expect(ok, Describe(s) + ": " + why);
+}
+
+// Runs f(device) on threads for devices [0, n) and returns their statuses.
+std::vector<Status> OnThreads(int n, const std::function<Status(int)>& f) {
+  std::vector<Status> st(n);
+  std::vector<std::thread> threads;
+  for (int d = 0; d < n; ++d) threads.emplace_back([&, d] { st[d] = f(d); });
+  for (auto& t : threads) t.join();
+  return st;
+}
+
+Status AllReduceF32(std::span<const int64_t> group, int64_t device, int64_t run, std::vector<float>& x,
+                    std::vector<float>& y, std::string_view label = "engine_test") {
+  const std::vector<int64_t> sizes = {static_cast<int64_t>(group.size())};
+  const std::vector<int64_t> dims = {static_cast<int64_t>(x.size())};
+  const std::vector<int64_t> odims = {static_cast<int64_t>(y.size())};
+  CollectiveArgs a;
+  a.groups = group;
+  a.group_sizes = sizes;
+  a.device = device;
+  a.run_id = run;
+  a.label = label;
+  a.request.reduction = "sum";
+  a.request.in_dims = dims;
+  a.request.out_dims = odims;
+  a.request.in = x.data();
+  a.request.out = y.data();
+  return RunCollective(a);
+}
+
+}  // namespace
+
+void TestKindsDtypesOps() {
+  const DType all[] = {DType::kPred, DType::kS8, DType::kS16, DType::kS32, DType::kS64,
+                       DType::kU8,   DType::kU16, DType::kU32, DType::kU64, DType::kF16,
+                       DType::kBF16, DType::kF32, DType::kF64, DType::kC64, DType::kC128};
+  const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMax, ReduceOp::kMin};
+  // Sizes: 0-d, tiny, not divisible by 8, and big enough for the large (non-staged) path.
+  const std::vector<std::vector<int64_t>> shapes = {{}, {5}, {3, 37}, {70001}};
+  for (DType t : all)
+    for (ReduceOp op : ops) {
+      const bool complex = t == DType::kC64 || t == DType::kC128;
+      if (complex && (op == ReduceOp::kMax || op == ReduceOp::kMin)) continue;
+      for (const auto& shape : shapes)
+        for (bool in_place : {false, true}) {
+          Spec s;
+          s.kind = Kind::kAllReduce;
+          s.dtype = t;
+          s.op = op;
+          s.in_dims = shape;
+          s.in_place = in_place;
+          s.with_nan = (op == ReduceOp::kMax || op == ReduceOp::kMin);
+          CheckSpec(s);
+        }
+      Spec rs;
+      rs.kind = Kind::kReduceScatter;
+      rs.dtype = t;
+      rs.op = op;
+      rs.in_dims = {3, 8 * 5, 7};  // outer 3, block 5x7 per rank
+      rs.axis = 1;
+      CheckSpec(rs);
+      rs.in_dims = {8 * 3001};
+      rs.axis = 0;
+      CheckSpec(rs);
+      rs.in_dims = {1001, 8};  // scatter along the last axis: one-element rows, packed path
+      rs.axis = 1;
+      CheckSpec(rs);
+    }
+  for (DType t : all)
+    for (const auto& [dims, axis] : std::vector<std::pair<std::vector<int64_t>, int64_t>>{
+             {{}, 0}, {{5}, 0}, {{5}, 1}, {{3, 37}, 1}, {{3, 37}, 2}, {{4, 20001}, 1}, {{70001}, 0}}) {
+      Spec s;
+      s.kind = Kind::kAllGather;
+      s.dtype = t;
+      s.in_dims = dims;
+      s.axis = axis;
+      CheckSpec(s);
+    }
+}
+
+void TestGroups() {
+  for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter})
+    for (auto groups : std::vector<std::vector<std::vector<int64_t>>>{
+             {{0, 2, 4, 6}, {1, 3, 5, 7}}, {{7, 6, 5, 4}, {3, 2, 1, 0}}, {{0, 1, 2}, {3, 4, 5, 6, 7}}}) {
+      if (kind == Kind::kReduceScatter && groups[0].size() != groups[1].size()) continue;
+      for (int64_t count : {12, 60000}) {
+        Spec s;
+        s.kind = kind;
+        s.groups = groups;
+        s.in_dims = {count};
+        CheckSpec(s);
+      }
+    }
+  // Uneven group sizes with a shape that divides both.
+  Spec s;
+  s.kind = Kind::kReduceScatter;
+  s.groups = {{0, 1, 2}, {3, 4, 5, 6, 7}};
+  s.in_dims = {15 * 11};
+  CheckSpec(s);
+}
+
+// Same inputs, many runs, small and large paths, different staging sizes: identical bits.
+void TestDeterminism() {
+  const int n = 8;
+  const size_t count = 300001;
+  std::vector<std::vector<float>> x(n, std::vector<float>(count));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1e3f);
+  for (auto& v : x)
+    for (auto& f : v) f = nd(rng);
+  std::vector<int64_t> group = {0, 1, 2, 3, 4, 5, 6, 7};
+  std::vector<std::vector<float>> first;
+  const size_t saved = ShmStagingBytes();
+  bool same = true;
+  for (int trial = 0; trial < 6; ++trial) {
+    // trial 0-2: large path; 3-5: everything staged (one rank reduces whole call).
+    SetShmStagingBytes(trial < 3 ? 0 : count * sizeof(float));
+    std::vector<std::vector<float>> y(n, std::vector<float>(count));
+    const int64_t run = NextRunId();
+    auto st = OnThreads(n, [&](int d) { return AllReduceF32(group, d, run, x[d], y[d]); });
+    for (auto& s : st) same &= s.ok();
+    if (trial == 0) first = y;
+    for (int d = 0; d < n; ++d) same &= std::memcmp(first[0].data(), y[d].data(), count * 4) == 0;
+  }
+  SetShmStagingBytes(saved);
+  Expect(same, "all_reduce float32 is bitwise identical across runs, ranks and paths");
+}
+
+void TestMismatch() {
+  const int n = 4;
+  std::vector<int64_t> group = {0, 1, 2, 3};
+  std::vector<std::vector<float>> x(n), y(n);
+  for (int d = 0; d < n; ++d) x[d] = y[d] = std::vector<float>(d == 2 ? 50 : 100, 1.f);
+  const int64_t run = NextRunId();
+  auto st = OnThreads(n, [&](int d) { return AllReduceF32(group, d, run, x[d], y[d]); });
+  bool all_failed = true, names_it = true;
+  for (auto& s : st) {
+    all_failed &= !s.ok();
+    names_it &= s.message().find("disagree") != std::string::npos &&
+                s.message().find("rank 2") != std::string::npos;
+  }
+  Expect(all_failed && names_it, "a shape mismatch fails every rank and names the odd rank: " +
+                                     st[0].message());
+}
+
+void TestDeadline() {
+  const double saved = TimeoutSeconds();
+  SetTimeoutSeconds(0.3);
+  const int n = 4;
+  std::vector<int64_t> group = {10, 11, 12, 13};
+  std::vector<std::vector<float>> x(n, std::vector<float>(1000, 1.f)), y = x;
+  const int64_t run = NextRunId();
+  const auto start = std::chrono::steady_clock::now();
+  // Device 12 (rank 2) never arrives.
+  auto st = OnThreads(n, [&](int d) {
+    return d == 2 ? Status() : AllReduceF32(group, 10 + d, run, x[d], y[d], "psum over axes ('x',)");
+  });
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string& m = st[0].message();
+  Expect(!st[0].ok() && !st[1].ok() && !st[3].ok(), "ranks waiting for a missing rank time out");
+  Expect(st[0].code() == StatusCode::kDeadlineExceeded, "timeout is DeadlineExceeded");
+  Expect(m.find("rank 2 (device 12)") != std::string::npos && m.find("psum over axes") != std::string::npos &&
+             m.find("[10, 11, 12, 13]") != std::string::npos && m.find("link shm") != std::string::npos,
+         "timeout message names label, group, missing rank and link: " + m);
+  Expect(waited < 5.0, "timeout honours the deadline");
+  // The missing rank turns up late: it must fail at once, not hang.
+  const auto late_start = std::chrono::steady_clock::now();
+  Status late = AllReduceF32(group, 12, run, x[2], y[2]);
+  const double late_wait =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
+  Expect(!late.ok() && late.message().find("abandoned") != std::string::npos && late_wait < 0.25,
+         "a late arrival at an abandoned call fails at once: " + late.message());
+  // A fresh run on the same group works again.
+  SetTimeoutSeconds(saved);
+  const int64_t run2 = NextRunId();
+  auto ok = OnThreads(n, [&](int d) { return AllReduceF32(group, 10 + d, run2, x[d], y[d]); });
+  bool fine = true;
+  for (int d = 0; d < n; ++d) fine &= ok[d].ok() && y[d][0] == 4.f;
+  Expect(fine, "the group works again in the next run");
+}
+
+void TestValidation() {
+  std::vector<float> x(8, 1.f), y(8);
+  std::vector<int64_t> group = {0, 1};
+  Status s = AllReduceF32(group, 5, NextRunId(), x, y);
+  Expect(!s.ok() && s.message().find("device 5 is not in any group") != std::string::npos,
+         "device not in a group: " + s.message());
+  std::vector<int64_t> ids = {0, 1, 2}, sizes = {2, 2};
+  std::vector<int64_t> dims = {8};
+  CollectiveArgs a;
+  a.groups = ids;
+  a.group_sizes = sizes;
+  a.request.reduction = "sum";
+  a.request.in_dims = a.request.out_dims = dims;
+  a.request.in = x.data();
+  a.request.out = y.data();
+  s = RunCollective(a);
+  Expect(!s.ok() && s.message().find("add up to 4") != std::string::npos, "bad group sizes: " + s.message());
+  sizes = {3};
+  a.group_sizes = sizes;  // the vector was reassigned: refresh the view
+  a.request.in_dtype = a.request.out_dtype = DType::kC64;
+  a.request.reduction = "max";
+  s = RunCollective(a);
+  Expect(!s.ok() && s.message().find("complex") != std::string::npos, "complex max: " + s.message());
+  a.request.in_dtype = a.request.out_dtype = DType::kF32;
+  a.request.reduction = "mean";
+  s = RunCollective(a);
+  Expect(!s.ok() && s.message().find("unknown reduction 'mean'") != std::string::npos,
+         "unknown reduction: " + s.message());
+  a.request.reduction = "sum";
+  a.request.kind = Kind::kReduceScatter;
+  std::vector<int64_t> odims = {3};
+  a.request.out_dims = odims;
+  s = RunCollective(a);
+  Expect(!s.ok() && s.message().find("split evenly") != std::string::npos, "bad scatter: " + s.message());
+  // Zero-size: returns at once with no rendezvous even though the other ranks never come.
+  std::vector<int64_t> zero = {0, 4};
+  a.request.kind = Kind::kAllReduce;
+  a.request.in_dims = a.request.out_dims = zero;
+  s = RunCollective(a);
+  Expect(s.ok(), "zero-size call returns at once: " + s.message());
+}
+
+// Many calls back to back on one group and run: the per-device call counter keeps them apart, and
+// alternating sizes exercises staging reuse while slow ranks still read the previous call.
+void TestManyCalls() {
+  const int n = 8;
+  std::vector<int64_t> group = {0, 1, 2, 3, 4, 5, 6, 7};
+  const int64_t run = NextRunId();
+  auto st = OnThreads(n, [&](int d) {
+    for (int call = 0; call < 200; ++call) {
+      const size_t count = (call % 3 == 0) ? 40000 : 1 + call;
+      std::vector<float> x(count, static_cast<float>(d + call)), y(count);
+      Status s = AllReduceF32(group, d, run, x, y);
+      if (!s.ok()) return s;
+      const float want = static_cast<float>(28 + 8 * call);
+      for (float v : y)
+        if (v != want) return Status::Internal("call " + std::to_string(call) + " wrong");
+    }
+    return Status();
+  });
+  bool ok = true;
+  std::string why;
+  for (auto& s : st)
+    if (!s.ok()) ok = false, why = s.message();
+  Expect(ok, "200 back-to-back calls of mixed sizes: " + why);
+}
+
+// The link interface the multi-path executor will use: a call's units cut into ranges (ending
+// mid-cache-line, one empty), each run by Channel::Run after one arrival. The union must equal the
+// whole call, bitwise.
+void TestRanges() {
+  const int n = 8;
+  std::vector<int64_t> ids = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int variant = 0; variant < 5; ++variant) {
+    // 0 all_reduce, 1/3 all_gather (long / 3-element rows), 2/4 reduce_scatter (long / 3-element rows)
+    const Kind kind = variant == 0 ? Kind::kAllReduce : variant % 2 ? Kind::kAllGather : Kind::kReduceScatter;
+    const int64_t inner = variant >= 3 ? 3 : 333, outer = variant >= 3 ? 1000 : 7;
+    Communicator comm(ids);
+    comm.AddChannel(std::make_unique<ShmChannel>(n));
+    Spec s;
+    s.kind = kind;
+    s.dtype = DType::kF32;
+    s.in_dims = kind == Kind::kAllReduce ? std::vector<int64_t>{10007}
+                : kind == Kind::kAllGather ? std::vector<int64_t>{outer, inner}
+                                           : std::vector<int64_t>{outer, 8 * inner};
+    s.axis = kind == Kind::kAllReduce ? 0 : 1;
+    std::vector<std::vector<uint8_t>> in(n), out(n);
+    const size_t count = Prod(s.in_dims);
+    const size_t out_count = kind == Kind::kAllGather ? count * n : kind == Kind::kReduceScatter ? count / n : count;
+    for (int d = 0; d < n; ++d) {
+      in[d] = RandomData(DType::kF32, count, 77 + d, false);
+      out[d].assign(out_count * 4, 0);
+    }
+    const int64_t run = NextRunId();
+    auto st = OnThreads(n, [&](int d) {
+      CallDesc desc;
+      desc.kind = kind;
+      desc.dtype = DType::kF32;
+      desc.in = in[d].data();
+      desc.out = out[d].data();
+      desc.units = kind == Kind::kReduceScatter ? out_count : count;
+      desc.outer = kind == Kind::kAllReduce ? 1 : static_cast<size_t>(outer);
+      desc.inner = desc.units / desc.outer;
+      auto call = comm.Join(d, run, "ranges");
+      FLEXLINK_RETURN_IF_ERROR(call->Arrive(d, desc, "shm"));
+      const size_t u = desc.units;
+      const size_t cuts[] = {0, 13, 13, u / 3 + 5, u - 1, u};  // includes an empty range
+      for (size_t c = 0; c + 1 < std::size(cuts); ++c)
+        FLEXLINK_RETURN_IF_ERROR(comm.channel(0).Run(*call, d, 0, UnitRange{cuts[c], cuts[c + 1]}));
+      return Status();
+    });
+    bool ok = true;
+    for (int d = 0; d < n; ++d)
+      ok &= st[d].ok() && CountWrong(DType::kF32, out[d], Reference(s, in, ids, d)) == 0;
+    Expect(ok, std::string(Name(kind)) + " (inner " + std::to_string(inner) +
+                   ") over five uneven unit ranges equals the whole call");
+  }
+}
+
+// Large calls: 4.4 and 8.4 MB per rank in place (the latter with streaming stores), and an
+// all_gather with 9.6 MB of output per rank.
+void TestLarge() {
+  Spec big;
+  big.in_dims = {1100001};
+  big.in_place = true;
+  CheckSpec(big);
+  big.in_dims = {2100001};
+  CheckSpec(big);
+  big.in_place = false;
+  big.dtype = DType::kBF16;
+  CheckSpec(big);
+  Spec gather;
+  gather.kind = Kind::kAllGather;
+  gather.in_dims = {3, 100001};
+  gather.axis = 1;
+  CheckSpec(gather);
+}
+
+int main() {
+  TestRanges();
+  TestLarge();
+  TestValidation();
+  TestKindsDtypesOps();
+  TestGroups();
+  TestDeterminism();
+  TestMismatch();
+  TestManyCalls();
+  TestDeadline();
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}

@@ -1,0 +1,57 @@
+// A communicator is one group of devices (global device ids in rank order) and the links open on it.
+// It matches calls across ranks: a rank's k-th call on this group within run R meets every other
+// rank's k-th call of run R, so independent calls can never cross as long as every device issues them
+// in the same order (the token chain of the custom calls guarantees that).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "xla_ffi/core/rendezvous.h"
+
+namespace flexlink {
+
+class Channel;
+
+class Communicator {
+ public:
+  explicit Communicator(std::vector<int64_t> devices);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  std::span<const int64_t> devices() const { return devices_; }
+  int size() const { return static_cast<int>(devices_.size()); }
+
+  // Links open on this group; added before the communicator is shared, fixed afterwards.
+  void AddChannel(std::unique_ptr<Channel> channel);
+  size_t num_channels() const { return channels_.size(); }
+  Channel& channel(size_t i) const { return *channels_[i]; }
+
+  // The call `rank` makes next in run `run_id` (the rank's own call counter picks the key).
+  std::shared_ptr<CallContext> Join(int rank, int64_t run_id, std::string_view label);
+
+ private:
+  friend class CallContext;
+  using Key = std::pair<int64_t, uint64_t>;  // (run id, call number within the run)
+  // All ranks arrived: the map no longer needs the call (the ranks hold it while they work).
+  void Retire(int64_t run_id, uint64_t seq);
+  uint64_t NextSeq(int rank, int64_t run_id);
+  void PruneAbandoned();
+
+  const std::vector<int64_t> devices_;
+  std::vector<std::unique_ptr<Channel>> channels_;  // declared before open_: outlives the calls' scratch
+
+  std::mutex mu_;
+  std::map<Key, std::shared_ptr<CallContext>> open_;  // calls not all ranks reached, incl. abandoned
+  // Per rank: (run id, next call number) for the most recent runs; older runs are forgotten.
+  std::vector<std::vector<std::pair<int64_t, uint64_t>>> next_seq_;
+};
+
+}  // namespace flexlink

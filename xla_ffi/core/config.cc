@@ -1,0 +1,22 @@
+#include "xla_ffi/core/config.h"
+
+#include <atomic>
+
+namespace flexlink {
+namespace {
+
+std::atomic<double> g_timeout_s{300.0};
+// Measured crossover on the 2-core test machine with 8 device threads (docs/engine.md).
+std::atomic<size_t> g_shm_staging_bytes{16 * 1024};
+std::atomic<bool> g_huge_page_outputs{true};
+
+}  // namespace
+
+double TimeoutSeconds() { return g_timeout_s.load(std::memory_order_relaxed); }
+void SetTimeoutSeconds(double seconds) { g_timeout_s.store(seconds, std::memory_order_relaxed); }
+size_t ShmStagingBytes() { return g_shm_staging_bytes.load(std::memory_order_relaxed); }
+void SetShmStagingBytes(size_t bytes) { g_shm_staging_bytes.store(bytes, std::memory_order_relaxed); }
+bool HugePageOutputs() { return g_huge_page_outputs.load(std::memory_order_relaxed); }
+void SetHugePageOutputs(bool on) { g_huge_page_outputs.store(on, std::memory_order_relaxed); }
+
+}  // namespace flexlink

@@ -1,0 +1,29 @@
+// The engine's entry point: one rank's part of one collective call. The FFI handlers and engine_run
+// both end here, so they share every check, message and code path.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "xla_ffi/core/call.h"
+#include "xla_ffi/core/status.h"
+
+namespace flexlink {
+
+struct CollectiveArgs {
+  std::span<const int64_t> groups;       // every group's global device ids, concatenated
+  std::span<const int64_t> group_sizes;  // size of each group
+  int64_t device = 0;                    // this rank's global device id
+  int64_t run_id = 0;                    // identical on all devices of one launch
+  std::string_view label;                // names the collective in errors
+  CallRequest request;                   // buffers, shapes, dtypes, reduction, axis
+};
+
+// Blocks until this rank's part of the call is done (or failed); see docs/interfaces.md.
+Status RunCollective(const CollectiveArgs& args);
+
+// Makes sure the configured links exist (so stats list them before the first call).
+void EnsureLinks();
+
+}  // namespace flexlink

@@ -1,0 +1,62 @@
+#include "xla_ffi/core/pages.h"
+
+#include <cstdint>
+
+#include "xla_ffi/core/config.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+namespace flexlink {
+namespace {
+
+constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+// Below this a buffer holds at most one whole huge page; not worth a system call.
+constexpr size_t kHugeMinBytes = size_t{4} << 20;
+// Below this the output is written before faults could matter (and staged calls never touch peers').
+constexpr size_t kPrefaultMinBytes = size_t{64} << 10;
+constexpr uintptr_t kPage = 4096;
+
+void AdviseHugePages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// Whether the pages holding the first and the last byte are resident: a recycled buffer (from the
+// allocator's free lists) has them, a fresh mapping has neither. Touching a resident buffer page by
+// page would cost a cache miss per page for nothing.
+bool LooksResident(void* p, size_t bytes) {
+#if defined(__linux__)
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~(kPage - 1);
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(p) + bytes - 1) & ~(kPage - 1);
+  unsigned char a = 0, b = 0;
+  if (mincore(reinterpret_cast<void*>(first), kPage, &a) != 0) return false;
+  if (mincore(reinterpret_cast<void*>(last), kPage, &b) != 0) return false;
+  return (a & 1) && (b & 1);
+#else
+  (void)p;
+  (void)bytes;
+  return false;
+#endif
+}
+
+}  // namespace
+
+void PrepareOutput(void* out, size_t bytes, bool aliases_input) {
+  if (aliases_input) return;  // the input's pages are in place already
+  if (bytes < kPrefaultMinBytes || LooksResident(out, bytes)) return;
+  if (bytes >= kHugeMinBytes && HugePageOutputs()) AdviseHugePages(out, bytes);
+  // One store per page; volatile so it is not elided. The value does not matter (see header).
+  volatile char* p = static_cast<char*>(out);
+  const size_t first = (kPage - reinterpret_cast<uintptr_t>(out) % kPage) % kPage;
+  for (size_t i = first; i < bytes; i += kPage) p[i] = 0;
+}
+
+}  // namespace flexlink

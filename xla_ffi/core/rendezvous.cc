@@ -1,0 +1,137 @@
+#include "xla_ffi/core/rendezvous.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/config.h"
+
+namespace flexlink {
+
+CallContext::CallContext(Communicator* comm, int64_t run_id, uint64_t seq, std::string label, int lanes)
+    : comm_(comm),
+      run_id_(run_id),
+      seq_(seq),
+      label_(std::move(label)),
+      n_(comm->size()),
+      present_(n_, 0),
+      descs_(n_),
+      lanes_(lanes) {
+  for (Lane& lane : lanes_) lane.entered.assign(n_, 0);
+}
+
+std::string CallContext::Where(std::string_view link) const {
+  std::string s = ErrorPrefix(label_);
+  // descs_ of any arrived rank tell what the call is; the first present one will do.
+  for (int r = 0; r < n_; ++r)
+    if (present_[r]) {
+      s += descs_[r].Describe() + " ";
+      break;
+    }
+  s += "on group " + FormatIds(comm_->devices()) + " (link " + std::string(link) + ", run " +
+       std::to_string(run_id_) + ", call " + std::to_string(seq_) + " on this group)";
+  return s;
+}
+
+std::string CallContext::RankList(const std::vector<int>& ranks) const {
+  std::string s = "rank";
+  if (ranks.size() > 1) s += "s";
+  for (size_t i = 0; i < ranks.size(); ++i)
+    s += (i ? ", " : " ") + std::to_string(ranks[i]) + " (device " +
+         std::to_string(comm_->devices()[ranks[i]]) + ")";
+  return s;
+}
+
+// Waits for `done` up to the configured deadline. On timeout the call is abandoned for everyone:
+// waiting ranks wake up with the same error, and ranks that come later fail at once.
+template <class Done, class Missing>
+Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, Done done, Missing missing,
+                            std::string_view what, std::string_view link) {
+  const double timeout = TimeoutSeconds();
+  // Clamped so that an "infinite" setting cannot overflow the clock's integer nanoseconds.
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::min(timeout, 1e9)));
+  const bool ok = cv_.wait_until(lock, deadline, [&] { return done() || abandoned_; });
+  if (ok && !abandoned_) return Status::Ok();
+  if (!abandoned_) {
+    abandoned_ = true;
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%g", timeout);
+    error_ = Where(link) + ": timed out after " + secs + " s waiting for " + RankList(missing()) +
+             " to " + std::string(what) +
+             " (a device that never issues the matching collective, or issues collectives in a "
+             "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)";
+    cv_.notify_all();
+  }
+  return Status::DeadlineExceeded(error_);
+}
+
+Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link) {
+  bool last = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (abandoned_)
+      return Status::DeadlineExceeded(ErrorPrefix(label_) + "rank " + std::to_string(rank) +
+                                      " (device " + std::to_string(comm_->devices()[rank]) +
+                                      ") arrived after the call was abandoned: " + error_);
+    descs_[rank] = desc;
+    present_[rank] = 1;
+    last = ++arrived_ == n_;
+    if (last) {
+      lock.unlock();  // waiters wake straight into a free mutex
+      cv_.notify_all();
+    } else {
+      Status s = WaitAll(
+          lock, [&] { return arrived_ == n_; },
+          [&] {
+            std::vector<int> m;
+            for (int r = 0; r < n_; ++r)
+              if (!present_[r]) m.push_back(r);
+            return m;
+          },
+          "arrive", link);
+      if (!s.ok()) return s;
+    }
+  }
+  if (last) comm_->Retire(run_id_, seq_);  // outside mu_: Communicator locks its mutex first
+  // Every rank sees the same descs_, so every rank returns the same verdict.
+  for (int r = 1; r < n_; ++r) {
+    if (descs_[r].SameCall(descs_[0])) continue;
+    return Status::InvalidArgument(
+        Where(link) + ": ranks disagree on the call: rank 0 (device " +
+        std::to_string(comm_->devices()[0]) + ") has " + descs_[0].Describe() + ", rank " +
+        std::to_string(r) + " (device " + std::to_string(comm_->devices()[r]) + ") has " +
+        descs_[r].Describe() + " (every device must call the collective with the same shape, dtype "
+        "and reduction)");
+  }
+  return Status::Ok();
+}
+
+Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, std::string_view link) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (abandoned_) return Status::DeadlineExceeded(error_);
+  Lane& lane = lanes_[lane_index];
+  const uint64_t generation = lane.generation;
+  lane.entered[rank] = generation + 1;
+  if (++lane.count == n_) {
+    lane.count = 0;
+    ++lane.generation;
+    lock.unlock();
+    cv_.notify_all();
+    return Status::Ok();
+  }
+  return WaitAll(
+      lock, [&] { return lane.generation != generation; },
+      [&] {
+        std::vector<int> m;
+        for (int r = 0; r < n_; ++r)
+          if (lane.entered[r] != generation + 1) m.push_back(r);
+        return m;
+      },
+      "finish the " + std::string(phase) + " phase", link);
+}
+
+}  // namespace flexlink

@@ -1,0 +1,78 @@
+// One collective call as all its ranks see it: the rendezvous where ranks publish their buffers, the
+// phase barriers links use inside the call, and the deadline/abandonment rules. Every wait blocks on
+// a condition variable (device threads outnumber cores; spinning would starve the ranks we wait for).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "xla_ffi/core/call.h"
+#include "xla_ffi/core/status.h"
+
+namespace flexlink {
+
+class Communicator;
+
+class CallContext {
+ public:
+  // `lanes`: independent barrier sequences, one per link that may run a range of this call.
+  CallContext(Communicator* comm, int64_t run_id, uint64_t seq, std::string label, int lanes);
+  CallContext(const CallContext&) = delete;
+  CallContext& operator=(const CallContext&) = delete;
+
+  int size() const { return n_; }
+  // Valid once Arrive returned OK: what every rank published (buffers included).
+  const CallDesc& desc(int rank) const { return descs_[rank]; }
+
+  // Publishes `desc` for `rank` and waits until all ranks did; then checks they describe the same
+  // call (all ranks reach the same verdict, so a mismatch fails every rank and no buffer is touched).
+  Status Arrive(int rank, const CallDesc& desc, std::string_view link);
+
+  // Waits until every rank reached this barrier on `lane`. `phase` names it in timeout messages.
+  Status Barrier(int rank, int lane, std::string_view phase, std::string_view link);
+
+  // Per-call scratch of a link (e.g. shm staging): made by the first rank that asks, released when the
+  // last rank drops the call — no extra synchronisation needed to know that all ranks are done.
+  template <class T, class Make>
+  T* Scratch(Make&& make) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!scratch_) scratch_ = make();
+    return static_cast<T*>(scratch_.get());
+  }
+
+ private:
+  friend class Communicator;
+  std::string Where(std::string_view link) const;  // label, kind, group, link, run and call number
+  std::string RankList(const std::vector<int>& ranks) const;
+  template <class Done, class Missing>
+  Status WaitAll(std::unique_lock<std::mutex>& lock, Done done, Missing missing, std::string_view what,
+                 std::string_view link);
+
+  Communicator* const comm_;
+  const int64_t run_id_;
+  const uint64_t seq_;
+  const std::string label_;
+  const int n_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  std::vector<char> present_;
+  std::vector<CallDesc> descs_;
+  struct Lane {
+    uint64_t generation = 0;
+    int count = 0;
+    std::vector<uint64_t> entered;  // per rank: generation + 1 of the barrier it waits at
+  };
+  std::vector<Lane> lanes_;
+  bool abandoned_ = false;  // a wait timed out: later arrivals fail at once instead of hanging
+  std::string error_;
+  std::shared_ptr<void> scratch_;
+};
+
+}  // namespace flexlink

@@ -1,0 +1,41 @@
+// A tiny status type for the engine. The engine is plain C++ (no XLA, no Python) so the same code runs
+// under the FFI handlers, under `engine_run` and in the C++ tests; the FFI layer maps Status to
+// ffi::Error and the nanobind module maps it to RuntimeError, both keeping the message verbatim.
+#pragma once
+
+#include <string>
+#include <utility>
+
+namespace flexlink {
+
+enum class StatusCode { kOk, kInvalidArgument, kDeadlineExceeded, kFailedPrecondition, kInternal };
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+
+  static Status Ok() { return Status(); }
+  static Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+  static Status DeadlineExceeded(std::string m) { return {StatusCode::kDeadlineExceeded, std::move(m)}; }
+  static Status FailedPrecondition(std::string m) {
+    return {StatusCode::kFailedPrecondition, std::move(m)};
+  }
+  static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+
+  bool ok() const { return code_ == StatusCode::kOk; }
+  StatusCode code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  StatusCode code_ = StatusCode::kOk;
+  std::string message_;
+};
+
+#define FLEXLINK_RETURN_IF_ERROR(expr)            \
+  do {                                            \
+    ::flexlink::Status flexlink_status_ = (expr); \
+    if (!flexlink_status_.ok()) return flexlink_status_; \
+  } while (0)
+
+}  // namespace flexlink

@@ -1,0 +1,174 @@
+// The nanobind module jax_flexlink._flexlink: FFI handler capsules for registration, the runtime
+// control surface (timeout, stats), and engine_run, which drives the exact handler code path on numpy
+// arrays so that engine behaviour (deadlines, mismatches) can be tested with threads as devices.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/stats.h"
+#include "xla_ffi/ffi/handlers.h"
+
+namespace nb = nanobind;
+
+namespace flexlink {
+namespace {
+
+using InArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+using OutArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+std::optional<DType> FromDLPack(nb::dlpack::dtype t) {
+  using Code = nb::dlpack::dtype_code;
+  const auto code = static_cast<Code>(t.code);
+  if (t.lanes != 1) return std::nullopt;
+  switch (code) {
+    case Code::Bool: return DType::kPred;
+    case Code::Int:
+      return t.bits == 8 ? DType::kS8 : t.bits == 16 ? DType::kS16 : t.bits == 32 ? DType::kS32
+             : t.bits == 64 ? std::optional(DType::kS64) : std::nullopt;
+    case Code::UInt:
+      return t.bits == 8 ? DType::kU8 : t.bits == 16 ? DType::kU16 : t.bits == 32 ? DType::kU32
+             : t.bits == 64 ? std::optional(DType::kU64) : std::nullopt;
+    case Code::Float:
+      return t.bits == 16 ? DType::kF16 : t.bits == 32 ? DType::kF32
+             : t.bits == 64 ? std::optional(DType::kF64) : std::nullopt;
+    case Code::Bfloat: return t.bits == 16 ? std::optional(DType::kBF16) : std::nullopt;
+    case Code::Complex:
+      return t.bits == 64 ? DType::kC64 : t.bits == 128 ? std::optional(DType::kC128) : std::nullopt;
+    default: return std::nullopt;
+  }
+}
+
+// A C-contiguous CPU array and its element type. numpy arrays of ml_dtypes types (bfloat16) have a
+// buffer format nanobind cannot map, so those are viewed as unsigned ints of the same width and typed
+// by their dtype name. No conversion ever happens: a copy of `out` would silently drop the result.
+template <class Array>
+struct TypedArray {
+  nb::object view;  // keeps a temporary view alive
+  Array array;
+  DType dtype = DType::kF32;
+};
+
+template <class Array>
+TypedArray<Array> AsArray(nb::handle obj, const char* which, const char* requirement) {
+  TypedArray<Array> t;
+  if (nb::try_cast(obj, t.array, /*convert=*/false)) {
+    auto d = FromDLPack(t.array.dtype());
+    if (!d) throw nb::type_error((std::string("engine_run: unsupported dtype of ") + which).c_str());
+    t.dtype = *d;
+    return t;
+  }
+  std::optional<DType> d;
+  if (nb::hasattr(obj, "dtype") && nb::hasattr(obj, "view"))
+    d = ParseDType(nb::cast<std::string>(nb::str(obj.attr("dtype").attr("name"))));
+  if (!d)
+    throw nb::type_error((std::string("engine_run: ") + which + " must be a " + requirement +
+                          " numpy array of a supported dtype").c_str());
+  t.view = obj.attr("view")(("uint" + std::to_string(ByteWidth(*d) * 8)).c_str());
+  if (!nb::try_cast(t.view, t.array, /*convert=*/false))
+    throw nb::type_error((std::string("engine_run: ") + which + " must be a " + requirement +
+                          " numpy array").c_str());
+  t.dtype = *d;
+  return t;
+}
+
+void EngineRun(const std::string& kind, const std::string& op, const std::vector<int64_t>& groups,
+               const std::vector<int64_t>& group_sizes, int64_t device, int64_t run_id,
+               nb::handle x_obj, nb::handle out_obj, int64_t axis, const std::string& label) {
+  auto k = ParseKind(kind);
+  if (!k)
+    throw nb::value_error(("engine_run: unknown kind '" + kind +
+                           "' (expected all_reduce, all_gather or reduce_scatter)").c_str());
+  const auto xt = AsArray<InArray>(x_obj, "x", "C-contiguous");
+  const auto ot = AsArray<OutArray>(out_obj, "out", "writable, C-contiguous");
+  const auto &x = xt.array;
+  const auto &out = ot.array;
+  std::vector<int64_t> in_dims(x.ndim()), out_dims(out.ndim());
+  for (size_t i = 0; i < x.ndim(); ++i) in_dims[i] = static_cast<int64_t>(x.shape(i));
+  for (size_t i = 0; i < out.ndim(); ++i) out_dims[i] = static_cast<int64_t>(out.shape(i));
+  CollectiveArgs args;
+  args.groups = groups;
+  args.group_sizes = group_sizes;
+  args.device = device;
+  args.run_id = run_id;
+  args.label = label;
+  args.request.kind = *k;
+  args.request.reduction = op;
+  args.request.in_dtype = xt.dtype;
+  args.request.out_dtype = ot.dtype;
+  args.request.in_dims = in_dims;
+  args.request.out_dims = out_dims;
+  args.request.axis = axis;
+  args.request.in = x.data();
+  args.request.out = out.data();
+  Status status;
+  {
+    nb::gil_scoped_release release;  // other "devices" are Python threads blocked in here too
+    status = RunCollective(args);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message());
+}
+
+nb::dict Registrations() {
+  nb::dict d;
+  d["flexlink_all_reduce"] = nb::capsule(reinterpret_cast<void*>(FlexlinkAllReduce));
+  d["flexlink_all_gather"] = nb::capsule(reinterpret_cast<void*>(FlexlinkAllGather));
+  d["flexlink_reduce_scatter"] = nb::capsule(reinterpret_cast<void*>(FlexlinkReduceScatter));
+  return d;
+}
+
+nb::dict Stats() {
+  EnsureLinks();
+  nb::dict links;
+  for (const LinkStatsSnapshot& s : SnapshotLinkStats()) {
+    nb::dict e;
+    e["bytes"] = s.bytes;
+    e["calls"] = s.calls;
+    e["seconds"] = s.seconds;
+    e["healthy"] = s.healthy;
+    links[s.name.c_str()] = e;
+  }
+  nb::dict out;
+  out["links"] = links;
+  return out;
+}
+
+}  // namespace
+}  // namespace flexlink
+
+NB_MODULE(_flexlink, m) {
+  using namespace flexlink;
+  m.doc() = "FlexLink collectives for XLA:CPU (FFI handlers and engine control)";
+  m.def("registrations", &Registrations,
+        "FFI target name -> PyCapsule of the execute-stage XLA_FFI_Handler (api_version 1).");
+  m.def(
+      "set_timeout",
+      [](double seconds) {
+        if (!(seconds > 0)) throw nb::value_error("set_timeout: seconds must be positive");
+        SetTimeoutSeconds(seconds);
+      },
+      nb::arg("seconds"), "Deadline of every wait in the engine, in seconds.");
+  m.def("timeout", &TimeoutSeconds);
+  m.def("engine_run", &EngineRun, nb::arg("kind"), nb::arg("op"), nb::arg("groups"),
+        nb::arg("group_sizes"), nb::arg("device"), nb::arg("run_id"), nb::arg("x"),
+        nb::arg("out"), nb::arg("axis") = 0, nb::arg("label") = "",
+        "Runs one rank's part of a collective exactly as the FFI handler would, on C-contiguous "
+        "numpy arrays (out may be x: in place), with the GIL released. Raises RuntimeError with "
+        "the handler's message.");
+  m.def("stats", &Stats);
+  m.def("reset_stats", &ResetLinkStats);
+  m.def("set_shm_staging_bytes", &SetShmStagingBytes, nb::arg("bytes"),
+        "Per-rank input size up to which the shm link stages inputs (one rendezvous per call).");
+  m.def("shm_staging_bytes", &ShmStagingBytes);
+  m.def("set_huge_page_outputs", &SetHugePageOutputs, nb::arg("on"),
+        "Advise transparent huge pages on large outputs before writing them (default on).");
+  m.def("huge_page_outputs", &HugePageOutputs);
+}

@@ -1,0 +1,200 @@
+#include "xla_ffi/plan/balancer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "xla_ffi/plan/shares.h"
+
+namespace flexlink::plan {
+namespace {
+
+std::string FormatBytes(uint64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (u < 4 && b >= 1024 && b % 1024 == 0) {
+    b /= 1024;
+    ++u;
+  }
+  return std::to_string(b) + " " + units[u];
+}
+
+}  // namespace
+
+std::string_view Name(PlanMode mode) {
+  switch (mode) {
+    case PlanMode::kSingle: return "single";
+    case PlanMode::kConverging: return "converging";
+    case PlanMode::kSettled: return "settled";
+    case PlanMode::kTrial: return "trial";
+    case PlanMode::kFallback: return "fallback";
+    case PlanMode::kPinned: return "pinned";
+  }
+  return "?";
+}
+
+Balancer::Balancer(std::vector<std::string> links, BalancerOptions options)
+    : links_(std::move(links)), options_(options), model_(links_) {}
+
+Status Balancer::SetModel(CostModel model) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (model.links() != links_) {
+    return Status::InvalidArgument("flexlink: balancer: the cost model is for a different link set");
+  }
+  model_ = std::move(model);
+  for (size_t k = 0; k < kNumKinds; ++k) {
+    thresholds_[k] = model_.Has(static_cast<Kind>(k))
+                         ? SplitThreshold(model_.Fits(static_cast<Kind>(k)), options_.split_overhead_s)
+                         : 0;
+  }
+  std::erase_if(entries_, [](const auto& kv) { return kv.second.plan->mode != PlanMode::kPinned; });
+  return Status::Ok();
+}
+
+uint64_t Balancer::SplitThresholdBytes(Kind kind) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return thresholds_[KindIndex(kind)];
+}
+
+double Balancer::ModelSingleRate(Kind kind, uint64_t bytes, size_t* link) const {
+  if (!model_.Has(kind) || bytes == 0) return 0;
+  *link = FastestSingle(model_.Fits(kind), static_cast<double>(bytes));
+  return bytes / model_.Fits(kind)[*link].Predict(static_cast<double>(bytes));
+}
+
+void Balancer::Install(Entry& e, PlanMode mode, std::vector<double> shares) {
+  auto plan = std::make_shared<Plan>();
+  plan->kind = e.plan ? e.plan->kind : Kind::kAllReduce;
+  plan->bucket_bytes = e.plan ? e.plan->bucket_bytes : 0;
+  plan->epoch = next_epoch_++;
+  plan->mode = mode;
+  plan->shares = std::move(shares);
+  e.plan = std::move(plan);
+  e.recent.clear();  // times of the previous plan say nothing about this one
+  e.settled_calls = 0;
+}
+
+Balancer::Entry& Balancer::EntryFor(Kind kind, uint64_t bytes) {
+  uint64_t bucket = BucketOf(bytes);
+  auto [it, inserted] = entries_.try_emplace(Key{KindIndex(kind), bucket});
+  Entry& e = it->second;
+  if (!inserted) return e;
+  auto seed = std::make_shared<Plan>();  // carries kind and bucket into Install
+  seed->kind = kind;
+  seed->bucket_bytes = bucket;
+  e.plan = seed;
+  e.retry_calls = options_.retry_calls;
+  size_t n = links_.size();
+  if (n == 1) {
+    Install(e, PlanMode::kSingle, OneHot(1, 0));
+  } else if (model_.Has(kind)) {
+    auto fits = model_.Fits(kind);
+    if (bytes < thresholds_[KindIndex(kind)]) {
+      e.single_link = FastestSingle(fits, static_cast<double>(bytes));
+      Install(e, PlanMode::kSingle, OneHot(n, e.single_link));
+    } else {
+      std::vector<double> shares = EqualFinishShares(fits, static_cast<double>(bytes));
+      DropBelow(shares, options_.min_share);
+      Install(e, PlanMode::kConverging, std::move(shares));
+    }
+  } else {
+    // No stage 1 for this kind: start from equal shares; stage 2 finds the split and the guard the
+    // single-link fallback (by a trial, since there is no model to predict it).
+    Install(e, PlanMode::kConverging, std::vector<double>(n, 1.0 / n));
+  }
+  e.split = e.seed = e.plan->shares;
+  e.link_rate.assign(n, 0.0);
+  return e;
+}
+
+std::shared_ptr<const Plan> Balancer::PlanFor(Kind kind, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return EntryFor(kind, bytes).plan;
+}
+
+Balancer::Outcome Balancer::Report(const Plan& plan, uint64_t bytes, std::span<const double> link_seconds,
+                                   double call_seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Outcome out;
+  auto it = entries_.find(Key{KindIndex(plan.kind), plan.bucket_bytes});
+  if (it == entries_.end() || it->second.plan->epoch != plan.epoch) {
+    out.stale = true;
+    return out;
+  }
+  Entry& e = it->second;
+  if (call_seconds <= 0) {
+    for (size_t i = 0; i < link_seconds.size() && i < plan.shares.size(); ++i) {
+      if (plan.shares[i] > 0) call_seconds = std::max(call_seconds, link_seconds[i]);
+    }
+  }
+  if (!(call_seconds > 0) || bytes == 0) return out;  // nothing measured
+  double rate = static_cast<double>(bytes) / call_seconds;
+  uint64_t before = e.plan->epoch;
+  switch (plan.mode) {
+    case PlanMode::kPinned: break;
+    case PlanMode::kSingle:  // below the threshold: remember the rate, nothing to balance
+      e.single_rate = e.single_rate > 0 ? 0.9 * e.single_rate + 0.1 * rate : rate;
+      break;
+    case PlanMode::kTrial:
+    case PlanMode::kFallback: OnSingleCall(e, bytes, rate, &out); break;
+    case PlanMode::kConverging:
+    case PlanMode::kSettled: OnSplitCall(e, bytes, link_seconds, rate, &out); break;
+  }
+  out.changed = e.plan->epoch != before;
+  if (out.changed) {
+    if (!out.reason.empty()) out.reason += ": ";
+    out.reason += Describe(*e.plan);
+  }
+  return out;
+}
+
+Status Balancer::SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned) {
+  if (shares.size() != links_.size()) {
+    return Status::InvalidArgument("flexlink: plan for " + std::string(flexlink::Name(kind)) + " needs " +
+                                   std::to_string(links_.size()) + " shares (one per link), got " +
+                                   std::to_string(shares.size()));
+  }
+  double sum = 0;
+  for (double s : shares) {
+    if (!(s >= 0) || !std::isfinite(s)) {
+      return Status::InvalidArgument("flexlink: plan shares must be finite and >= 0");
+    }
+    sum += s;
+  }
+  if (!(sum > 0)) return Status::InvalidArgument("flexlink: plan shares must not all be 0");
+  for (double& s : shares) s /= sum;
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = EntryFor(kind, bucket_bytes);
+  if (pinned) {
+    Install(e, PlanMode::kPinned, std::move(shares));
+  } else {
+    e.seed = shares;
+    Reconverge(e, std::move(shares));
+  }
+  return Status::Ok();
+}
+
+void Balancer::Clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.clear();
+}
+
+std::vector<std::shared_ptr<const Plan>> Balancer::Plans() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<const Plan>> plans;
+  for (const auto& [key, e] : entries_) plans.push_back(e.plan);
+  return plans;
+}
+
+std::string Balancer::Describe(const Plan& plan) const {
+  std::string s = std::string(flexlink::Name(plan.kind)) + " " + FormatBytes(plan.bucket_bytes) + " [" +
+                  std::string(Name(plan.mode)) + "]";
+  for (size_t i = 0; i < plan.shares.size() && i < links_.size(); ++i) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "=%.3f", plan.shares[i]);
+    s += " " + links_[i] + buf;
+  }
+  return s;
+}
+
+}  // namespace flexlink::plan

@@ -1,0 +1,90 @@
+// The α–β cost model of stage 1: a link's time for one sub-collective of `bytes` (per-rank message
+// bytes, the nccl-tests "size") is  t = α + β·bytes, fitted per link and per collective kind from
+// profiled samples. From the fits follow the two stage-1 decisions:
+//  - the split of N bytes that makes every used link finish at the same time (water-filling: a link
+//    whose α alone exceeds the common finish time gets nothing), and
+//  - the size below which the fastest single link beats any split (small calls use one link).
+// Free functions take the fits of a link set as a span so they are testable without a CostModel;
+// CostModel only stores fits per (kind, link).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/core/status.h"
+#include "xla_ffi/core/types.h"
+
+namespace flexlink::plan {
+
+inline constexpr size_t kNumKinds = 3;  // all_reduce, all_gather, reduce_scatter (core/types.h)
+inline size_t KindIndex(Kind k) { return static_cast<size_t>(k); }
+
+struct AlphaBeta {
+  double alpha = 0;  // seconds per call (latency, launch, synchronisation)
+  double beta = 0;   // seconds per byte (1 / bandwidth)
+  double Predict(double bytes) const { return alpha + beta * bytes; }
+  double bytes_per_second() const { return beta > 0 ? 1.0 / beta : 0; }
+};
+
+struct Sample {
+  double bytes = 0;
+  double seconds = 0;
+};
+
+// Least-squares fit of seconds = α + β·bytes. Residuals are weighted by 1/seconds², i.e. the fit
+// minimises *relative* error: profiling sizes are powers of two spanning many decades, and a plain
+// fit would let the largest sizes decide everything, leaving α (which only shows at small sizes) as
+// noise. α < 0 is clamped to 0 (refit through the origin); β is kept positive (a link must cost
+// something per byte or the split degenerates). Needs samples at two or more distinct sizes.
+Status FitAlphaBeta(std::span<const Sample> samples, AlphaBeta* out);
+
+// Powers of two in [min_bytes, max_bytes] (the profiling sizes); max_bytes is included when it is
+// not a power of two so the largest size seen is profiled too.
+std::vector<uint64_t> ProfileSizes(uint64_t min_bytes, uint64_t max_bytes);
+
+// Size bucket of a call: the largest power of two <= bytes (0 for 0). Plans are per bucket, so a
+// bucket covers [b, 2b).
+uint64_t BucketOf(uint64_t bytes);
+
+// Shares (summing to 1) of `bytes` across `links` that equalise α_i + β_i·share_i·bytes over the
+// used links; links whose α is not below the common finish time get 0. bytes <= 0 puts everything
+// on the link with the smallest α.
+std::vector<double> EqualFinishShares(std::span<const AlphaBeta> links, double bytes);
+
+// Predicted time of a split: the slowest used link (share > 0).
+double PredictSplit(std::span<const AlphaBeta> links, std::span<const double> shares, double bytes);
+
+// Index of the link with the smallest predicted time for `bytes` alone.
+size_t FastestSingle(std::span<const AlphaBeta> links, double bytes);
+
+// Smallest size from which the equal-finish split, charged `split_overhead_s` when it uses more
+// than one link (fan-out and join of the executor), is predicted faster than the fastest single link
+// at that size and every larger one. 0: always split; UINT64_MAX: never (e.g. one link).
+uint64_t SplitThreshold(std::span<const AlphaBeta> links, double split_overhead_s);
+
+// Fits of one link set, per collective kind. Link order is the link-spec order (primary first).
+class CostModel {
+ public:
+  CostModel() = default;
+  explicit CostModel(std::vector<std::string> links);
+
+  const std::vector<std::string>& links() const { return links_; }
+  size_t num_links() const { return links_.size(); }
+
+  void Set(Kind kind, size_t link, AlphaBeta fit);
+  // True when every link has a fit for `kind`.
+  bool Has(Kind kind) const;
+  // Valid only when Has(kind).
+  std::span<const AlphaBeta> Fits(Kind kind) const { return fits_[KindIndex(kind)]; }
+
+ private:
+  std::vector<std::string> links_;
+  std::array<std::vector<AlphaBeta>, kNumKinds> fits_;
+  std::array<std::vector<bool>, kNumKinds> fitted_;
+};
+
+}  // namespace flexlink::plan
