@@ -1,0 +1,414 @@
+// Link tests: std::threads stand in for devices and drive the real Communicator / CallContext. The tcp
+// link must give results bitwise equal to shm's (the reference engine_test checks) for every kind,
+// dtype, op, group size and sub-range; its handshake must drop strangers; a silent peer must give a
+// deadline error naming it; the emulated link must pace to its formula. Plain C++: prints
+// "N passed, N failed" and exits non-zero on any failure. `links_test --bench` prints throughput.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/links/emulated.h"
+#include "xla_ffi/links/shm.h"
+#include "xla_ffi/links/socket.h"
+#include "xla_ffi/links/tcp.h"
+#include "xla_ffi/plan/link_spec.h"
+
+using namespace flexlink;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+int g_passed = 0, g_failed = 0;
+
+void Expect(bool ok, const std::string& what) {
+  if (ok) {
+    ++g_passed;
+  } else {
+    ++g_failed;
+    std::printf("FAIL: %s\n", what.c_str());
+  }
+}
+
+int64_t NextRunId() {
+  static int64_t run = 5000;
+  return ++run;
+}
+
+// A communicator of n ranks with the given links' channels (channel i is lane i).
+std::unique_ptr<Communicator> MakeComm(int n, const std::vector<Link*>& links) {
+  std::vector<int64_t> devices;
+  for (int i = 0; i < n; ++i) devices.push_back(100 + i);
+  auto comm = std::make_unique<Communicator>(devices);
+  for (Link* l : links) comm->AddChannel(l->Open(devices));
+  return comm;
+}
+
+struct Piece {
+  size_t channel;
+  UnitRange range;
+};
+
+// One call: every rank arrives, then runs `pieces` in order, each on its channel; `concurrent`: each
+// piece on its own thread at once, as the multi-path executor does (pieces on distinct channels).
+std::vector<Status> RunCall(Communicator& comm, const std::vector<CallDesc>& descs,
+                            const std::vector<Piece>& pieces, std::vector<double>* seconds = nullptr,
+                            bool concurrent = false) {
+  const int n = comm.size();
+  const int64_t run = NextRunId();
+  std::vector<Status> st(n);
+  if (seconds) seconds->assign(n, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      auto call = comm.Join(r, run, "links_test");
+      Status s = call->Arrive(r, descs[r], "test");
+      const auto t0 = Clock::now();
+      if (concurrent && s.ok()) {
+        std::vector<Status> ps(pieces.size());
+        std::vector<std::thread> workers;
+        for (size_t i = 0; i < pieces.size(); ++i)
+          workers.emplace_back([&, i] {
+            ps[i] = comm.channel(pieces[i].channel).Run(*call, r, static_cast<int>(pieces[i].channel), pieces[i].range);
+          });
+        for (auto& w : workers) w.join();
+        for (const Status& p : ps)
+          if (!p.ok()) s = p;
+      }
+      for (size_t i = 0; i < pieces.size() && !concurrent; ++i) {
+        if (!s.ok()) break;
+        s = comm.channel(pieces[i].channel).Run(*call, r, static_cast<int>(pieces[i].channel), pieces[i].range);
+      }
+      if (seconds) (*seconds)[r] = std::chrono::duration<double>(Clock::now() - t0).count();
+      st[r] = s;
+    });
+  for (auto& t : threads) t.join();
+  return st;
+}
+
+std::vector<uint8_t> RandomData(DType t, size_t count, uint32_t seed, bool with_nan) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> real(0.5f, 1.5f);
+  const size_t w = ByteWidth(t);
+  std::vector<uint8_t> v(count * w);
+  for (size_t i = 0; i < count; ++i) {
+    uint8_t* p = &v[i * w];
+    float f = real(rng) * ((rng() & 1) ? 1.f : -1.f);
+    if (with_nan && rng() % 97 == 0) f = NAN;
+    switch (t) {
+      case DType::kPred: *p = rng() & 1; break;
+      case DType::kF16: { _Float16 h = static_cast<_Float16>(f); std::memcpy(p, &h, 2); break; }
+      case DType::kBF16: { uint32_t u; std::memcpy(&u, &f, 4); uint16_t b = u >> 16; std::memcpy(p, &b, 2); break; }
+      case DType::kF32: std::memcpy(p, &f, 4); break;
+      case DType::kF64: { double d = f + 1e-9 * (rng() % 1000); std::memcpy(p, &d, 8); break; }
+      case DType::kC64: { float c[2] = {f, real(rng)}; std::memcpy(p, c, 8); break; }
+      default: for (size_t b = 0; b < w; ++b) p[b] = static_cast<uint8_t>(rng()); break;
+    }
+  }
+  return v;
+}
+
+struct Case {
+  Kind kind;
+  DType dtype;
+  ReduceOp op;
+  size_t outer, inner;
+  bool in_place = false;
+};
+
+std::string Describe(const Case& c, int n) {
+  return std::string(Name(c.kind)) + "(" + std::string(Name(c.op)) + ") " + std::string(Name(c.dtype)) +
+         " [" + std::to_string(c.outer) + "x" + std::to_string(c.inner) + "] n=" + std::to_string(n) +
+         (c.in_place ? " in-place" : "");
+}
+
+// Runs `c` with `pieces` on `comm`; returns every rank's output.
+std::vector<std::vector<uint8_t>> RunCase(Communicator& comm, const Case& c, const std::vector<Piece>& pieces,
+                                          std::vector<Status>* st, bool concurrent = false) {
+  const int n = comm.size();
+  const size_t w = ByteWidth(c.dtype), units = c.outer * c.inner;
+  const size_t in_count = c.kind == Kind::kReduceScatter ? units * n : units;
+  const size_t out_count = c.kind == Kind::kAllGather ? units * n : units;
+  const bool nan = c.op == ReduceOp::kMax || c.op == ReduceOp::kMin;
+  std::vector<std::vector<uint8_t>> ins(n), outs(n);
+  std::vector<CallDesc> descs(n);
+  for (int r = 0; r < n; ++r) {
+    ins[r] = RandomData(c.dtype, in_count, static_cast<uint32_t>(r * 7919 + units), nan);
+    outs[r].assign(out_count * w, 0xAB);
+    CallDesc& d = descs[r];
+    d.kind = c.kind, d.op = c.op, d.dtype = c.dtype, d.units = units;
+    d.outer = c.kind == Kind::kAllReduce ? 1 : c.outer;
+    d.inner = c.kind == Kind::kAllReduce ? units : c.inner;
+    d.in = ins[r].data();
+    d.out = c.in_place ? ins[r].data() : outs[r].data();
+  }
+  *st = RunCall(comm, descs, pieces, nullptr, concurrent);
+  return c.in_place ? ins : outs;
+}
+
+// tcp alone, tcp / shm / tcp on uneven sub-ranges (ending mid-row and mid-cache-line) one after the
+// other, and shm / tcp at once on two threads per rank, against shm alone. Channel 0 is shm, 1 tcp.
+void CheckTcpMatchesShm(Communicator& comm, const Case& c) {
+  const size_t units = c.outer * c.inner;
+  const size_t a = std::min(units, units / 3 + 1), b = std::max(a, std::min(units, 2 * units / 3 + 3));
+  std::vector<Status> st_ref, st_tcp, st_mix;
+  auto ref = RunCase(comm, c, {{0, {0, units}}}, &st_ref);
+  auto tcp = RunCase(comm, c, {{1, {0, units}}}, &st_tcp);
+  auto mix = RunCase(comm, c, {{1, {0, a}}, {0, {a, b}}, {1, {b, units}}}, &st_mix);
+  std::vector<Status> st_par;
+  auto par = RunCase(comm, c, {{0, {0, b}}, {1, {b, units}}}, &st_par, /*concurrent=*/true);
+  std::string why;
+  for (int r = 0; r < comm.size() && why.empty(); ++r) {
+    if (!st_ref[r].ok()) why = "shm: " + st_ref[r].message();
+    else if (!st_tcp[r].ok()) why = "tcp: " + st_tcp[r].message();
+    else if (!st_mix[r].ok()) why = "mixed: " + st_mix[r].message();
+    else if (tcp[r] != ref[r]) why = "tcp differs from shm at rank " + std::to_string(r);
+    else if (mix[r] != ref[r]) why = "tcp+shm ranges differ from shm at rank " + std::to_string(r);
+    else if (!st_par[r].ok()) why = "concurrent: " + st_par[r].message();
+    else if (par[r] != ref[r]) why = "concurrent shm+tcp differ from shm at rank " + std::to_string(r);
+  }
+  Expect(why.empty(), Describe(c, comm.size()) + ": " + why);
+}
+
+void TestTcpEqualsShm(Link& shm, Link& tcp) {
+  const std::vector<std::pair<DType, ReduceOp>> reductions = {
+      {DType::kF32, ReduceOp::kSum},  {DType::kF32, ReduceOp::kProd}, {DType::kF32, ReduceOp::kMax},
+      {DType::kBF16, ReduceOp::kSum}, {DType::kF16, ReduceOp::kSum},  {DType::kF16, ReduceOp::kMin},
+      {DType::kF64, ReduceOp::kSum},  {DType::kS32, ReduceOp::kSum},  {DType::kS32, ReduceOp::kProd},
+      {DType::kU8, ReduceOp::kSum},   {DType::kU8, ReduceOp::kMax},   {DType::kPred, ReduceOp::kMax},
+      {DType::kPred, ReduceOp::kMin}, {DType::kC64, ReduceOp::kSum}};
+  for (int n : {2, 3, 8}) {
+    auto comm = MakeComm(n, {&shm, &tcp});
+    Expect(static_cast<TcpChannel&>(comm->channel(1)).health().ok(), "tcp ring of " + std::to_string(n));
+    for (const auto& [t, op] : reductions) {
+      // One row of odd length for all_reduce; rows for the others (short and long).
+      CheckTcpMatchesShm(*comm, {Kind::kAllReduce, t, op, 1, n == 8 ? 70001u : 1237u});
+      CheckTcpMatchesShm(*comm, {Kind::kReduceScatter, t, op, 3, 333});
+      CheckTcpMatchesShm(*comm, {Kind::kReduceScatter, t, op, 1, 5003});
+    }
+    for (DType t : {DType::kF32, DType::kBF16, DType::kU8, DType::kC64}) {
+      CheckTcpMatchesShm(*comm, {Kind::kAllGather, t, ReduceOp::kSum, 1, 5003});
+      CheckTcpMatchesShm(*comm, {Kind::kAllGather, t, ReduceOp::kSum, 7, 131});
+    }
+    CheckTcpMatchesShm(*comm, {Kind::kAllReduce, DType::kF32, ReduceOp::kSum, 1, 1});
+    CheckTcpMatchesShm(*comm, {Kind::kAllReduce, DType::kF32, ReduceOp::kSum, 1, 100003, true});
+    CheckTcpMatchesShm(*comm, {Kind::kAllReduce, DType::kBF16, ReduceOp::kSum, 1, 100003, true});
+  }
+  // Many pipeline chunks on a big group.
+  auto comm = MakeComm(8, {&shm, &tcp});
+  CheckTcpMatchesShm(*comm, {Kind::kAllReduce, DType::kF32, ReduceOp::kSum, 1, 1 << 19});
+  CheckTcpMatchesShm(*comm, {Kind::kAllGather, DType::kF32, ReduceOp::kSum, 1, 200001});
+  CheckTcpMatchesShm(*comm, {Kind::kReduceScatter, DType::kF16, ReduceOp::kSum, 1, 200001});
+}
+
+// The handshake: a stranger with a wrong token and a silent one are dropped; the right one is taken.
+void TestHandshake() {
+  int lfd = -1;
+  uint16_t port = 0;
+  Expect(net::Listen(&lfd, &port).ok(), "listen");
+  const std::vector<uint8_t> good(24, 7);
+  std::vector<uint8_t> bad = good;
+  bad[3] ^= 1;
+  const auto deadline = net::DeadlineIn(5);
+  int bad_fd = -1, silent_fd = -1, good_fd = -1, accepted = -1, rejected = 0;
+  Expect(net::ConnectHello(port, bad, deadline, &bad_fd).ok(), "connect stranger");
+  Expect(net::ConnectHello(port, {}, deadline, &silent_fd).ok(), "connect silent stranger");
+  Expect(net::ConnectHello(port, good, deadline, &good_fd).ok(), "connect peer");
+  Status s = net::AcceptHello(lfd, good, deadline, &accepted, &rejected);
+  Expect(s.ok() && accepted >= 0, "accept with token: " + s.message());
+  Expect(rejected == 2, "strangers dropped: " + std::to_string(rejected));
+  // The accepted socket is the peer's: a byte sent on it reaches good_fd.
+  const char x = 'x';
+  char y = 0;
+  Expect(send(accepted, &x, 1, MSG_NOSIGNAL) == 1, "send on accepted");
+  const Status got = [&] {
+    for (int i = 0; i < 500; ++i) {
+      if (recv(good_fd, &y, 1, MSG_DONTWAIT) == 1) return Status::Ok();
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return Status::Internal("nothing");
+  }();
+  Expect(got.ok() && y == 'x', "accepted socket is the peer's");
+  char z;
+  ssize_t eof = -1;
+  for (int i = 0; i < 500 && eof < 0; ++i) {
+    eof = recv(bad_fd, &z, 1, MSG_DONTWAIT);
+    if (eof < 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  Expect(eof == 0, "stranger sees its connection closed");
+  // Nothing but strangers: the deadline ends the accept.
+  int lone = -1;
+  Expect(net::ConnectHello(port, bad, deadline, &lone).ok(), "connect stranger 2");
+  s = net::AcceptHello(lfd, good, net::DeadlineIn(0.2), &accepted, &rejected);
+  Expect(s.code() == StatusCode::kDeadlineExceeded, "accept deadline: " + s.message());
+  for (int fd : {lfd, bad_fd, silent_fd, good_fd, lone}) close(fd);
+}
+
+// A rank that arrives but never runs its range: its neighbour's wait ends at the deadline with an
+// error naming it; the channel is then broken and fails fast.
+void TestSilentPeer(Link& tcp) {
+  const double saved = TimeoutSeconds();
+  SetTimeoutSeconds(0.5);
+  auto comm = MakeComm(3, {&tcp});
+  std::vector<float> in(3 * 1000, 1.f), out(3 * 1000);
+  std::vector<CallDesc> descs(3);
+  for (int r = 0; r < 3; ++r) {
+    descs[r].units = descs[r].inner = 1000;
+    descs[r].in = in.data() + r * 1000;
+    descs[r].out = out.data() + r * 1000;
+  }
+  const int64_t run = NextRunId();
+  std::vector<Status> st(3);
+  std::vector<std::thread> threads;
+  const auto t0 = Clock::now();
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      auto call = comm->Join(r, run, "links_test");
+      st[r] = call->Arrive(r, descs[r], "test");
+      if (st[r].ok() && r != 2) st[r] = comm->channel(0).Run(*call, r, 0, {0, 1000});
+    });
+  for (auto& t : threads) t.join();
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  const std::string& m = st[0].message();
+  std::printf("silent peer: %s\n", m.c_str());
+  Expect(st[0].code() == StatusCode::kDeadlineExceeded && m.find(": rank 2 (device 102) did not start") != std::string::npos &&
+             m.find("link tcp") != std::string::npos && m.find("[100, 101, 102]") != std::string::npos,
+         "silent peer named: " + m);
+  Expect(!st[1].ok(), "rank 1 fails too: " + st[1].message());
+  Expect(took < 3, "deadline honoured: " + std::to_string(took) + " s");
+  // Broken: the next run fails at once.
+  auto st2 = RunCall(*comm, descs, {{0, {0, 1000}}});
+  Expect(!st2[0].ok() && !st2[1].ok() && !st2[2].ok(), "broken channel fails fast");
+  SetTimeoutSeconds(saved);
+}
+
+// Median of rank 0's time over `reps` calls.
+double TimeCall(Communicator& comm, const std::vector<CallDesc>& descs, size_t units, int reps) {
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    std::vector<double> s;
+    RunCall(comm, descs, {{0, {0, units}}}, &s);
+    t.push_back(*std::max_element(s.begin(), s.end()));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::vector<CallDesc> Descs(Kind kind, int n, size_t units, std::vector<std::vector<float>>& bufs) {
+  std::vector<CallDesc> d(n);
+  bufs.assign(2 * n, {});
+  for (int r = 0; r < n; ++r) {
+    bufs[2 * r].assign(kind == Kind::kReduceScatter ? units * n : units, 1.f);
+    bufs[2 * r + 1].assign(kind == Kind::kAllGather ? units * n : units, 0.f);
+    d[r].kind = kind;
+    d[r].units = d[r].inner = units;
+    d[r].in = bufs[2 * r].data();
+    d[r].out = bufs[2 * r + 1].data();
+  }
+  return d;
+}
+
+void TestEmulatedPacing() {
+  const int n = 8;
+  EmulatedLink emu("slow", std::make_unique<ShmLink>(), 0.2, 500);
+  auto comm = MakeComm(n, {&emu});
+  std::vector<std::vector<float>> bufs;
+  struct P { Kind kind; size_t units; double gbps, lat_us; };
+  for (const P& p : {P{Kind::kAllReduce, 256 << 10, 0.2, 500}, P{Kind::kAllReduce, 64 << 10, 0.1, 2000},
+                     P{Kind::kAllGather, 32 << 10, 0.15, 200}, P{Kind::kReduceScatter, 32 << 10, 0.3, 1000}}) {
+    emu.SetRate(p.gbps, p.lat_us);
+    auto descs = Descs(p.kind, n, p.units, bufs);
+    const double bytes = p.units * 4.0 * (p.kind == Kind::kAllReduce ? 1 : n);
+    const double f = p.kind == Kind::kAllReduce ? 2.0 * (n - 1) / n : (n - 1.0) / n;
+    const double want = p.lat_us * 1e-6 + bytes * f / (p.gbps * 1e9);
+    const double got = TimeCall(*comm, descs, p.units, 5);
+    char b[160];
+    std::snprintf(b, sizeof b, "emulated %s %zu units @%.2f GB/s +%.0f us: %.2f ms, formula %.2f ms",
+                  std::string(Name(p.kind)).c_str(), p.units, p.gbps, p.lat_us, got * 1e3, want * 1e3);
+    std::printf("%s\n", b);
+    Expect(std::fabs(got / want - 1) <= 0.15, b);
+  }
+  // The setter mid-run: a quarter of the rate takes four times as long (no latency).
+  emu.SetRate(0.2, 0);
+  auto descs = Descs(Kind::kAllReduce, n, 64 << 10, bufs);
+  const double fast = TimeCall(*comm, descs, 64 << 10, 5);
+  emu.SetRate(0.05, 0);
+  const double slow = TimeCall(*comm, descs, 64 << 10, 5);
+  Expect(std::fabs(slow / fast / 4 - 1) <= 0.15,
+         "SetRate 0.2 -> 0.05 GB/s: " + std::to_string(fast * 1e3) + " -> " + std::to_string(slow * 1e3) + " ms");
+  // Spec parsing (one spec per parse: names in one list must be unique).
+  std::vector<plan::LinkSpec> specs;
+  for (const char* text : {"emulated:nv@gbps=2,latency_us=5,base=tcp", "tcp:t2", "emulated@gbps=1",
+                           "emulated@gbps=1,base=x", "emulated@latency_us=1", "tcp@x=1"}) {
+    std::vector<plan::LinkSpec> one;
+    const Status s = plan::ParseLinkSpecs(text, {}, &one);
+    Expect(s.ok() && one.size() == 1, std::string("parse ") + text + ": " + s.message());
+    specs.push_back(one.empty() ? plan::LinkSpec{} : one[0]);
+  }
+  std::unique_ptr<Link> l;
+  Expect(EmulatedLink::FromSpec(specs[0], &l).ok() && l->name() == "nv" &&
+             static_cast<EmulatedLink&>(*l).gbps() == 2 && static_cast<EmulatedLink&>(*l).latency_us() == 5,
+         "emulated from spec");
+  Expect(TcpLink::FromSpec(specs[1], &l).ok() && l->name() == "t2", "tcp from spec");
+  Expect(EmulatedLink::FromSpec(specs[2], &l).ok() && l->name() == "emulated", "emulated default name");
+  Status s = EmulatedLink::FromSpec(specs[3], &l);
+  Expect(!s.ok() && s.message().find("base=\"x\"") != std::string::npos, "bad base: " + s.message());
+  s = EmulatedLink::FromSpec(specs[4], &l);
+  Expect(!s.ok() && s.message().find("gbps") != std::string::npos, "missing gbps: " + s.message());
+  Expect(!TcpLink::FromSpec(specs[5], &l).ok(), "tcp rejects params");
+}
+
+void Bench(Link& shm, Link& tcp) {
+  const int n = 8;
+  auto comm = MakeComm(n, {&shm, &tcp});
+  std::vector<std::vector<float>> bufs;
+  for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter})
+    for (size_t bytes : {size_t{64} << 10, size_t{1} << 20, size_t{16} << 20}) {
+      const size_t units = bytes / 4 / (kind == Kind::kAllReduce ? 1 : n);
+      auto descs = Descs(kind, n, units, bufs);
+      const double f = kind == Kind::kAllReduce ? 2.0 * (n - 1) / n : (n - 1.0) / n;
+      for (size_t ch : {0, 1}) {
+        std::vector<double> t;
+        for (int i = 0; i < 5; ++i) {
+          std::vector<double> s;
+          RunCall(*comm, descs, {{ch, {0, units}}}, &s);
+          t.push_back(*std::max_element(s.begin(), s.end()));
+        }
+        std::sort(t.begin(), t.end());
+        std::printf("%-15s %s %6zu KiB (algbw bytes): %8.3f ms  busbw %6.2f GB/s\n", std::string(Name(kind)).c_str(),
+                    ch ? "tcp" : "shm", bytes >> 10, t[2] * 1e3, bytes * f / t[2] / 1e9);
+      }
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  ShmLink shm;
+  TcpLink tcp;
+  if (argc > 1 && std::string(argv[1]) == "--bench") {
+    Bench(shm, tcp);
+    return 0;
+  }
+  const auto t0 = Clock::now();
+  TestHandshake();
+  TestTcpEqualsShm(shm, tcp);
+  TestSilentPeer(tcp);
+  TestEmulatedPacing();
+  std::printf("%d passed, %d failed (%.1f s)\n", g_passed, g_failed,
+              std::chrono::duration<double>(Clock::now() - t0).count());
+  return g_failed ? 1 : 0;
+}

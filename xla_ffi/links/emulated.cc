@@ -1,0 +1,72 @@
+#include "xla_ffi/links/emulated.h"
+
+#include <chrono>
+#include <thread>
+
+#include "xla_ffi/links/shm.h"
+#include "xla_ffi/links/tcp.h"
+
+namespace flexlink {
+
+double EmulatedPace::Seconds(const CallDesc& desc, size_t units, int n) const {
+  const double bytes = static_cast<double>(units * desc.width());
+  const double ranks = n;
+  // Bytes the nccl-tests formula credits per second of link time, per byte of busbw.
+  double moved = 0;
+  switch (desc.kind) {
+    case Kind::kAllReduce: moved = bytes * 2 * (ranks - 1) / ranks; break;
+    case Kind::kAllGather:
+    case Kind::kReduceScatter: moved = bytes * ranks * (ranks - 1) / ranks; break;
+  }
+  return latency_us.load() * 1e-6 + moved / (gbps.load() * 1e9);
+}
+
+Status EmulatedChannel::Run(CallContext& ctx, int rank, int lane, UnitRange range) {
+  const auto start = std::chrono::steady_clock::now();
+  FLEXLINK_RETURN_IF_ERROR(base_->Run(ctx, rank, lane, range));
+  if (range.size() == 0) return Status::Ok();
+  const double seconds = pace_->Seconds(ctx.desc(rank), range.size(), ctx.size());
+  std::this_thread::sleep_until(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                            std::chrono::duration<double>(seconds)));
+  return Status::Ok();
+}
+
+EmulatedLink::EmulatedLink(std::string name, std::unique_ptr<Link> base, double gbps, double latency_us)
+    : name_(std::move(name)), base_(std::move(base)), pace_(std::make_shared<EmulatedPace>()) {
+  SetRate(gbps, latency_us);
+}
+
+void EmulatedLink::SetRate(double gbps, double latency_us) {
+  pace_->gbps.store(gbps);
+  pace_->latency_us.store(latency_us);
+}
+
+std::unique_ptr<Channel> EmulatedLink::Open(std::span<const int64_t> devices) {
+  return std::make_unique<EmulatedChannel>(name_, base_->Open(devices), pace_);
+}
+
+Status EmulatedLink::FromSpec(const plan::LinkSpec& spec, std::unique_ptr<Link>* out) {
+  FLEXLINK_RETURN_IF_ERROR(plan::CheckParamKeys(spec, {"gbps", "latency_us", "base"}));
+  if (spec.params.count("gbps") == 0)
+    return Status::InvalidArgument("flexlink: link spec \"" + plan::FormatLinkSpec(spec) +
+                                   "\": an emulated link needs gbps=<bus bandwidth in GB/s>");
+  double gbps = 0, latency_us = 0;
+  FLEXLINK_RETURN_IF_ERROR(plan::GetDoubleParam(spec, "gbps", 0, 1e-6, 1e6, &gbps));
+  FLEXLINK_RETURN_IF_ERROR(plan::GetDoubleParam(spec, "latency_us", 0, 0, 1e7, &latency_us));
+  auto base_it = spec.params.find("base");
+  const std::string base = base_it == spec.params.end() ? "shm" : base_it->second;
+  std::unique_ptr<Link> base_link;
+  if (base == "shm") {
+    base_link = std::make_unique<ShmLink>();
+  } else if (base == "tcp") {
+    base_link = std::make_unique<TcpLink>(spec.name.empty() ? "tcp" : spec.name);
+  } else {
+    return Status::InvalidArgument("flexlink: link spec \"" + plan::FormatLinkSpec(spec) + "\": base=\"" +
+                                   base + "\" is not a link an emulated link can wrap (shm, tcp)");
+  }
+  *out = std::make_unique<EmulatedLink>(spec.name.empty() ? "emulated" : spec.name, std::move(base_link),
+                                        gbps, latency_us);
+  return Status::Ok();
+}
+
+}  // namespace flexlink

@@ -1,0 +1,96 @@
+// The tcp link: the ranks of a communicator connected in a ring over loopback sockets (rank r sends
+// to r+1 and receives from r-1), a NIC-like path. Bytes move only through the sockets: a rank reads
+// and writes nothing but its own buffers, as it would with a real network between the devices.
+//
+// Connecting (Open, once per communicator, from one thread): a listener per rank on 127.0.0.1 port 0;
+// rank r connects to rank r+1's listener and sends a hello (a per-communicator random 16-byte token +
+// both ranks) as its first bytes. A connection that does not present it is closed and the accept goes
+// on until the deadline; the listeners are closed once the ring stands.
+//
+// Order of reduction: results must equal shm's bit for bit, and shm reduces every element left to
+// right in rank order 0..n-1 with reduce.h's kernels. A textbook ring reduce-scatter accumulates in
+// ring order (different rounding for floats), so instead every chunk's partial value travels the
+// ring as a chain 0 -> 1 -> ... -> n-1, each rank folding in its own contribution with the same
+// kernel (acc op x_k). float16/bfloat16 partials travel as float32, which is exactly the kernel's
+// accumulator, and are rounded once at rank n-1. The chain is pipelined in chunks, so the bytes on
+// each socket are those of a ring:
+//   all_reduce      partials 0 -> ... -> n-1, then the results n-1 -> 0 -> ... -> n-2 (2(n-1)N in all,
+//                   like ring reduce-scatter + all-gather).
+//   all_gather      ring all-gather: each rank sends its block, then forwards what it receives.
+//   reduce_scatter  every block's chain 0 -> ... -> n-1, then block c's result n-1 -> 0 -> ... -> c
+//                   (1.5x the bytes of an unordered ring: the price of the fixed order).
+// Sockets are non-blocking and one poll() loop per rank moves its send and receive streams together,
+// so a ring of device threads never deadlocks on full buffers. Every receive has a destination from
+// the start (the outputs, or per-rank scratch kept across calls), so no rank ever stops reading.
+//
+// Streams carry calls back to back, so every rank must run the ranges of a channel in the same order
+// (the engine's one-split-per-call rule gives that); each range starts with a small header that is
+// checked, so a mismatch is an error, not garbage. Any failure (deadline, peer gone, mismatch) breaks
+// the channel for all ranks (peers blocked in poll wake at once) and later runs fail fast, so the
+// engine can move the bytes to another link.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/links/link.h"
+#include "xla_ffi/plan/link_spec.h"
+
+namespace flexlink {
+
+class TcpChannel final : public Channel {
+ public:
+  // Connects the ring of `devices.size()` ranks (blocks up to the configured timeout). A failure does
+  // not throw: the channel is born broken and every Run returns the connection error.
+  TcpChannel(std::string name, std::span<const int64_t> devices);
+  ~TcpChannel() override;
+
+  std::string_view link_name() const override { return name_; }
+  Status Run(CallContext& ctx, int rank, int lane, UnitRange range) override;
+
+  // OK, or why the channel cannot be used (connection failure, or the first failure of a run).
+  Status health() const;
+
+ private:
+  struct RankState {
+    int send_fd = -1, recv_fd = -1;
+    // Ranges started so far: the header's sequence number. Atomic because a rank that times out reads
+    // its peers' counters to name the ones that never started (diagnostics only; bytes still move
+    // only through the sockets).
+    std::atomic<uint64_t> runs{0};
+    std::vector<char> scratch;  // partials / forwarded blocks; grows to the largest range seen
+  };
+  void Break(Status why);  // records the first failure and wakes every rank
+  std::string Where(const CallDesc& d, UnitRange range) const;
+  std::string RankName(int rank) const;
+  friend class TcpRun;
+
+  const std::string name_;
+  const std::vector<int64_t> devices_;
+  std::vector<RankState> ranks_;  // each rank touches only its own entry
+  int abort_fd_ = -1;             // eventfd, readable once the channel is broken
+  std::atomic<bool> broken_{false};
+  mutable std::mutex mu_;
+  Status first_error_;
+};
+
+class TcpLink final : public Link {
+ public:
+  explicit TcpLink(std::string name = "tcp") : name_(std::move(name)) {}
+  // From a parsed spec ("tcp" or "tcp:name"; no parameters).
+  static Status FromSpec(const plan::LinkSpec& spec, std::unique_ptr<Link>* out);
+
+  std::string_view name() const override { return name_; }
+  std::unique_ptr<Channel> Open(std::span<const int64_t> devices) override {
+    return std::make_unique<TcpChannel>(name_, devices);
+  }
+
+ private:
+  const std::string name_;
+};
+
+}  // namespace flexlink
