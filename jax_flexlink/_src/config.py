@@ -35,18 +35,31 @@ def _env_float(name: str, default: float) -> float:
   return value
 
 
+_DEBUG_LEVELS = {"": 0, "0": 0, "OFF": 0, "WARN": 0, "INFO": 1, "1": 1, "DEBUG": 1}
+
+
+def _env_debug(name: str) -> int:
+  raw = os.environ.get(name, "")
+  level = _DEBUG_LEVELS.get(raw.strip().upper())
+  if level is None:
+    raise ValueError(f"{name}={raw!r}: expected INFO (or empty to turn logging off)")
+  return level
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
   timeout_s: float
   replace_collectives: bool
-  debug: str
+  debug_level: int
+  links: str
 
 
 def from_environment() -> EnvConfig:
   return EnvConfig(
       timeout_s=_env_float("FLEXLINK_TIMEOUT_S", 300.0),
       replace_collectives=_env_bool("FLEXLINK_REPLACE_COLLECTIVES", False),
-      debug=os.environ.get("FLEXLINK_DEBUG", "").strip().upper(),
+      debug_level=_env_debug("FLEXLINK_DEBUG"),
+      links=os.environ.get("FLEXLINK_LINKS", "").strip() or "shm",
   )
 
 

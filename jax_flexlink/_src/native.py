@@ -25,4 +25,9 @@ def register_targets() -> None:
   for name, capsule in targets.items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   _flexlink.set_timeout(ENV.timeout_s)
+  _flexlink.set_debug_level(ENV.debug_level)
+  try:
+    _flexlink.configure_links(ENV.links)
+  except ValueError as e:
+    raise ValueError(f"FLEXLINK_LINKS: {e}") from None
   _registered = True

@@ -1,27 +1,29 @@
-"""Runtime control of the engine: deadlines, statistics."""
+"""Runtime control of the engine: links, deadlines, statistics."""
 from __future__ import annotations
 
 from jax_flexlink import _flexlink
 
-AVAILABLE_LINKS = ("shm",)
 
+def configure(*, links: str | None = None, timeout_s: float | None = None) -> None:
+  """Sets engine options for the collectives that run from now on (not while any is running).
 
-def configure(*, timeout_s: float | None = None, links: str | None = None) -> None:
-  """Sets engine options for the collectives that run from now on.
-
+  links: which links carry the collectives, in FLEXLINK_LINKS syntax: `kind[:name][@key=value,...]`
+    separated by `;`, the first being the primary, e.g. "shm;tcp" or
+    "emulated:nvlink@gbps=2.0,latency_us=5;emulated:pcie@gbps=0.6,latency_us=10". Kinds: shm, tcp,
+    emulated (a real link, shm by default, paced to `gbps` bus bandwidth and `latency_us` per call).
   timeout_s: the deadline of every wait in a collective (default: FLEXLINK_TIMEOUT_S or 300 s).
-  links: the link set; this build has one CPU link, "shm".
   """
   if timeout_s is not None:
     if not timeout_s > 0:
       raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     _flexlink.set_timeout(float(timeout_s))
   if links is not None:
-    names = [part.strip() for part in links.split(";") if part.strip()]
-    unknown = [n for n in names if n.split(":")[0].split("@")[0] not in AVAILABLE_LINKS]
-    if not names or unknown:
-      raise ValueError(f"links={links!r}: unknown link kind(s) {unknown or [links]}; "
-                       f"this build provides {list(AVAILABLE_LINKS)}")
+    _flexlink.configure_links(links)
+
+
+def links() -> list[str]:
+  """Names of the configured links, primary first."""
+  return list(_flexlink.links())
 
 
 def timeout_s() -> float:
@@ -29,8 +31,22 @@ def timeout_s() -> float:
 
 
 def stats() -> dict:
-  """Per-link totals since start or the last reset_stats(): bytes, calls, seconds, healthy."""
-  return _flexlink.stats()
+  """What the engine did since start or the last reset_stats().
+
+  {"links": {name: {"bytes", "calls", "seconds", "healthy"}},   # per link of the current set
+   "plans": [{"collective", "bucket_bytes", "shares": {name: fraction}, "mode", "group", ...}],
+   "offload_fraction": bytes not on the primary link / all bytes}
+  """
+  raw = _flexlink.stats()
+  names = links()
+  per_link = {name: raw["links"][name] for name in names if name in raw["links"]}
+  total = sum(s["bytes"] for s in per_link.values())
+  offloaded = sum(s["bytes"] for name, s in per_link.items() if name != names[0])
+  return {
+      "links": per_link,
+      "plans": list(_flexlink.plans()),
+      "offload_fraction": offloaded / total if total else 0.0,
+  }
 
 
 def reset_stats() -> None:

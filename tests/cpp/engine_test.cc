@@ -425,7 +425,7 @@ void TestRanges() {
     const Kind kind = variant == 0 ? Kind::kAllReduce : variant % 2 ? Kind::kAllGather : Kind::kReduceScatter;
     const int64_t inner = variant >= 3 ? 3 : 333, outer = variant >= 3 ? 1000 : 7;
     Communicator comm(ids);
-    comm.AddChannel(std::make_unique<ShmChannel>(n));
+    comm.AddChannel(std::make_unique<ShmChannel>(n, "shm"));
     Spec s;
     s.kind = kind;
     s.dtype = DType::kF32;

@@ -9,6 +9,7 @@ std::atomic<double> g_timeout_s{300.0};
 // Measured crossover on the 2-core test machine with 8 device threads (docs/engine.md).
 std::atomic<size_t> g_shm_staging_bytes{16 * 1024};
 std::atomic<bool> g_huge_page_outputs{true};
+std::atomic<int> g_debug_level{0};
 
 }  // namespace
 
@@ -18,5 +19,8 @@ size_t ShmStagingBytes() { return g_shm_staging_bytes.load(std::memory_order_rel
 void SetShmStagingBytes(size_t bytes) { g_shm_staging_bytes.store(bytes, std::memory_order_relaxed); }
 bool HugePageOutputs() { return g_huge_page_outputs.load(std::memory_order_relaxed); }
 void SetHugePageOutputs(bool on) { g_huge_page_outputs.store(on, std::memory_order_relaxed); }
+
+int DebugLevel() { return g_debug_level.load(std::memory_order_relaxed); }
+void SetDebugLevel(int level) { g_debug_level.store(level, std::memory_order_relaxed); }
 
 }  // namespace flexlink

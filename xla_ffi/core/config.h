@@ -20,4 +20,9 @@ void SetShmStagingBytes(size_t bytes);
 bool HugePageOutputs();
 void SetHugePageOutputs(bool on);
 
+// Logging on stderr (FLEXLINK_DEBUG): 0 off, kDebugInfo logs stage-1 results and plan changes.
+inline constexpr int kDebugInfo = 1;
+int DebugLevel();
+void SetDebugLevel(int level);
+
 }  // namespace flexlink

@@ -6,29 +6,20 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/link_set.h"
 #include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/links/link.h"
-#include "xla_ffi/links/shm.h"
+#include "xla_ffi/plan/balancer.h"
 
 namespace flexlink {
 namespace {
-
-// The links every new communicator opens. One today (shm); the multi-path engine makes this a
-// configured list and splits calls across it.
-std::vector<std::unique_ptr<Link>>& Links() {
-  static auto* links = [] {
-    auto* v = new std::vector<std::unique_ptr<Link>>();
-    v->push_back(std::make_unique<ShmLink>());
-    for (const auto& link : *v) MarkLinkHealth(link->name(), true);
-    return v;
-  }();
-  return *links;
-}
 
 Status CheckDistinct(std::span<const int64_t> devices, std::string_view label) {
   std::vector<int64_t> sorted(devices.begin(), devices.end());
@@ -38,36 +29,91 @@ Status CheckDistinct(std::span<const int64_t> devices, std::string_view label) {
                                  " names a device more than once");
 }
 
-// Communicators live for the whole process (they are few: one per distinct group), so raw pointers
-// to them stay valid. Each device thread caches its lookups to avoid the global lock per call.
-Status GetCommunicator(std::span<const int64_t> devices, std::string_view label, Communicator** out) {
-  thread_local std::vector<std::pair<std::vector<int64_t>, Communicator*>> cache;
-  for (const auto& [ids, comm] : cache)
-    if (std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
-      *out = comm;
+// A group of devices on one link set: its communicator (channels), the balancer that plans its
+// calls and, with more than one link, the executor that splits them.
+struct Group {
+  std::shared_ptr<const LinkSet> links;  // keeps the Link objects alive as long as the channels
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<plan::Balancer> balancer;
+  std::unique_ptr<Executor> executor;  // declared last: its workers go before what they use
+};
+
+struct GroupRegistry {
+  std::mutex mu;
+  // Never erased: device threads cache raw pointers. Reconfiguring links makes new groups; the old
+  // ones stay idle (configuration is rare).
+  std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<Group>> groups;
+};
+
+GroupRegistry& Registry() {
+  static auto* reg = new GroupRegistry();
+  return *reg;
+}
+
+std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std::vector<int64_t>& devices) {
+  auto g = std::make_unique<Group>();
+  g->comm = std::make_unique<Communicator>(devices);
+  for (const auto& link : links->links) g->comm->AddChannel(link->Open(devices));
+  g->balancer = std::make_unique<plan::Balancer>(links->names());
+  for (const auto& [key, shares] : CurrentShareOverrides())
+    (void)g->balancer->SetShares(key.first, key.second, shares.shares, shares.pinned);
+  if (links->links.size() > 1)
+    g->executor = std::make_unique<Executor>(g->comm.get(), links->names(), g->balancer.get());
+  g->links = std::move(links);
+  return g;
+}
+
+// Each device thread caches its lookups to avoid the global lock per call.
+Status GetGroup(std::span<const int64_t> devices, std::string_view label, Group** out) {
+  std::shared_ptr<const LinkSet> links = CurrentLinkSet();
+  thread_local std::vector<std::tuple<uint64_t, std::vector<int64_t>, Group*>> cache;
+  for (const auto& [version, ids, group] : cache)
+    if (version == links->version && std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
+      *out = group;
       return Status::Ok();
     }
-  static std::mutex mu;
-  static auto* registry = new std::map<std::vector<int64_t>, std::unique_ptr<Communicator>>();
+  GroupRegistry& reg = Registry();
   std::vector<int64_t> key(devices.begin(), devices.end());
   {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = registry->find(key);
-    if (it == registry->end()) {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto it = reg.groups.find({links->version, key});
+    if (it == reg.groups.end()) {
       FLEXLINK_RETURN_IF_ERROR(CheckDistinct(devices, label));
-      auto comm = std::make_unique<Communicator>(key);
-      for (const auto& link : Links()) comm->AddChannel(link->Open(devices));
-      it = registry->emplace(key, std::move(comm)).first;
+      it = reg.groups.emplace(std::make_pair(links->version, key), MakeGroup(links, key)).first;
     }
     *out = it->second.get();
   }
-  cache.emplace_back(std::move(key), *out);
+  cache.emplace_back(links->version, std::move(key), *out);
   return Status::Ok();
 }
 
 }  // namespace
 
-void EnsureLinks() { Links(); }
+void EnsureLinks() { CurrentLinkSet(); }
+
+Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned) {
+  FLEXLINK_RETURN_IF_ERROR(SetSharesEverywhere(kind, bucket_bytes, shares, pinned));
+  const uint64_t version = CurrentLinkSet()->version;
+  GroupRegistry& reg = Registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups)
+    if (key.first == version)
+      FLEXLINK_RETURN_IF_ERROR(group->balancer->SetShares(kind, bucket_bytes, shares, pinned));
+  return Status::Ok();
+}
+
+std::vector<PlanSnapshot> SnapshotPlans() {
+  const uint64_t version = CurrentLinkSet()->version;
+  std::vector<PlanSnapshot> out;
+  GroupRegistry& reg = Registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups) {
+    if (key.first != version) continue;
+    for (const auto& p : group->balancer->Plans())
+      out.push_back(PlanSnapshot{key.second, *p, group->balancer->links()});
+  }
+  return out;
+}
 
 Status RunCollective(const CollectiveArgs& args) {
   std::span<const int64_t> members;
@@ -86,9 +132,11 @@ Status RunCollective(const CollectiveArgs& args) {
   }
   // Before arriving: nobody writes this rank's output before the arrival (see core/pages.h).
   PrepareOutput(desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
-  Communicator* comm = nullptr;
-  FLEXLINK_RETURN_IF_ERROR(GetCommunicator(members, args.label, &comm));
+  Group* group = nullptr;
+  FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
+  Communicator* comm = group->comm.get();
   std::shared_ptr<CallContext> call = comm->Join(rank, args.run_id, args.label);
+  if (group->executor) return group->executor->Run(*call, rank, desc);
   Channel& channel = comm->channel(0);
   const auto start = std::chrono::steady_clock::now();
   Status status = channel.RunAlone(*call, rank, desc);

@@ -4,10 +4,14 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/status.h"
+#include "xla_ffi/core/types.h"
+#include "xla_ffi/plan/balancer.h"
 
 namespace flexlink {
 
@@ -25,5 +29,17 @@ Status RunCollective(const CollectiveArgs& args);
 
 // Makes sure the configured links exist (so stats list them before the first call).
 void EnsureLinks();
+
+// Sets a (collective, size bucket)'s link shares on every group of the current link set, present and
+// future (pinned: kept as given; else a starting point for stage 2).
+Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned);
+
+struct PlanSnapshot {
+  std::vector<int64_t> group;
+  plan::Plan plan;
+  std::vector<std::string> links;
+};
+// Every plan of every group of the current link set.
+std::vector<PlanSnapshot> SnapshotPlans();
 
 }  // namespace flexlink

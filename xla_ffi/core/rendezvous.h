@@ -26,6 +26,9 @@ class CallContext {
   CallContext& operator=(const CallContext&) = delete;
 
   int size() const { return n_; }
+  const std::string& label() const { return label_; }
+  int64_t run_id() const { return run_id_; }
+  uint64_t call_number() const { return seq_; }
   // Valid once Arrive returned OK: what every rank published (buffers included).
   const CallDesc& desc(int rank) const { return descs_[rank]; }
 
@@ -43,6 +46,14 @@ class CallContext {
     std::lock_guard<std::mutex> lock(mu_);
     if (!scratch_) scratch_ = make();
     return static_cast<T*>(scratch_.get());
+  }
+
+  // The same for the executor (its plan and per-link times for this call), apart from the links'.
+  template <class T, class Make>
+  T* ExecutorState(Make&& make) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!executor_state_) executor_state_ = make();
+    return static_cast<T*>(executor_state_.get());
   }
 
  private:
@@ -73,6 +84,7 @@ class CallContext {
   bool abandoned_ = false;  // a wait timed out: later arrivals fail at once instead of hanging
   std::string error_;
   std::shared_ptr<void> scratch_;
+  std::shared_ptr<void> executor_state_;
 };
 
 }  // namespace flexlink

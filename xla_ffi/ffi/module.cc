@@ -15,6 +15,7 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/ffi/control.h"
 #include "xla_ffi/ffi/handlers.h"
 
 namespace nb = nanobind;
@@ -171,4 +172,5 @@ NB_MODULE(_flexlink, m) {
   m.def("set_huge_page_outputs", &SetHugePageOutputs, nb::arg("on"),
         "Advise transparent huge pages on large outputs before writing them (default on).");
   m.def("huge_page_outputs", &HugePageOutputs);
+  DefineControl(m);
 }

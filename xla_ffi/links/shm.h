@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -63,21 +64,26 @@ class StagingPool {
 
 class ShmChannel final : public Channel {
  public:
-  explicit ShmChannel(int n) : staging_pool_(n) {}
-  std::string_view link_name() const override { return "shm"; }
+  ShmChannel(int n, std::string name) : name_(std::move(name)), staging_pool_(n) {}
+  std::string_view link_name() const override { return name_; }
   Status Run(CallContext& ctx, int rank, int lane, UnitRange range) override;
   Status RunAlone(CallContext& ctx, int rank, const CallDesc& desc) override;
 
  private:
+  const std::string name_;
   StagingPool staging_pool_;
 };
 
 class ShmLink final : public Link {
  public:
-  std::string_view name() const override { return "shm"; }
+  explicit ShmLink(std::string name = "shm") : name_(std::move(name)) {}
+  std::string_view name() const override { return name_; }
   std::unique_ptr<Channel> Open(std::span<const int64_t> devices) override {
-    return std::make_unique<ShmChannel>(static_cast<int>(devices.size()));
+    return std::make_unique<ShmChannel>(static_cast<int>(devices.size()), name_);
   }
+
+ private:
+  const std::string name_;
 };
 
 }  // namespace flexlink

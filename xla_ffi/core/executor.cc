@@ -1,0 +1,194 @@
+#include "xla_ffi/core/executor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/rendezvous.h"
+#include "xla_ffi/core/stats.h"
+#include "xla_ffi/links/link.h"
+#include "xla_ffi/plan/ranges.h"
+
+namespace flexlink {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// nccl-tests' "size" of a call: AllReduce the buffer, AllGather the gathered output, ReduceScatter
+// the input. Plans are bucketed by it.
+uint64_t MessageBytes(const CallDesc& d, int n) {
+  return static_cast<uint64_t>(d.units) * d.width() * (d.kind == Kind::kAllReduce ? 1 : n);
+}
+
+std::atomic<bool> g_record_splits{false};
+std::mutex g_splits_mu;
+std::vector<SplitRecord>& Splits() {
+  static auto* v = new std::vector<SplitRecord>();
+  return *v;
+}
+constexpr size_t kMaxSplitRecords = 4096;
+
+}  // namespace
+
+LinkWorker::LinkWorker() : thread_([this] { Loop(); }) {}
+
+LinkWorker::~LinkWorker() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void LinkWorker::Post(std::function<Status()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    task_ = std::move(task);
+    has_task_ = true;
+    done_ = false;
+  }
+  cv_.notify_all();
+}
+
+Status LinkWorker::Wait(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(std::min(timeout_s, 1e9)));
+  if (!cv_.wait_until(lock, deadline, [&] { return done_; }))
+    return Status::DeadlineExceeded("flexlink: a link worker did not finish its range within " +
+                                    std::to_string(timeout_s) + " s");
+  return result_;
+}
+
+void LinkWorker::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return has_task_ || stop_; });
+    if (stop_) return;
+    std::function<Status()> task = std::move(task_);
+    has_task_ = false;
+    lock.unlock();
+    Status s = task();
+    lock.lock();
+    result_ = std::move(s);
+    done_ = true;
+    cv_.notify_all();
+  }
+}
+
+struct Executor::CallState {
+  std::shared_ptr<const plan::Plan> plan;
+  std::mutex mu;
+  std::vector<double> link_seconds;  // slowest rank's time per link
+  double call_seconds = 0;
+  int finished = 0;
+  bool failed = false;
+};
+
+Executor::Executor(Communicator* comm, std::vector<std::string> link_names, plan::Balancer* balancer)
+    : comm_(comm), link_names_(std::move(link_names)), balancer_(balancer) {
+  workers_.resize(link_names_.size());
+  for (size_t i = 0; i < link_names_.size(); ++i)
+    for (int r = 0; r < comm_->size(); ++r) workers_[i].push_back(std::make_unique<LinkWorker>());
+}
+
+Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
+  const int n = ctx.size();
+  const uint64_t bytes = MessageBytes(desc, n);
+  CallState* state = ctx.ExecutorState<CallState>([&] {
+    auto s = std::make_shared<CallState>();
+    s->plan = balancer_->PlanFor(desc.kind, bytes);
+    s->link_seconds.assign(link_names_.size(), 0.0);
+    return s;
+  });
+  const std::vector<plan::UnitRange> ranges =
+      plan::CutRanges(desc.units, desc.width(), state->plan->shares);
+  std::vector<size_t> used;
+  for (size_t i = 0; i < ranges.size(); ++i)
+    if (!ranges[i].empty()) used.push_back(i);
+  if (used.empty()) used.push_back(0);  // cannot happen for units > 0; keeps indexing safe
+
+  // Heap-held: a worker may still write its time if this rank gives up waiting for it.
+  auto seconds = std::make_shared<std::vector<double>>(link_names_.size(), 0.0);
+  const auto start = Clock::now();
+  Status status;
+  if (used.size() == 1) {
+    status = comm_->channel(used[0]).RunAlone(ctx, rank, desc);
+    (*seconds)[used[0]] = Since(start);
+  } else {
+    status = ctx.Arrive(rank, desc, link_names_[used[0]]);
+    if (status.ok()) {
+      const auto t0 = Clock::now();
+      auto range_of = [&](size_t i) { return UnitRange{ranges[i].begin, ranges[i].end}; };
+      for (size_t k = 1; k < used.size(); ++k) {
+        const size_t i = used[k];
+        Channel* channel = &comm_->channel(i);
+        const UnitRange range = range_of(i);
+        workers_[i][rank]->Post([&ctx, channel, rank, i, range, t0, seconds] {
+          Status s = channel->Run(ctx, rank, static_cast<int>(i), range);
+          (*seconds)[i] = Since(t0);
+          return s;
+        });
+      }
+      status = comm_->channel(used[0]).Run(ctx, rank, static_cast<int>(used[0]), range_of(used[0]));
+      (*seconds)[used[0]] = Since(t0);
+      // A link's own waits are bounded by the timeout; this one only guards against a stuck worker.
+      const double worker_timeout = 2 * TimeoutSeconds() + 5;
+      for (size_t k = 1; k < used.size(); ++k) {
+        Status s = workers_[used[k]][rank]->Wait(worker_timeout);
+        if (status.ok() && !s.ok()) status = std::move(s);
+      }
+    }
+  }
+  Finish(*state, n, desc, ranges, *seconds, Since(start), status.ok(), rank, ctx.run_id(),
+         ctx.call_number());
+  return status;
+}
+
+void Executor::Finish(CallState& state, int n, const CallDesc& desc,
+                      const std::vector<plan::UnitRange>& ranges, const std::vector<double>& seconds,
+                      double call_seconds, bool ok, int rank, int64_t run_id, uint64_t call_number) {
+  if (g_record_splits.load(std::memory_order_relaxed)) {
+    SplitRecord rec{FormatIds(comm_->devices()), run_id, call_number, rank, {}};
+    for (const auto& r : ranges) rec.ranges.emplace_back(r.begin, r.end);
+    std::lock_guard<std::mutex> lock(g_splits_mu);
+    if (Splits().size() < kMaxSplitRecords) Splits().push_back(std::move(rec));
+  }
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    for (size_t i = 0; i < seconds.size(); ++i)
+      state.link_seconds[i] = std::max(state.link_seconds[i], seconds[i]);
+    state.call_seconds = std::max(state.call_seconds, call_seconds);
+    state.failed |= !ok;
+    if (++state.finished < n || state.failed) return;
+  }
+  // The last rank of a successful call: every rank's times are in; nobody else touches `state`.
+  const plan::Balancer::Outcome outcome =
+      balancer_->Report(*state.plan, MessageBytes(desc, n), state.link_seconds, state.call_seconds);
+  const size_t per_unit = desc.width() * (desc.kind == Kind::kReduceScatter ? n : 1);
+  for (size_t i = 0; i < ranges.size(); ++i)
+    if (!ranges[i].empty()) RecordLinkCall(link_names_[i], ranges[i].size() * per_unit, state.link_seconds[i]);
+  if (outcome.changed && DebugLevel() >= kDebugInfo)
+    std::fprintf(stderr, "flexlink: group %s: %s\n", FormatIds(comm_->devices()).c_str(),
+                 outcome.reason.c_str());
+}
+
+void SetRecordSplits(bool on) { g_record_splits.store(on); }
+
+std::vector<SplitRecord> TakeSplitRecords() {
+  std::lock_guard<std::mutex> lock(g_splits_mu);
+  std::vector<SplitRecord> out;
+  out.swap(Splits());
+  return out;
+}
+
+}  // namespace flexlink

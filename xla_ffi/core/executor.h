@@ -1,0 +1,88 @@
+// The multi-path executor: one call split across the links of a communicator.
+//
+// The balancer's plan for the call (fetched once, by the first rank that joins, and shared by all
+// ranks through the call's context, so every rank cuts identical ranges) gives each link a share;
+// the call's units are cut into one contiguous range per link (plan/ranges.h). After one arrival,
+// each link runs its range concurrently: the device thread runs the first, long-lived per-(link, rank)
+// workers run the others (no thread is created per call). Each link's time for its range is
+// measured on every rank; the last rank to finish reports the slowest rank's time per link to the
+// balancer (stage 2) and to the link statistics. A plan with one link runs that link alone, which
+// keeps the shm link's single-rendezvous path for small calls.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla_ffi/core/call.h"
+#include "xla_ffi/core/status.h"
+#include "xla_ffi/plan/balancer.h"
+#include "xla_ffi/plan/ranges.h"
+
+namespace flexlink {
+
+class CallContext;
+class Communicator;
+
+// A thread that runs one task at a time for its owner and reports the task's status.
+class LinkWorker {
+ public:
+  LinkWorker();
+  ~LinkWorker();
+  LinkWorker(const LinkWorker&) = delete;
+  LinkWorker& operator=(const LinkWorker&) = delete;
+
+  void Post(std::function<Status()> task);
+  // Waits for the posted task; an error if it is not done within `timeout_s`.
+  Status Wait(double timeout_s);
+
+ private:
+  void Loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::function<Status()> task_;
+  bool has_task_ = false, done_ = false, stop_ = false;
+  Status result_;
+  std::thread thread_;
+};
+
+class Executor {
+ public:
+  // `comm` has one channel per link of `link_names`, in the same order.
+  Executor(Communicator* comm, std::vector<std::string> link_names, plan::Balancer* balancer);
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  Status Run(CallContext& ctx, int rank, const CallDesc& desc);
+
+ private:
+  struct CallState;
+  void Finish(CallState& state, int n, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
+              const std::vector<double>& seconds, double call_seconds, bool ok, int rank,
+              int64_t run_id, uint64_t call_number);
+
+  Communicator* const comm_;
+  const std::vector<std::string> link_names_;
+  plan::Balancer* const balancer_;
+  // workers_[link][rank]; link 0 (the primary) has none: its range runs on the device thread, or on a
+  // worker when the primary has no range.
+  std::vector<std::vector<std::unique_ptr<LinkWorker>>> workers_;
+};
+
+// Per-rank byte ranges of recent calls (for the rank-consistency test); off unless enabled.
+struct SplitRecord {
+  std::string group;
+  int64_t run_id = 0;
+  uint64_t call = 0;
+  int rank = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // per link: [begin, end) in units
+};
+void SetRecordSplits(bool on);
+std::vector<SplitRecord> TakeSplitRecords();
+
+}  // namespace flexlink

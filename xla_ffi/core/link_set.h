@@ -1,0 +1,45 @@
+// The configured links: what FLEXLINK_LINKS / jax_flexlink.configure(links=...) selected, built into
+// Link objects. A configuration is immutable once made; configuring again makes a new one with a new
+// version, and communicators are per (version, group), so a call never mixes two link sets. Calls
+// must not be running while the links are reconfigured (configure between steps, as with NCCL
+// environment settings): ranks of one call could otherwise pick different versions.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "xla_ffi/core/status.h"
+#include "xla_ffi/core/types.h"
+#include "xla_ffi/links/link.h"
+
+namespace flexlink {
+
+struct PinnedShares {
+  std::vector<double> shares;
+  bool pinned = true;
+};
+
+struct LinkSet {
+  uint64_t version = 0;
+  std::string spec;  // canonical form (plan::FormatLinkSpecs)
+  std::vector<std::unique_ptr<Link>> links;  // links[0] is the primary
+  std::vector<std::string> names() const;
+  Link* Find(std::string_view name) const;
+};
+
+// Parses and builds `spec` (kinds: shm, tcp, emulated) and makes it current. On error the current
+// set stays. The default, before any call to ConfigureLinks, is "shm".
+Status ConfigureLinks(std::string_view spec);
+std::shared_ptr<const LinkSet> CurrentLinkSet();
+
+// Shares set by hand for a (collective, size bucket): every communicator's balancer, present and
+// future, of the current link set applies them. Cleared when the links are reconfigured.
+Status SetSharesEverywhere(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned);
+std::map<std::pair<Kind, uint64_t>, PinnedShares> CurrentShareOverrides();
+
+}  // namespace flexlink

@@ -1,0 +1,97 @@
+// The multi-path control surface of jax_flexlink._flexlink: link selection, plans and shares, link
+// rates of emulated links, debug logging, split records. Python wraps these in jax_flexlink.configure,
+// stats() and the tests' hooks.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/link_set.h"
+#include "xla_ffi/ffi/control.h"
+#include "xla_ffi/links/emulated.h"
+
+namespace nb = nanobind;
+
+namespace flexlink {
+namespace {
+
+void Check(const Status& s) {
+  if (!s.ok()) throw nb::value_error(s.message().c_str());
+}
+
+Kind KindOf(const std::string& name) {
+  auto k = ParseKind(name);
+  if (!k) throw nb::value_error(("unknown collective '" + name +
+                                 "' (all_reduce, all_gather, reduce_scatter)").c_str());
+  return *k;
+}
+
+nb::list Plans() {
+  nb::list out;
+  for (const PlanSnapshot& p : SnapshotPlans()) {
+    nb::dict shares;
+    for (size_t i = 0; i < p.links.size() && i < p.plan.shares.size(); ++i)
+      shares[p.links[i].c_str()] = p.plan.shares[i];
+    nb::dict d;
+    d["collective"] = std::string(Name(p.plan.kind));
+    d["bucket_bytes"] = p.plan.bucket_bytes;
+    d["shares"] = shares;
+    d["mode"] = std::string(plan::Name(p.plan.mode));
+    d["epoch"] = p.plan.epoch;
+    d["group"] = p.group;
+    out.append(d);
+  }
+  return out;
+}
+
+nb::list SplitRecords() {
+  nb::list out;
+  for (const SplitRecord& r : TakeSplitRecords()) {
+    nb::dict d;
+    d["group"] = r.group;
+    d["run_id"] = r.run_id;
+    d["call"] = r.call;
+    d["rank"] = r.rank;
+    d["ranges"] = r.ranges;
+    out.append(d);
+  }
+  return out;
+}
+
+void SetLinkRate(const std::string& name, double gbps, double latency_us) {
+  auto set = CurrentLinkSet();
+  auto* link = dynamic_cast<EmulatedLink*>(set->Find(name));
+  if (!link) throw nb::value_error(("set_link_rate: no emulated link named '" + name + "' in " + set->spec).c_str());
+  if (!(gbps > 0) || latency_us < 0) throw nb::value_error("set_link_rate: gbps must be > 0, latency_us >= 0");
+  link->SetRate(gbps, latency_us);
+}
+
+}  // namespace
+
+void DefineControl(nb::module_& m) {
+  m.def("configure_links", [](const std::string& spec) { Check(ConfigureLinks(spec)); }, nb::arg("spec"),
+        "Selects the links (FLEXLINK_LINKS syntax); calls must not be running.");
+  m.def("links", [] { return CurrentLinkSet()->names(); }, "Names of the current links, primary first.");
+  m.def("links_spec", [] { return CurrentLinkSet()->spec; }, "The current link spec, canonical form.");
+  m.def("plans", &Plans, "Every plan of the current link set: collective, bucket, shares, mode, group.");
+  m.def(
+      "set_shares",
+      [](const std::string& kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned) {
+        Check(SetShares(KindOf(kind), bucket_bytes, std::move(shares), pinned));
+      },
+      nb::arg("collective"), nb::arg("bucket_bytes"), nb::arg("shares"), nb::arg("pinned") = true);
+  m.def("set_link_rate", &SetLinkRate, nb::arg("name"), nb::arg("gbps"), nb::arg("latency_us") = 0.0,
+        "Changes an emulated link's pace while running.");
+  m.def("set_debug_level", &SetDebugLevel, nb::arg("level"));
+  m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
+  m.def("take_split_records", &SplitRecords, "Per-rank ranges of the calls since the last take.");
+}
+
+}  // namespace flexlink
