@@ -14,7 +14,7 @@ import sys
 
 from . import collectives, scenarios, sizes, timing
 
-DEFAULTS = {"minbytes": "4K", "maxbytes": "64M", "stepfactor": None, "stepbytes": None,
+DEFAULTS = {"warmup_iters": 2, "minbytes": "4K", "maxbytes": "64M", "stepfactor": None, "stepbytes": None,
             "op": "sum", "datatype": "float", "collective": "all_reduce,all_gather"}
 
 
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-n", "--iters", type=_nonneg_int, default=0,
                    help=f"timed iterations per size; 0 = auto: ~{timing.AUTO_BYTES_BUDGET >> 20} MiB per "
                         f"rank, clamped to [{timing.AUTO_MIN_ITERS}, {timing.AUTO_MAX_ITERS}] (default 0)")
-    g.add_argument("-w", "--warmup_iters", type=_nonneg_int, default=2,
+    g.add_argument("-w", "--warmup_iters", type=_nonneg_int, default=None,
                    help="untimed iterations first (the first also compiles) (default 2)")
     g.add_argument("-c", "--check", type=int, choices=[0, 1], default=1,
                    help="check every row's result against the exact expected output (default 1)")
@@ -160,11 +160,11 @@ def parse(argv: list[str] | None = None) -> Config:
     modes = {"inplace": [True], "outofplace": [False]}.get(a.mode or "both", [False, True])
     links = a.links if a.links is not None else scen.links
     settings = {"minbytes": minb, "maxbytes": maxb, "stepfactor": stepf, "stepbytes": stepb,
-                "iters": a.iters or "auto", "warmup": a.warmup_iters, "check": a.check, "seed": a.seed,
+                "iters": a.iters or "auto", "warmup": pick("warmup_iters"), "check": a.check, "seed": a.seed,
                 "collectives": colls, "ops": ops, "dtypes": dtypes,
                 "modes": ["inplace" if m else "outofplace" for m in modes]}
     return Config(sizes=sweep, collectives=colls, ops=ops, dtypes=dtypes, iters=a.iters or None,
-                  warmup=a.warmup_iters, check=bool(a.check), devices=devices, links=links, modes=modes,
+                  warmup=pick("warmup_iters"), check=bool(a.check), devices=devices, links=links, modes=modes,
                   baseline=a.baseline, json_path=a.json, plot_path=a.plot, scenario=scen.name,
                   seed=a.seed, impl=a.impl, argv=argv, settings=settings)
 

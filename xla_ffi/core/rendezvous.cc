@@ -18,7 +18,8 @@ CallContext::CallContext(Communicator* comm, int64_t run_id, uint64_t seq, std::
       n_(comm->size()),
       present_(n_, 0),
       descs_(n_),
-      lanes_(lanes) {
+      lanes_(lanes),
+      dispatch_(n_) {
   for (Lane& lane : lanes_) lane.entered.assign(n_, 0);
 }
 

@@ -3,6 +3,7 @@
 // a condition variable (device threads outnumber cores; spinning would starve the ranks we wait for).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -38,6 +39,13 @@ class CallContext {
 
   // Waits until every rank reached this barrier on `lane`. `phase` names it in timeout messages.
   Status Barrier(int rank, int lane, std::string_view phase, std::string_view link);
+
+  // When the executor handed this rank's ranges to the links. A paced (emulated) link starts its
+  // clock here, like a DMA engine that starts when the transfer is posted, not when a CPU thread of
+  // the emulation gets scheduled. Unset (epoch) when a link runs the call alone.
+  using TimePoint = std::chrono::steady_clock::time_point;
+  void SetDispatchTime(int rank, TimePoint t) { dispatch_[rank] = t; }
+  TimePoint DispatchTime(int rank) const { return dispatch_[rank]; }
 
   // Per-call scratch of a link (e.g. shm staging): made by the first rank that asks, released when the
   // last rank drops the call — no extra synchronisation needed to know that all ranks are done.
@@ -85,6 +93,7 @@ class CallContext {
   std::string error_;
   std::shared_ptr<void> scratch_;
   std::shared_ptr<void> executor_state_;
+  std::vector<TimePoint> dispatch_;  // per rank, written by that rank's own thread before it posts
 };
 
 }  // namespace flexlink

@@ -22,7 +22,10 @@ double EmulatedPace::Seconds(const CallDesc& desc, size_t units, int n) const {
 }
 
 Status EmulatedChannel::Run(CallContext& ctx, int rank, int lane, UnitRange range) {
-  const auto start = std::chrono::steady_clock::now();
+  // Under the executor the clock starts when the range was posted (see CallContext::DispatchTime).
+  const auto dispatched = ctx.DispatchTime(rank);
+  const auto start = dispatched.time_since_epoch().count() != 0 ? dispatched
+                                                                 : std::chrono::steady_clock::now();
   FLEXLINK_RETURN_IF_ERROR(base_->Run(ctx, rank, lane, range));
   if (range.size() == 0) return Status::Ok();
   const double seconds = pace_->Seconds(ctx.desc(rank), range.size(), ctx.size());
