@@ -1,0 +1,208 @@
+"""The multi-path engine: calls split across several links, the balancer's stage 2, link selection.
+
+Emulated links are real links (shm underneath) paced to a bus bandwidth far below this machine's copy
+speed, so the pacing, not the CPU, sets each link's time and the optimal split is known analytically:
+shares proportional to the links' bandwidths at large sizes.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_flexlink as flx
+from jax_flexlink import _flexlink
+from helpers import make_data
+
+N = 8
+
+
+@pytest.fixture(autouse=True)
+def _restore_links():
+    yield
+    flx.configure(links="shm")
+    _flexlink.set_record_splits(False)
+    _flexlink.take_split_records()
+
+
+def bucket(nbytes):
+    return 1 << (int(nbytes).bit_length() - 1)
+
+
+def sharded(mesh, x):
+    return jax.device_put(x, NamedSharding(mesh, P("x")))
+
+
+def collective_fn(mesh, mod, kind):
+    body = {
+        "all_reduce": lambda v: mod.psum(v, "x"),
+        "all_gather": lambda v: mod.all_gather(v, "x", tiled=True),
+        "reduce_scatter": lambda v: mod.psum_scatter(v, "x", tiled=True),
+    }[kind]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                 check_vma=False))
+
+
+def message_bytes(kind, per_device_elems, itemsize):
+    # nccl-tests' size, which buckets plans: AllReduce the buffer, AllGather the gathered output,
+    # ReduceScatter the input.
+    return per_device_elems * itemsize * (N if kind == "all_gather" else 1)
+
+
+# Odd element counts: ranges end mid-cache-line, and slices are uneven across ranks.
+SPLITS = {
+    "100/0": [1.0, 0.0],
+    "0/100": [0.0, 1.0],
+    "odd": [0.613, 0.387],
+    "sliver": [0.997, 0.003],
+}
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_every_split_gives_identical_results(kind, dtype, mesh1d):
+    flx.configure(links="shm;emulated:e@gbps=50")
+    per_device = 8 * 4099 if kind == "reduce_scatter" else 40961
+    x = sharded(mesh1d, make_data(dtype, (N * per_device,), seed=7))
+    f, ref_f = collective_fn(mesh1d, flx, kind), collective_fn(mesh1d, lax, kind)
+    b = bucket(message_bytes(kind, per_device, np.dtype(x.dtype).itemsize))
+    results = {}
+    for name, shares in SPLITS.items():
+        _flexlink.set_shares(kind, b, shares, pinned=True)
+        results[name] = np.asarray(f(x))
+        used = {p["bucket_bytes"]: p["shares"] for p in flx.stats()["plans"]
+                if p["collective"] == kind}
+        assert used[b] == pytest.approx(dict(zip(["shm", "e"], shares)), abs=1e-9)
+    first = results["100/0"]
+    for name, got in results.items():
+        assert got.tobytes() == first.tobytes(), f"split {name} differs from 100/0"
+    want = np.asarray(ref_f(x))
+    if dtype == "int32":
+        np.testing.assert_array_equal(first, want)
+    else:
+        np.testing.assert_allclose(first.astype(np.float64), want.astype(np.float64),
+                                   rtol=0.05 if dtype == "bfloat16" else 1e-4, atol=1e-2)
+
+
+def test_three_links_including_tcp(mesh1d):
+    flx.configure(links="shm;tcp;emulated:e@gbps=50")
+    assert flx.links() == ["shm", "tcp", "e"]
+    per_device = 20011
+    x = sharded(mesh1d, make_data("float32", (N * per_device,), seed=8))
+    f = collective_fn(mesh1d, flx, "all_reduce")
+    b = bucket(per_device * 4)
+    _flexlink.set_shares("all_reduce", b, [1.0, 0.0, 0.0], pinned=True)
+    alone = np.asarray(f(x))
+    _flexlink.set_shares("all_reduce", b, [0.5, 0.3, 0.2], pinned=True)
+    split = np.asarray(f(x))
+    assert split.tobytes() == alone.tobytes()
+    moved = flx.stats()["links"]
+    assert all(moved[name]["bytes"] > 0 for name in ("shm", "tcp", "e"))
+    np.testing.assert_allclose(split, np.asarray(collective_fn(mesh1d, lax, "all_reduce")(x)),
+                               rtol=1e-4, atol=1e-3)
+
+
+def converge(f, x, kind, nbytes, expected, calls):
+    """Runs up to `calls` calls; returns the call count after which the plan was within 3 points of
+    `expected` (and stays so for the rest), and the final shares."""
+    b = bucket(nbytes)
+    within_since = None
+    shares = None
+    for i in range(calls):
+        f(x).block_until_ready()
+        plan = [p for p in flx.stats()["plans"] if p["collective"] == kind and p["bucket_bytes"] == b]
+        assert len(plan) == 1
+        shares = plan[0]["shares"]
+        ok = all(abs(shares[k] - v) <= 0.03 for k, v in expected.items())
+        within_since = (within_since or i + 1) if ok else None
+    return within_since, shares
+
+
+def test_stage2_converges_to_bandwidth_proportional_shares(mesh1d):
+    flx.configure(links="emulated:a@gbps=0.2,latency_us=5;emulated:b@gbps=0.1,latency_us=5")
+    per_device = (2 << 20) // 4
+    x = sharded(mesh1d, jnp.ones((N * per_device,), jnp.float32))
+    f = collective_fn(mesh1d, flx, "all_reduce")
+    since, shares = converge(f, x, "all_reduce", per_device * 4, {"a": 2 / 3, "b": 1 / 3}, 30)
+    assert since is not None and since <= 30, shares
+    # The slower link gets twice as fast: the plan re-converges to half and half.
+    _flexlink.set_link_rate("b", 0.2, 5)
+    since, shares = converge(f, x, "all_reduce", per_device * 4, {"a": 0.5, "b": 0.5}, 30)
+    assert since is not None, shares
+    np.testing.assert_array_equal(np.asarray(f(x)), np.full(N * per_device, N, np.float32))
+
+
+def test_a_hundred_times_slower_link_ends_with_no_share(mesh1d):
+    flx.configure(links="emulated:fast@gbps=0.2;emulated:slow@gbps=0.002")
+    per_device = (1 << 20) // 4
+    x = sharded(mesh1d, jnp.ones((N * per_device,), jnp.float32))
+    f = collective_fn(mesh1d, flx, "all_reduce")
+    since, shares = converge(f, x, "all_reduce", per_device * 4, {"fast": 1.0, "slow": 0.0}, 30)
+    assert since is not None and shares["slow"] < 0.02, shares
+
+
+def test_every_rank_uses_the_same_split(mesh1d):
+    flx.configure(links="emulated:a@gbps=0.3;emulated:b@gbps=0.1;shm")
+    _flexlink.set_record_splits(True)
+    per_device = 3 * 65537
+    x = sharded(mesh1d, jnp.ones((N * per_device,), jnp.float32))
+    f = collective_fn(mesh1d, flx, "all_reduce")
+    for _ in range(12):  # plans change while stage 2 converges
+        f(x).block_until_ready()
+    records = _flexlink.take_split_records()
+    calls = {}
+    for r in records:
+        calls.setdefault((r["group"], r["run_id"], r["call"]), {})[r["rank"]] = r["ranges"]
+    assert len(calls) == 12
+    distinct = set()
+    for key, by_rank in calls.items():
+        assert sorted(by_rank) == list(range(N)), key
+        assert len({tuple(map(tuple, v)) for v in by_rank.values()}) == 1, (key, by_rank)
+        distinct.add(tuple(map(tuple, by_rank[0])))
+    assert len(distinct) > 1, "the plan never changed: the test did not exercise plan changes"
+
+
+def test_stats_report_plans_and_offload(mesh1d):
+    flx.configure(links="shm;emulated:e@gbps=50")
+    flx.reset_stats()
+    per_device = 1 << 16
+    x = sharded(mesh1d, jnp.ones((N * per_device,), jnp.float32))
+    _flexlink.set_shares("all_reduce", bucket(per_device * 4), [0.75, 0.25], pinned=True)
+    collective_fn(mesh1d, flx, "all_reduce")(x).block_until_ready()
+    s = flx.stats()
+    assert set(s["links"]) == {"shm", "e"}
+    assert s["links"]["shm"]["calls"] == 1 and s["links"]["e"]["calls"] == 1
+    total = s["links"]["shm"]["bytes"] + s["links"]["e"]["bytes"]
+    assert total == per_device * 4
+    assert s["offload_fraction"] == pytest.approx(0.25, abs=0.01)
+    plan, = [p for p in s["plans"] if p["collective"] == "all_reduce"]
+    assert plan["mode"] == "pinned" and plan["bucket_bytes"] == per_device * 4
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("", "empty"),
+    ("shm;", "part 2"),
+    ("nvlink", "unknown link kind"),
+    ("emulated:x", "gbps"),
+    ("emulated:x@gbps=fast", "gbps"),
+    ("shm;shm", "shm"),
+    ("tcp@port=1", "port"),
+])
+def test_bad_link_specs_name_the_offending_part(spec, words):
+    with pytest.raises(ValueError) as e:
+        flx.configure(links=spec)
+    assert words in str(e.value), str(e.value)
+    assert flx.links() == ["shm"]  # the previous links stay
+
+
+def test_links_from_the_environment():
+    from helpers import run_python
+    res = run_python("""
+        import jax_flexlink as flx
+        print(flx.links())
+    """, env_extra={"FLEXLINK_LINKS": "shm;emulated:slow@gbps=1"})
+    assert res.returncode == 0 and "['shm', 'slow']" in res.stdout, res.stderr[-2000:]
+    res = run_python("import jax_flexlink", env_extra={"FLEXLINK_LINKS": "shm;bogus"})
+    assert res.returncode != 0 and "FLEXLINK_LINKS" in res.stderr and "bogus" in res.stderr
