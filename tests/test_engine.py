@@ -284,6 +284,6 @@ def test_stats_count_calls_and_reset(mesh1d):
     fields = {"bytes", "calls", "seconds", "healthy"}
     assert all(set(link) >= fields for link in s["links"].values())
     assert all(link["healthy"] for link in s["links"].values()), s
-    assert fl.stats().keys() == s.keys()
+    assert set(s) >= set(fl.stats()) | {"plans", "offload_fraction"}
     flx.reset_stats()
     assert all(link["calls"] == 0 for link in flx.stats()["links"].values())
