@@ -16,11 +16,12 @@ from jax_flexlink._src.api import (  # noqa: E402
     all_gather, pmax, pmean, pmin, psum, psum_scatter)
 from jax_flexlink._src.replace import replace_collectives, replacing_collectives  # noqa: E402
 from jax_flexlink._src.runtime import configure, links, reset_stats, stats  # noqa: E402
+from jax_flexlink._src.tune import tune  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter",
-    "replace_collectives", "replacing_collectives", "configure", "links", "stats", "reset_stats",
+    "replace_collectives", "replacing_collectives", "configure", "links", "tune", "stats", "reset_stats",
     "__version__",
 ]

@@ -206,3 +206,37 @@ def test_links_from_the_environment():
     assert res.returncode == 0 and "['shm', 'slow']" in res.stdout, res.stderr[-2000:]
     res = run_python("import jax_flexlink", env_extra={"FLEXLINK_LINKS": "shm;bogus"})
     assert res.returncode != 0 and "FLEXLINK_LINKS" in res.stderr and "bogus" in res.stderr
+
+
+def test_stage1_profiles_fits_and_caches(tmp_path):
+    from helpers import run_python
+    code = """
+        import time, jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        import jax_flexlink as flx
+        flx.configure(links="emulated:a@gbps=0.2,latency_us=5;emulated:b@gbps=0.1,latency_us=5")
+        t = time.perf_counter()
+        fits = flx.tune(collectives=("all_reduce",), min_bytes=1 << 16, max_bytes=1 << 20,
+                        use_cache=CACHED)
+        print("SECONDS", time.perf_counter() - t)
+        (a_alpha, a_beta), (b_alpha, b_beta) = fits["all_reduce"]
+        print("BW_RATIO", b_beta / a_beta)
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                                  out_specs=P("x"), check_vma=False))
+        f(jax.device_put(jnp.ones(8 * (1 << 18), jnp.float32), NamedSharding(mesh, P("x"))))
+        plan, = flx.stats()["plans"]
+        print("FIRST_SHARES", plan["shares"]["a"], plan["mode"])
+    """
+    env = {"FLEXLINK_TUNE_CACHE": str(tmp_path / "tune.json"), "FLEXLINK_DEBUG": "INFO"}
+    first = run_python(code.replace("CACHED", "False"), env_extra=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in first.stdout.splitlines() if " " in line)
+    assert 1.5 < float(out["BW_RATIO"]) < 2.6, out  # b is half as fast: twice the seconds per byte
+    share_a = float(out["FIRST_SHARES"].split()[0])
+    assert abs(share_a - 2 / 3) < 0.08, out  # stage 1 alone lands near the optimum, before stage 2
+    assert "stage 1 profiled" in first.stderr and (tmp_path / "tune.json").exists()
+    second = run_python(code.replace("CACHED", "True"), env_extra=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "stage 1 from cache" in second.stderr, second.stderr[-2000:]
+    assert "stage 1 profiled" not in second.stderr

@@ -52,6 +52,7 @@ class EnvConfig:
   replace_collectives: bool
   debug_level: int
   links: str
+  tune_cache: str
 
 
 def from_environment() -> EnvConfig:
@@ -60,6 +61,7 @@ def from_environment() -> EnvConfig:
       replace_collectives=_env_bool("FLEXLINK_REPLACE_COLLECTIVES", False),
       debug_level=_env_debug("FLEXLINK_DEBUG"),
       links=os.environ.get("FLEXLINK_LINKS", "").strip() or "shm",
+      tune_cache=os.environ.get("FLEXLINK_TUNE_CACHE", "").strip(),
   )
 
 

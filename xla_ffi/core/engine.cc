@@ -55,6 +55,7 @@ std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std
   g->comm = std::make_unique<Communicator>(devices);
   for (const auto& link : links->links) g->comm->AddChannel(link->Open(devices));
   g->balancer = std::make_unique<plan::Balancer>(links->names());
+  if (auto model = CurrentModel()) (void)g->balancer->SetModel(*model);
   for (const auto& [key, shares] : CurrentShareOverrides())
     (void)g->balancer->SetShares(key.first, key.second, shares.shares, shares.pinned);
   if (links->links.size() > 1)
@@ -100,6 +101,28 @@ Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, b
     if (key.first == version)
       FLEXLINK_RETURN_IF_ERROR(group->balancer->SetShares(kind, bucket_bytes, shares, pinned));
   return Status::Ok();
+}
+
+Status InstallModel(plan::CostModel model) {
+  std::shared_ptr<const LinkSet> set = CurrentLinkSet();
+  if (model.links() != set->names())
+    return Status::InvalidArgument("install_model: the model's links do not match the current links " +
+                                   set->spec);
+  SetCurrentModel(model);
+  GroupRegistry& reg = Registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups)
+    if (key.first == set->version) FLEXLINK_RETURN_IF_ERROR(group->balancer->SetModel(model));
+  return Status::Ok();
+}
+
+void ClearPlans() {
+  ClearShareOverrides();
+  const uint64_t version = CurrentLinkSet()->version;
+  GroupRegistry& reg = Registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups)
+    if (key.first == version) group->balancer->Clear();
 }
 
 std::vector<PlanSnapshot> SnapshotPlans() {

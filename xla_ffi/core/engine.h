@@ -34,6 +34,11 @@ void EnsureLinks();
 // future (pinned: kept as given; else a starting point for stage 2).
 Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned);
 
+// Stage 1: installs per-link fits on every group of the current link set, present and future.
+Status InstallModel(plan::CostModel model);
+// Forgets every plan and hand-set share of the current link set (the model stays).
+void ClearPlans();
+
 struct PlanSnapshot {
   std::vector<int64_t> group;
   plan::Plan plan;

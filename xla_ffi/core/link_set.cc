@@ -25,6 +25,7 @@ struct Registry {
   std::mutex mu;
   std::shared_ptr<const LinkSet> current;
   std::map<std::pair<Kind, uint64_t>, PinnedShares> overrides;
+  std::shared_ptr<const plan::CostModel> model;
   uint64_t next_version = 1;
 };
 
@@ -73,6 +74,7 @@ Status ConfigureLinks(std::string_view spec) {
   for (const std::string& name : set->names()) MarkLinkHealth(name, true);
   reg.current = std::move(set);
   reg.overrides.clear();
+  reg.model.reset();
   return Status::Ok();
 }
 
@@ -104,6 +106,24 @@ std::map<std::pair<Kind, uint64_t>, PinnedShares> CurrentShareOverrides() {
   Registry& reg = Reg();
   std::lock_guard<std::mutex> lock(reg.mu);
   return reg.overrides;
+}
+
+void ClearShareOverrides() {
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  reg.overrides.clear();
+}
+
+void SetCurrentModel(plan::CostModel model) {
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  reg.model = std::make_shared<const plan::CostModel>(std::move(model));
+}
+
+std::shared_ptr<const plan::CostModel> CurrentModel() {
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  return reg.model;
 }
 
 }  // namespace flexlink

@@ -16,6 +16,7 @@
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/core/types.h"
 #include "xla_ffi/links/link.h"
+#include "xla_ffi/plan/cost_model.h"
 
 namespace flexlink {
 
@@ -41,5 +42,11 @@ std::shared_ptr<const LinkSet> CurrentLinkSet();
 // future, of the current link set applies them. Cleared when the links are reconfigured.
 Status SetSharesEverywhere(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned);
 std::map<std::pair<Kind, uint64_t>, PinnedShares> CurrentShareOverrides();
+void ClearShareOverrides();
+
+// Stage-1 results (per-link α–β fits) for the current link set: new groups' balancers start from
+// them. Cleared when the links are reconfigured.
+void SetCurrentModel(plan::CostModel model);
+std::shared_ptr<const plan::CostModel> CurrentModel();  // null before any stage 1
 
 }  // namespace flexlink

@@ -16,6 +16,8 @@
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/ffi/control.h"
 #include "xla_ffi/links/emulated.h"
+#include "xla_ffi/plan/cost_model.h"
+#include "xla_ffi/plan/tuning_cache.h"
 
 namespace nb = nanobind;
 
@@ -73,6 +75,61 @@ void SetLinkRate(const std::string& name, double gbps, double latency_us) {
   link->SetRate(gbps, latency_us);
 }
 
+// fits: {collective: [(alpha_s, beta_s_per_byte) per link, in link order]}
+plan::CostModel ModelFrom(const nb::dict& fits) {
+  auto set = CurrentLinkSet();
+  plan::CostModel model(set->names());
+  for (auto [k, v] : fits) {
+    const Kind kind = KindOf(nb::cast<std::string>(k));
+    auto per_link = nb::cast<std::vector<std::pair<double, double>>>(v);
+    if (per_link.size() != set->links.size())
+      throw nb::value_error("install_model: one (alpha, beta) per link expected");
+    for (size_t i = 0; i < per_link.size(); ++i)
+      model.Set(kind, i, plan::AlphaBeta{per_link[i].first, per_link[i].second});
+  }
+  return model;
+}
+
+nb::dict FitsOf(const plan::CostModel& model) {
+  nb::dict out;
+  for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter}) {
+    if (!model.Has(kind)) continue;
+    std::vector<std::pair<double, double>> fits;
+    for (const auto& f : model.Fits(kind)) fits.emplace_back(f.alpha, f.beta);
+    out[std::string(Name(kind)).c_str()] = fits;
+  }
+  return out;
+}
+
+std::pair<double, double> Fit(const std::vector<std::pair<double, double>>& samples) {
+  std::vector<plan::Sample> s;
+  for (auto [bytes, seconds] : samples) s.push_back(plan::Sample{bytes, seconds});
+  plan::AlphaBeta fit;
+  Check(plan::FitAlphaBeta(s, &fit));
+  return {fit.alpha, fit.beta};
+}
+
+// The tuning cache entry for the current links and `ranks`, as {fits, max_bytes, warning}; fits is
+// None when there is no entry.
+nb::dict LoadTuning(const std::string& path, int ranks) {
+  plan::TuneRecord rec;
+  std::string warning;
+  const bool found = plan::LoadTuning(path, {plan::HostName(), CurrentLinkSet()->spec, ranks}, &rec, &warning);
+  nb::dict out;
+  out["fits"] = found ? nb::object(FitsOf(rec.model)) : nb::none();
+  out["max_bytes"] = rec.max_bytes;
+  out["warning"] = warning;
+  out["host"] = plan::HostName();
+  return out;
+}
+
+std::string StoreTuning(const std::string& path, int ranks, const nb::dict& fits, uint64_t max_bytes) {
+  plan::TuneRecord rec{{plan::HostName(), CurrentLinkSet()->spec, ranks}, ModelFrom(fits), max_bytes};
+  std::string warning;
+  Check(plan::StoreTuning(path, rec, &warning));
+  return warning;
+}
+
 }  // namespace
 
 void DefineControl(nb::module_& m) {
@@ -90,6 +147,22 @@ void DefineControl(nb::module_& m) {
   m.def("set_link_rate", &SetLinkRate, nb::arg("name"), nb::arg("gbps"), nb::arg("latency_us") = 0.0,
         "Changes an emulated link's pace while running.");
   m.def("set_debug_level", &SetDebugLevel, nb::arg("level"));
+  m.def("fit_alpha_beta", &Fit, nb::arg("samples"), "Least-squares (alpha_s, beta_s_per_byte) of (bytes, seconds).");
+  m.def("install_model", [](const nb::dict& fits) { Check(InstallModel(ModelFrom(fits))); }, nb::arg("fits"),
+        "Stage 1: per-link fits {collective: [(alpha, beta), ...]} for the current links.");
+  m.def("clear_plans", &ClearPlans, "Forgets every plan and hand-set share (the model stays).");
+  m.def("split_threshold_bytes", [](const std::string& kind) {
+    auto model = CurrentModel();
+    if (!model || !model->Has(KindOf(kind))) return uint64_t{0};
+    plan::Balancer b(CurrentLinkSet()->names());
+    (void)b.SetModel(*model);
+    return b.SplitThresholdBytes(KindOf(kind));
+  }, nb::arg("collective"));
+  m.def("tune_cache_path", [](const std::string& configured, const std::string& home) {
+    return plan::ResolveCachePath(configured, home);
+  }, nb::arg("configured"), nb::arg("home"));
+  m.def("load_tuning", &LoadTuning, nb::arg("path"), nb::arg("ranks"));
+  m.def("store_tuning", &StoreTuning, nb::arg("path"), nb::arg("ranks"), nb::arg("fits"), nb::arg("max_bytes"));
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
   m.def("take_split_records", &SplitRecords, "Per-rank ranges of the calls since the last take.");
 }
