@@ -329,3 +329,15 @@ def test_later_programs_run_after_a_failed_collective():
     """, timeout=240)
     assert res.returncode == 0 and "RECOVERED" in res.stdout, (
         res.stdout[-2000:] + res.stderr[-3000:])
+
+
+def test_pmax_pmin_are_not_differentiable_like_lax(mesh1d):
+    """lax has no derivative for pmax/pmin; FlexLink must raise the same error, not differentiate
+    them as if they were linear."""
+    x = jnp.arange(8.0)
+    for op in ("pmax", "pmin"):
+        f = lambda m: jax.shard_map(lambda a: getattr(m, op)(a, "x"), mesh=mesh1d, in_specs=P("x"),
+                                    out_specs=P(), check_vma=False)
+        for m in (lax, flx):
+            with pytest.raises(NotImplementedError, match=f"Differentiation rule for '{op}'"):
+                jax.grad(lambda v: f(m)(v).sum())(x)

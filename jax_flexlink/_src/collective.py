@@ -10,7 +10,6 @@ lowering to a custom call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import numpy as np
@@ -133,7 +132,14 @@ def define_primitive(name: str, api_name: Callable[[compat.Primitive], str],
 
   prim.def_effectful_abstract_eval(abstract_eval)
   prim.def_impl(impl)
-  compat.primitive_jvps[prim] = functools.partial(compat.linear_jvp, prim)
+  def jvp(primals, tangents, *, lax_prim, **params):
+    # Linear for the collectives lax differentiates (psum, all_gather, psum_scatter); lax has no
+    # rule for pmax/pmin, and neither has FlexLink: the same error, never a wrong derivative.
+    if lax_prim not in compat.primitive_jvps:
+      raise NotImplementedError(f"Differentiation rule for '{lax_prim}' not implemented")
+    return compat.linear_jvp(prim, primals, tangents, lax_prim=lax_prim, **params)
+
+  compat.primitive_jvps[prim] = jvp
   compat.primitive_transposes[prim] = transpose
   compat.fancy_primitive_batchers[prim] = batch
   # Not cacheable: the rule bakes in device ids from the enclosing mesh, which JAX's lowering cache

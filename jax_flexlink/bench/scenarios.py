@@ -16,19 +16,20 @@ class Scenario:
     unavailable: str | None = None      # set when the scenario cannot run at all yet
 
 
-# NVLink : PCIe : NIC ~ 160 : 50 : 45 (an H800 node), scaled down 500x so that this machine's real
-# copy speed is not the bottleneck: shm alone reaches ~1 GB/s AllReduce busbw with 8 device threads
-# on 2 cores, about twice the 0.51 GB/s these three links add up to, so the pacing, not the CPU,
-# limits the rates (docs/bench.md).
-H800_LINKS = ("emulated:nvlink@gbps=0.32,latency_us=5;"
-              "emulated:pcie@gbps=0.1,latency_us=10;"
-              "emulated:nic@gbps=0.09,latency_us=15")
+# NVLink : PCIe : NIC ~ 160 : 50 : 45 (an H800 node), scaled down 1000x so that this machine's real
+# copy speed is not the bottleneck: shm alone reaches 1.4-2.9 GB/s AllReduce and 0.4-2.4 GB/s
+# AllGather busbw with 8 device threads on 2 cores (the low end: 64 MiB outputs, page faults), above
+# the 0.255 GB/s these three links add up to, so the pacing, not the CPU, limits the rates. (At 500x,
+# 0.51 GB/s, AllGather at 64 MiB was CPU-bound: 0.37-0.41 GB/s; docs/multipath.md.)
+H800_LINKS = ("emulated:nvlink@gbps=0.16,latency_us=5;"
+              "emulated:pcie@gbps=0.05,latency_us=10;"
+              "emulated:nic@gbps=0.045,latency_us=15")
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("host8", "8 host (CPU) devices in one process, the library's default links (shm)."),
     Scenario("emulated-h800",
              "8 host devices over three emulated links with H800-like ratios "
-             "(NVLink:PCIe:NIC = 160:50:45, scaled to 0.32/0.1/0.09 GB/s busbw).",
+             "(NVLink:PCIe:NIC = 160:50:45, scaled to 0.16/0.05/0.045 GB/s busbw).",
              links=H800_LINKS, requires="emulated",
              # Warm-up calls double as the balancer's stage-2 convergence before timing.
              defaults={"minbytes": "64K", "maxbytes": "64M", "stepfactor": 4.0, "warmup_iters": 12}),

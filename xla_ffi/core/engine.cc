@@ -153,10 +153,12 @@ Status RunCollective(const CollectiveArgs& args) {
     if (desc.out != desc.in) std::memcpy(desc.out, desc.in, desc.units * desc.width());
     return Status::Ok();
   }
-  // Before arriving: nobody writes this rank's output before the arrival (see core/pages.h).
-  PrepareOutput(desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
   Group* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
+  // Before arriving: nobody writes this rank's output before the arrival (see core/pages.h). With
+  // several links the faults are left to the links' own writes instead, where they overlap with the
+  // other links' transfers rather than delay the start of all of them.
+  if (!group->executor) PrepareOutput(desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
   Communicator* comm = group->comm.get();
   std::shared_ptr<CallContext> call = comm->Join(rank, args.run_id, args.label);
   if (group->executor) return group->executor->Run(*call, rank, desc);

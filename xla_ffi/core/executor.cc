@@ -128,7 +128,7 @@ Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
     status = ctx.Arrive(rank, desc, link_names_[used[0]]);
     if (status.ok()) {
       const auto t0 = Clock::now();
-      ctx.SetDispatchTime(rank, t0);
+      ctx.SetDispatchTime(rank, ctx.ArrivedTime());
       auto range_of = [&](size_t i) { return UnitRange{ranges[i].begin, ranges[i].end}; };
       for (size_t k = 1; k < used.size(); ++k) {
         const size_t i = used[k];

@@ -82,6 +82,7 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
     present_[rank] = 1;
     last = ++arrived_ == n_;
     if (last) {
+      arrived_at_ = std::chrono::steady_clock::now();
       lock.unlock();  // waiters wake straight into a free mutex
       cv_.notify_all();
     } else {

@@ -40,10 +40,14 @@ class CallContext {
   // Waits until every rank reached this barrier on `lane`. `phase` names it in timeout messages.
   Status Barrier(int rank, int lane, std::string_view phase, std::string_view link);
 
-  // When the executor handed this rank's ranges to the links. A paced (emulated) link starts its
-  // clock here, like a DMA engine that starts when the transfer is posted, not when a CPU thread of
-  // the emulation gets scheduled. Unset (epoch) when a link runs the call alone.
+  // When the executor handed this rank's ranges to the links: the moment the last rank arrived, the
+  // same for every rank. A paced (emulated) link starts its clock there, like copy engines that all
+  // start once the transfer is posted, not when a CPU thread of the emulation gets scheduled (8
+  // device threads and their link workers share 2 cores here). Unset (epoch) when a link runs the
+  // call alone.
   using TimePoint = std::chrono::steady_clock::time_point;
+  // Valid once Arrive returned OK.
+  TimePoint ArrivedTime() const { return arrived_at_; }
   void SetDispatchTime(int rank, TimePoint t) { dispatch_[rank] = t; }
   TimePoint DispatchTime(int rank) const { return dispatch_[rank]; }
 
@@ -93,7 +97,8 @@ class CallContext {
   std::string error_;
   std::shared_ptr<void> scratch_;
   std::shared_ptr<void> executor_state_;
-  std::vector<TimePoint> dispatch_;  // per rank, written by that rank's own thread before it posts
+  std::vector<TimePoint> dispatch_;
+  TimePoint arrived_at_{};  // per rank, written by that rank's own thread before it posts
 };
 
 }  // namespace flexlink

@@ -34,6 +34,12 @@ Status EmulatedChannel::Run(CallContext& ctx, int rank, int lane, UnitRange rang
   return Status::Ok();
 }
 
+Status EmulatedChannel::RunAlone(CallContext& ctx, int rank, const CallDesc& desc) {
+  FLEXLINK_RETURN_IF_ERROR(ctx.Arrive(rank, desc, link_name()));
+  ctx.SetDispatchTime(rank, ctx.ArrivedTime());
+  return Run(ctx, rank, /*lane=*/0, UnitRange{0, desc.units});
+}
+
 EmulatedLink::EmulatedLink(std::string name, std::unique_ptr<Link> base, double gbps, double latency_us)
     : name_(std::move(name)), base_(std::move(base)), pace_(std::make_shared<EmulatedPace>()) {
   SetRate(gbps, latency_us);
