@@ -16,10 +16,7 @@ def _lowering(ctx, x, *, lax_prim, all_gather_dimension, axis_name, axis_size, t
   del lax_prim, tiled  # untiled and tiled outputs share one memory layout: [outer, n, inner]
   names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   groups, sizes = device_groups(ctx.module_context.axis_context, names, axis_index_groups,
-                                "all_gather")
-  if np.any(sizes != axis_size):
-    raise ValueError(f"all_gather: every group must have axis_size={axis_size} members, "
-                     f"got group sizes {sizes.tolist()}")
+                                "all_gather", group_size=axis_size)
   return [collective.emit_custom_call(
       ctx, native.ALL_GATHER, x, groups=groups, group_sizes=sizes,
       axis=np.int64(all_gather_dimension), label=f"all_gather over axes {names}")]

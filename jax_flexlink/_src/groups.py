@@ -12,8 +12,12 @@ import numpy as np
 from jax_flexlink._src import compat
 
 
-def device_groups(axis_context, axis_names, axis_index_groups, api_name: str):
-  """Returns (flat device ids of all groups, size of each group) as int64 arrays."""
+def device_groups(axis_context, axis_names, axis_index_groups, api_name: str,
+                  group_size: int | None = None):
+  """Returns (flat device ids of all groups, size of each group) as int64 arrays.
+
+  `group_size`: the size every group must have (gather and scatter layouts depend on it).
+  """
   mesh = compat.spmd_mesh(axis_context)
   if mesh is None:
     raise NotImplementedError(
@@ -29,6 +33,9 @@ def device_groups(axis_context, axis_names, axis_index_groups, api_name: str):
   _check_partition(partition_groups, len(device_ids), axis_index_groups, api_name)
   flat = np.concatenate([device_ids[list(g)] for g in partition_groups]).astype(np.int64)
   sizes = np.array([len(g) for g in partition_groups], dtype=np.int64)
+  if group_size is not None and np.any(sizes != group_size):
+    raise ValueError(f"{api_name}: every group must have axis_size={group_size} members, "
+                     f"got group sizes {sizes.tolist()}")
   return flat, sizes
 
 

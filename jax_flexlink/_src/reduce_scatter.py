@@ -14,10 +14,7 @@ def _lowering(ctx, x, *, lax_prim, scatter_dimension, axis_name, axis_index_grou
   del lax_prim, tiled  # both layouts are [outer, n, inner] on input, [outer, inner] on output
   names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   groups, sizes = device_groups(ctx.module_context.axis_context, names, axis_index_groups,
-                                "psum_scatter")
-  if np.any(sizes != axis_size):
-    raise ValueError(f"psum_scatter: every group must have axis_size={axis_size} members, "
-                     f"got group sizes {sizes.tolist()}")
+                                "psum_scatter", group_size=axis_size)
   return [collective.emit_custom_call(
       ctx, native.REDUCE_SCATTER, x, groups=groups, group_sizes=sizes, reduction="sum",
       axis=np.int64(scatter_dimension), label=f"psum_scatter over axes {names}")]
