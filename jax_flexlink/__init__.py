@@ -16,7 +16,10 @@ from jax_flexlink._src.api import (  # noqa: E402
     all_gather, pmax, pmean, pmin, psum, psum_scatter)
 from jax_flexlink._src.replace import replace_collectives, replacing_collectives  # noqa: E402
 from jax_flexlink._src.runtime import configure, links, reset_stats, stats  # noqa: E402
+from jax_flexlink._src.runtime import load_cached_model as _runtime_load_cached_model  # noqa: E402
 from jax_flexlink._src.tune import tune  # noqa: E402
+
+_runtime_load_cached_model()
 
 __version__ = "0.1.0"
 

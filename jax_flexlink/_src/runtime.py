@@ -19,6 +19,16 @@ def configure(*, links: str | None = None, timeout_s: float | None = None) -> No
     _flexlink.set_timeout(float(timeout_s))
   if links is not None:
     _flexlink.configure_links(links)
+    load_cached_model()
+
+
+def load_cached_model() -> None:
+  """Stage 1 from the tuning cache, when this link set was tuned before on this host (for a group of
+  all local devices); otherwise plans start from equal shares until tune() runs."""
+  if len(_flexlink.links()) > 1:
+    import jax  # noqa: PLC0415 - the backend must exist to count devices; only multi-link setups ask
+    from jax_flexlink._src import tune  # noqa: PLC0415 - tune imports the public API modules
+    tune.load_cached(len(jax.devices()))
 
 
 def links() -> list[str]:
