@@ -15,7 +15,6 @@ from jax._src import shard_map as jax_shard_map
 from jax._src.interpreters import ad
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
-from jax._src.interpreters import pxla
 from jax._src.lax import parallel as lax_parallel
 from jax._src.lib.mlir import ir
 from jax._src.sharding_impls import SPMDAxisContext
@@ -29,14 +28,12 @@ all_gather_invariant_p = lax_parallel.all_gather_invariant_p
 reduce_scatter_p = lax_parallel.reduce_scatter_p
 
 Primitive = core.Primitive
-Effect = effects.Effect
 NamedAxisEffect = core.NamedAxisEffect
 ordered_effects = effects.ordered_effects
 abstract_token = core.abstract_token
 primitive_jvps = ad.primitive_jvps
 linear_jvp = ad.linear_jvp
 primitive_transposes = ad.primitive_transposes
-is_undefined_primal = ad.is_undefined_primal
 fancy_primitive_batchers = batching.fancy_primitive_batchers
 register_lowering = mlir.register_lowering
 lower_fun = mlir.lower_fun
@@ -155,11 +152,3 @@ def spmd_mesh(axis_context):
 def abstract_eval_of(prim: Primitive, aval, **params):
   """(out_aval, effects) from lax's own abstract evaluation rule for `prim`."""
   return prim.abstract_eval(aval, **params)
-
-
-def check_vma_enabled() -> bool:
-  return bool(jax_config._check_vma.value)
-
-
-__all__ = [n for n in dir() if not n.startswith("_")]
-del pxla
