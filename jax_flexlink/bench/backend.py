@@ -55,7 +55,7 @@ class FlexLink:
         if configure is None:
             raise BenchError(
                 f"--links needs jax_flexlink.configure(links=...), which this build of {self.label} lacks "
-                "(multi-path links arrive with issue 3)")
+                "(it arrived with the multi-path engine; upgrade jax_flexlink)")
         try:
             configure(links=spec)
         except (ValueError, TypeError, RuntimeError) as e:

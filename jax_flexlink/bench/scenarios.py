@@ -55,7 +55,7 @@ def check(scenario: Scenario, flexlink) -> None:
 
 
 def requirement(scenario: Scenario) -> str:
-    return f"scenario {scenario.name!r} requires links {scenario.requires!r} (issue 3)"
+    return f"scenario {scenario.name!r} requires links {scenario.requires!r}"
 
 
 def describe() -> str:

@@ -179,7 +179,7 @@ def test_emulated_scenario_without_emulated_links_fails_clearly():
     p = subprocess.run([sys.executable, "-c", _FAKE_CONFIGURE, "--scenario", "emulated-h800"], env=_env(),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
-    assert "scenario 'emulated-h800' requires links 'emulated' (issue 3)" in p.stderr
+    assert "scenario 'emulated-h800' requires links 'emulated'" in p.stderr
     assert "unknown link kind" in p.stderr
 
 

@@ -122,7 +122,7 @@ def test_scenarios():
     class NoConfigure:
         def has_configure(self):
             return False
-    with pytest.raises(RuntimeError, match=r"requires links 'emulated' \(issue 3\)"):
+    with pytest.raises(RuntimeError, match=r"requires links 'emulated'"):
         scenarios.check(h800, NoConfigure())
     scenarios.check(scenarios.get("host8"), NoConfigure())
     with pytest.raises(RuntimeError, match="not implemented"):
