@@ -18,28 +18,13 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/links/shm.h"
+#include "tests/cpp/check.h"
 #include "tests/cpp/reference.h"
 
 using namespace flexlink;
 using namespace flexlink::testing;
 
 namespace {
-
-int g_passed = 0, g_failed = 0;
-
-void Expect(bool ok, const std::string& what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
-
-int64_t NextRunId() {
-  static int64_t run = 1000;
-  return ++run;
-}
 
 struct Spec {
   Kind kind = Kind::kAllReduce;
@@ -495,6 +480,5 @@ int main() {
   TestMismatch();
   TestManyCalls();
   TestDeadline();
-  std::printf("%d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return Summary();
 }

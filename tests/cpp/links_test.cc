@@ -25,27 +25,13 @@
 #include "xla_ffi/links/socket.h"
 #include "xla_ffi/links/tcp.h"
 #include "xla_ffi/plan/link_spec.h"
+#include "tests/cpp/check.h"
 
 using namespace flexlink;
+using namespace flexlink::testing;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-int g_passed = 0, g_failed = 0;
-
-void Expect(bool ok, const std::string& what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
-
-int64_t NextRunId() {
-  static int64_t run = 5000;
-  return ++run;
-}
 
 // A communicator of n ranks with the given links' channels (channel i is lane i).
 std::unique_ptr<Communicator> MakeComm(int n, const std::vector<Link*>& links) {

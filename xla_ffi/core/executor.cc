@@ -97,7 +97,7 @@ struct Executor::CallState {
 Executor::Executor(Communicator* comm, std::vector<std::string> link_names, plan::Balancer* balancer)
     : comm_(comm), link_names_(std::move(link_names)), balancer_(balancer) {
   workers_.resize(link_names_.size());
-  for (size_t i = 0; i < link_names_.size(); ++i)
+  for (size_t i = 1; i < link_names_.size(); ++i)
     for (int r = 0; r < comm_->size(); ++r) workers_[i].push_back(std::make_unique<LinkWorker>());
 }
 

@@ -69,8 +69,9 @@ class Executor {
   Communicator* const comm_;
   const std::vector<std::string> link_names_;
   plan::Balancer* const balancer_;
-  // workers_[link][rank]; link 0 (the primary) has none: its range runs on the device thread, or on a
-  // worker when the primary has no range.
+  // workers_[link][rank]. A call's first link with a range runs on the device thread; the others
+  // are posted to their workers. That first link is never a later one than the others, so link 0
+  // needs no workers.
   std::vector<std::vector<std::unique_ptr<LinkWorker>>> workers_;
 };
 
