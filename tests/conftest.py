@@ -19,6 +19,11 @@ os.environ["JAX_ENABLE_X64"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A hang in a collective should fail a test in a minute, not in the default five.
 os.environ.setdefault("FLEXLINK_TIMEOUT_S", "60")
+# Stage 1 caches what it measures; a test run must neither read a cache from earlier runs (plans
+# would depend on history) nor write into the user's. One fresh cache per test session.
+import tempfile  # noqa: E402
+
+os.environ["FLEXLINK_TUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="flexlink-tests-"), "tune.json")
 # Tests turn replacement on explicitly; never inherit it from the caller's environment.
 os.environ.pop("FLEXLINK_REPLACE_COLLECTIVES", None)
 

@@ -19,10 +19,13 @@ from helpers import make_data
 N = 8
 
 
+_AUTOTUNE_DEFAULT = _flexlink.autotune_min_bytes()
+
+
 @pytest.fixture(autouse=True)
 def _restore_links():
     yield
-    flx.configure(links="shm")
+    flx.configure(links="shm", autotune_min_bytes=_AUTOTUNE_DEFAULT)
     _flexlink.set_record_splits(False)
     _flexlink.take_split_records()
 
@@ -121,7 +124,9 @@ def converge(f, x, kind, nbytes, expected, calls):
 
 
 def test_stage2_converges_to_bandwidth_proportional_shares(mesh1d):
-    flx.configure(links="emulated:a@gbps=0.2,latency_us=5;emulated:b@gbps=0.1,latency_us=5")
+    # Stage 2 alone, from equal shares (no stage 1 in the engine).
+    flx.configure(links="emulated:a@gbps=0.2,latency_us=5;emulated:b@gbps=0.1,latency_us=5",
+                  autotune_min_bytes=0)
     per_device = (2 << 20) // 4
     x = sharded(mesh1d, jnp.ones((N * per_device,), jnp.float32))
     f = collective_fn(mesh1d, flx, "all_reduce")
@@ -134,8 +139,9 @@ def test_stage2_converges_to_bandwidth_proportional_shares(mesh1d):
     np.testing.assert_array_equal(np.asarray(f(x)), np.full(N * per_device, N, np.float32))
 
 
-def test_a_hundred_times_slower_link_ends_with_no_share(mesh1d):
-    flx.configure(links="emulated:fast@gbps=0.2;emulated:slow@gbps=0.002")
+@pytest.mark.parametrize("autotune", [0, 1 << 20], ids=["stage2_alone", "stage1"])
+def test_a_hundred_times_slower_link_ends_with_no_share(mesh1d, autotune):
+    flx.configure(links="emulated:fast@gbps=0.2;emulated:slow@gbps=0.002", autotune_min_bytes=autotune)
     per_device = (1 << 20) // 4
     x = sharded(mesh1d, jnp.ones((N * per_device,), jnp.float32))
     f = collective_fn(mesh1d, flx, "all_reduce")
@@ -144,7 +150,8 @@ def test_a_hundred_times_slower_link_ends_with_no_share(mesh1d):
 
 
 def test_every_rank_uses_the_same_split(mesh1d):
-    flx.configure(links="emulated:a@gbps=0.3;emulated:b@gbps=0.1;shm")
+    # From equal shares, so that stage 2 changes the plan during the 12 calls.
+    flx.configure(links="emulated:a@gbps=0.3;emulated:b@gbps=0.1;shm", autotune_min_bytes=0)
     _flexlink.set_record_splits(True)
     per_device = 3 * 65537
     x = sharded(mesh1d, jnp.ones((N * per_device,), jnp.float32))
@@ -240,3 +247,67 @@ def test_stage1_profiles_fits_and_caches(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "stage 1 from cache" in second.stderr, second.stderr[-2000:]
     assert "stage 1 profiled" not in second.stderr
+
+
+ENGINE_STAGE1 = """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_flexlink as flx
+    flx.configure(links="emulated:a@gbps=0.2,latency_us=5;emulated:b@gbps=0.1,latency_us=5")
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x"), check_vma=False))
+    def call(nbytes):
+        x = jax.device_put(jnp.ones(8 * (nbytes // 4), jnp.float32), NamedSharding(mesh, P("x")))
+        y = np.asarray(f(x))
+        assert (y == 8).all(), y
+        return {p["bucket_bytes"]: (p["mode"], round(p["shares"]["a"], 3)) for p in flx.stats()["plans"]}
+    print("SMALL", call(1 << 18)[1 << 18])
+    print("LARGE", call(2 << 20)[2 << 20])
+    print("AFTER", call(1 << 18)[1 << 18])
+"""
+
+
+def test_stage1_runs_in_the_engine_on_the_first_large_call(tmp_path):
+    """No tune(): the first call of >= 1 MiB profiles both links, and the call itself already runs
+    the fitted split; the next process takes the fits from the cache without profiling."""
+    from helpers import run_python
+    env = {"FLEXLINK_TUNE_CACHE": str(tmp_path / "tune.json"), "FLEXLINK_DEBUG": "INFO"}
+    first = run_python(ENGINE_STAGE1, env_extra=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in first.stdout.splitlines() if " " in line)
+    # Before stage 1 a small call takes the primary alone, not a blind split.
+    assert out["SMALL"] == "('single', 1.0)", out
+    mode, share_a = eval(out["LARGE"])
+    assert mode in ("converging", "settled") and abs(share_a - 2 / 3) < 0.05, out
+    # After stage 1 the small bucket is re-seeded from the fits (a 256 KiB call splits too: far
+    # above the predicted threshold for links this slow).
+    mode, share_a = eval(out["AFTER"])
+    assert mode in ("converging", "settled") and abs(share_a - 2 / 3) < 0.05, out
+    assert "stage 1 for all_reduce on group [0, 1, 2, 3, 4, 5, 6, 7] (" in first.stderr, first.stderr[-2000:]
+    import json
+    entry, = json.loads((tmp_path / "tune.json").read_text())["entries"]
+    assert entry["ranks"] == 8 and set(entry["fits"]) == {"all_reduce"}, entry
+    assert "all_reduce" in entry["split_min_bytes"], entry
+    a, b = entry["fits"]["all_reduce"]
+    assert 1.5 < b["beta_s_per_byte"] / a["beta_s_per_byte"] < 2.6, entry
+
+    second = run_python(ENGINE_STAGE1, env_extra=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "from cache" in second.stderr and " (0." not in second.stderr, second.stderr[-2000:]
+    out2 = dict(line.split(" ", 1) for line in second.stdout.splitlines() if " " in line)
+    assert abs(eval(out2["LARGE"])[1] - 2 / 3) < 0.05, out2
+
+
+def test_stage1_in_the_engine_on_real_links(mesh1d):
+    """shm;tcp: whatever stage 1 decides on this machine (here: never split, shm alone), the first
+    large call of each collective profiles and leaves a real plan behind, and results are exact."""
+    flx.configure(links="shm;tcp")
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        per_device = (2 << 20) // 4 // (N if kind == "all_gather" else 1)
+        x = sharded(mesh1d, jnp.arange(N * per_device, dtype=jnp.int32) % 7)
+        f = collective_fn(mesh1d, flx, kind)
+        got = np.asarray(f(x))
+        np.testing.assert_array_equal(got, np.asarray(collective_fn(mesh1d, lax, kind)(x)))
+        plans = {p["bucket_bytes"]: p for p in flx.stats()["plans"] if p["collective"] == kind}
+        assert plans[2 << 20]["mode"] in ("single", "converging", "settled"), plans

@@ -35,6 +35,31 @@ def _env_float(name: str, default: float) -> float:
   return value
 
 
+_SUFFIXES = {"": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+             "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_bytes(text: str, what: str) -> int:
+  """'1048576', '1M', '64KiB', '0' -> bytes (binary multiples); ValueError naming `what` otherwise."""
+  raw = str(text).strip()
+  digits = raw.rstrip("KkMmGgIiBb ")
+  suffix = raw[len(digits):].strip().upper()
+  try:
+    value = int(digits)
+  except ValueError:
+    value = -1
+  if value < 0 or suffix not in _SUFFIXES:
+    raise ValueError(f"{what}={text!r}: expected a byte count such as 1048576, 64K or 1M")
+  return value * _SUFFIXES[suffix]
+
+
+def _env_bytes(name: str, default: int) -> int:
+  raw = os.environ.get(name)
+  if raw is None or not raw.strip():
+    return default
+  return parse_bytes(raw, name)
+
+
 _DEBUG_LEVELS = {"": 0, "0": 0, "OFF": 0, "WARN": 0, "INFO": 1, "1": 1, "DEBUG": 1}
 
 
@@ -53,6 +78,8 @@ class EnvConfig:
   debug_level: int
   links: str
   tune_cache: str
+  autotune_min_bytes: int
+  tune_max_bytes: int
 
 
 def from_environment() -> EnvConfig:
@@ -62,6 +89,10 @@ def from_environment() -> EnvConfig:
       debug_level=_env_debug("FLEXLINK_DEBUG"),
       links=os.environ.get("FLEXLINK_LINKS", "").strip() or "shm",
       tune_cache=os.environ.get("FLEXLINK_TUNE_CACHE", "").strip(),
+      # Stage 1 in the engine: on the first call of at least this size (0: only via tune()), ...
+      autotune_min_bytes=_env_bytes("FLEXLINK_AUTOTUNE_MIN_BYTES", 1 << 20),
+      # ... profiling sizes up to that call's, at most this.
+      tune_max_bytes=_env_bytes("FLEXLINK_TUNE_MAX_BYTES", 16 << 20),
   )
 
 

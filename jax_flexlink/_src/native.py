@@ -1,6 +1,8 @@
 """Loads the C++ extension and registers its FFI handlers with XLA, once per process."""
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jax_flexlink import _flexlink  # the nanobind module built from xla_ffi/
@@ -11,6 +13,10 @@ ALL_GATHER = "flexlink_all_gather"
 REDUCE_SCATTER = "flexlink_reduce_scatter"
 
 _registered = False
+
+
+def tune_cache_path() -> str:
+  return _flexlink.tune_cache_path(ENV.tune_cache, os.environ.get("HOME", ""))
 
 
 def register_targets() -> None:
@@ -26,6 +32,9 @@ def register_targets() -> None:
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   _flexlink.set_timeout(ENV.timeout_s)
   _flexlink.set_debug_level(ENV.debug_level)
+  _flexlink.set_autotune_min_bytes(ENV.autotune_min_bytes)
+  _flexlink.set_tune_max_bytes(max(ENV.tune_max_bytes, 1 << 17))
+  _flexlink.set_tune_cache_path(tune_cache_path())
   try:
     _flexlink.configure_links(ENV.links)
   except ValueError as e:

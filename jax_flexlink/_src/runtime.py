@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from jax_flexlink import _flexlink
+from jax_flexlink._src.config import parse_bytes
 
 
-def configure(*, links: str | None = None, timeout_s: float | None = None) -> None:
+def configure(*, links: str | None = None, timeout_s: float | None = None,
+              autotune_min_bytes: int | str | None = None, tune_max_bytes: int | str | None = None) -> None:
   """Sets engine options for the collectives that run from now on (not while any is running).
 
   links: which links carry the collectives, in FLEXLINK_LINKS syntax: `kind[:name][@key=value,...]`
@@ -12,11 +14,26 @@ def configure(*, links: str | None = None, timeout_s: float | None = None) -> No
     "emulated:nvlink@gbps=2.0,latency_us=5;emulated:pcie@gbps=0.6,latency_us=10". Kinds: shm, tcp,
     emulated (a real link, shm by default, paced to `gbps` bus bandwidth and `latency_us` per call).
   timeout_s: the deadline of every wait in a collective (default: FLEXLINK_TIMEOUT_S or 300 s).
+  autotune_min_bytes: with several links, the first call of a collective of at least this size
+    (nccl-tests bytes; 1M, 64K or a number) that has no stage-1 fits runs stage 1 inside the engine:
+    the tuning cache if it has this host, link set and group size, else every link profiled alone and
+    the split timed against the best link alone, cached. 0: stage 1 only from tune(); plans start
+    from equal shares. Default FLEXLINK_AUTOTUNE_MIN_BYTES or 1 MiB. Smaller calls use the primary
+    link alone until stage 1 ran.
+  tune_max_bytes: the largest size that in-engine stage 1 profiles (default FLEXLINK_TUNE_MAX_BYTES
+    or 16 MiB); the fits extrapolate beyond it and stage 2 corrects.
   """
   if timeout_s is not None:
     if not timeout_s > 0:
       raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     _flexlink.set_timeout(float(timeout_s))
+  if autotune_min_bytes is not None:
+    _flexlink.set_autotune_min_bytes(parse_bytes(autotune_min_bytes, "autotune_min_bytes"))
+  if tune_max_bytes is not None:
+    value = parse_bytes(tune_max_bytes, "tune_max_bytes")
+    if value < 1 << 17:
+      raise ValueError(f"tune_max_bytes={tune_max_bytes!r}: must be at least 128K (two profile sizes)")
+    _flexlink.set_tune_max_bytes(value)
   if links is not None:
     _flexlink.configure_links(links)
     load_cached_model()

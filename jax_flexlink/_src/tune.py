@@ -8,7 +8,6 @@ keyed by host, link set and group size, and are reloaded instead of re-profiling
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -17,14 +16,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_flexlink import _flexlink
-from jax_flexlink._src import api
+from jax_flexlink._src import api, native
 from jax_flexlink._src.config import ENV
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def cache_path() -> str:
-  return _flexlink.tune_cache_path(ENV.tune_cache, os.environ.get("HOME", ""))
+  return native.tune_cache_path()
 
 
 def _log(msg: str) -> None:
@@ -34,12 +33,11 @@ def _log(msg: str) -> None:
 
 def load_cached(ranks: int) -> dict | None:
   """Installs the cached fits for the current links and `ranks`, if there are any."""
-  entry = _flexlink.load_tuning(cache_path(), ranks)
+  entry = _flexlink.install_cached(cache_path(), ranks)
   if entry["warning"]:
     _log(f"tuning cache {cache_path()}: {entry['warning']}")
   if entry["fits"] is None:
     return None
-  _flexlink.install_model(entry["fits"])
   _log(f"stage 1 from cache {cache_path()} ({entry['host']}, {ranks} ranks): {_describe(entry['fits'])}")
   return entry["fits"]
 

@@ -161,6 +161,24 @@ void TestThreshold() {
   Check(Near(double(SplitThreshold(useless, 0)), 160e9, 160e9 * 0.01), "a 1 s latency link: threshold 160 GB");
 }
 
+void TestMeasuredThreshold() {
+  const std::vector<double> sizes = {65536, 131072, 262144, 524288};
+  const std::vector<double> alone = {1.0, 2.0, 4.0, 8.0};
+  auto thr = [&](std::vector<double> split) {
+    return MeasuredSplitThreshold(sizes, alone, split, 0.02, 5000);
+  };
+  Check(thr({2, 3, 5, 9}) == kNeverSplit, "split loses everywhere: never");
+  Check(thr({0.5, 1, 2, 8.5}) == kNeverSplit, "loses at the largest profiled size: never");
+  Check(thr({0.5, 1, 2, 7.9}) == kNeverSplit, "1% faster is not the 2% a split must win by");
+  Check(thr({2, 3, 3, 6}) == 262144, "wins from 256 KiB on");
+  Check(thr({0.5, 2.5, 3, 6}) == 262144, "a win below a loss does not count (every larger size must win)");
+  Check(thr({0.5, 1, 2, 4}) == 5000, "wins everywhere: the fits' prediction below the smallest size");
+  Check(MeasuredSplitThreshold(sizes, alone, std::vector<double>{0.5, 1, 2, 4}, 0.02, 1 << 20) == 65536,
+        "wins everywhere: capped at the smallest profiled size");
+  Check(thr({0, 0, 3, 6}) == 262144 && thr({2, 3, 5, 0}) == kNeverSplit,
+        "a size where no split ran (one link got everything) counts as a loss");
+}
+
 // ------------------------------------------------------------------------------------------- ranges
 void TestRanges() {
   std::mt19937 rng(11);
@@ -445,6 +463,42 @@ void TestNoModel() {
         "no model: a trial measures the single link, then the split settles: " + b.Describe(*plan));
 }
 
+void TestProfileMode() {
+  BalancerOptions o;
+  o.profile_from_bytes = 1 << 20;
+  Balancer b({"a", "b"}, o);
+  auto small = b.PlanFor(Kind::kAllReduce, 64 << 10);
+  Check(small->mode == PlanMode::kSingle && small->shares[0] == 1, "no fits, small: the primary alone");
+  auto large = b.PlanFor(Kind::kAllReduce, 4 << 20);
+  Check(large->mode == PlanMode::kProfile, "no fits, large: profile first");
+  b.Report(*large, 4 << 20, std::vector<double>{1e-3, 0}, 1e-3);
+  Check(b.PlanFor(Kind::kAllReduce, 4 << 20)->mode == PlanMode::kProfile, "reports do not end profiling");
+  Check(b.SetShares(Kind::kAllGather, 4 << 20, {0.3, 0.7}, true).ok() &&
+            b.PlanFor(Kind::kAllGather, 4 << 20)->mode == PlanMode::kPinned,
+        "a pinned bucket is not profiled");
+  CostModel m({"a", "b"});
+  m.Set(Kind::kAllReduce, 0, {10e-6, 1 / 2e9});
+  m.Set(Kind::kAllReduce, 1, {10e-6, 1 / 1e9});
+  m.SetMeasuredThreshold(Kind::kAllReduce, 2 << 20);
+  Check(b.MergeModel(m).ok() && b.SplitThresholdBytes(Kind::kAllReduce) == (2u << 20),
+        "merged: the measured threshold wins over the fits'");
+  auto after = b.PlanFor(Kind::kAllReduce, 4 << 20);
+  Check(after->mode == PlanMode::kConverging && Near(after->shares[0], 2.0 / 3, 0.01),
+        "merged fits re-seed the bucket: " + b.Describe(*after));
+  Check(b.PlanFor(Kind::kAllReduce, 1 << 20)->mode == PlanMode::kSingle, "below the measured threshold: single");
+  Check(b.PlanFor(Kind::kAllGather, 4 << 20)->mode == PlanMode::kPinned &&
+            b.PlanFor(Kind::kReduceScatter, 4 << 20)->mode == PlanMode::kProfile,
+        "other kinds keep their plans (pinned) or still profile (no fits)");
+  m.SetMeasuredThreshold(Kind::kAllReduce, kNeverSplit);
+  Check(b.MergeModel(m).ok() && b.PlanFor(Kind::kAllReduce, 64 << 20)->mode == PlanMode::kSingle,
+        "never split: every size single");
+  b.SetProfileFromBytes(0);
+  Check(b.PlanFor(Kind::kReduceScatter, 4 << 20)->mode == PlanMode::kProfile,
+        "an existing plan stays");
+  Check(b.PlanFor(Kind::kReduceScatter, 8 << 20)->mode == PlanMode::kConverging,
+        "profiling off: new buckets start from equal shares");
+}
+
 void TestThreads() {
   Sim proto{{{5e-6, 160e9}, {10e-6, 50e9}, {15e-6, 45e9}}};
   Balancer b({"a", "b", "c"});
@@ -486,6 +540,8 @@ void TestCache() {
   rec.model.Set(Kind::kAllGather, 0, {1e-6, 1e-10});
   rec.model.Set(Kind::kAllGather, 1, {2e-6, 3e-10});
   rec.max_bytes = 1 << 26;
+  rec.model.SetMeasuredThreshold(Kind::kAllReduce, kNeverSplit);
+  rec.model.SetMeasuredThreshold(Kind::kAllGather, 262144);
   TuneRecord other = rec;
   other.key.ranks = 4;
   other.model.Set(Kind::kAllReduce, 0, {9e-6, 1e-9});
@@ -499,6 +555,10 @@ void TestCache() {
             got.model.Fits(Kind::kAllReduce)[1].alpha == rec.model.Fits(Kind::kAllReduce)[1].alpha &&
             got.model.Has(Kind::kAllGather) && !got.model.Has(Kind::kReduceScatter),
         "fits round-trip bit-exactly");
+  Check(got.model.MeasuredThreshold(Kind::kAllReduce) == kNeverSplit &&
+            got.model.MeasuredThreshold(Kind::kAllGather) == 262144u &&
+            !got.model.MeasuredThreshold(Kind::kReduceScatter),
+        "measured thresholds round-trip (never included)");
   Check(LoadTuning(path, other.key, &got, &warning) && got.model.Fits(Kind::kAllReduce)[0].alpha == 9e-6,
         "ranks are part of the key");
   Check(!LoadTuning(path, {rec.key.host, "shm;tcp", 8}, &got, &warning) && warning.empty(), "unknown key");
@@ -540,6 +600,7 @@ int main() {
       {"convergence", TestConvergence},  {"convergence_latency", TestConvergenceLatencyBound},
       {"fallback", TestFallback},
       {"no_model", TestNoModel},         {"threads", TestThreads},
+      {"measured_threshold", TestMeasuredThreshold}, {"profile_mode", TestProfileMode},
       {"cache", TestCache},
   };
   int passed = 0, failed = 0;

@@ -1,6 +1,8 @@
 #include "xla_ffi/core/config.h"
 
 #include <atomic>
+#include <mutex>
+#include <utility>
 
 namespace flexlink {
 namespace {
@@ -10,6 +12,13 @@ std::atomic<double> g_timeout_s{300.0};
 std::atomic<size_t> g_shm_staging_bytes{16 * 1024};
 std::atomic<bool> g_huge_page_outputs{true};
 std::atomic<int> g_debug_level{0};
+std::atomic<uint64_t> g_autotune_min_bytes{1 << 20};
+std::atomic<uint64_t> g_tune_max_bytes{16 << 20};
+std::mutex g_cache_mu;
+std::string& CachePath() {
+  static auto* path = new std::string();
+  return *path;
+}
 
 }  // namespace
 
@@ -19,6 +28,19 @@ size_t ShmStagingBytes() { return g_shm_staging_bytes.load(std::memory_order_rel
 void SetShmStagingBytes(size_t bytes) { g_shm_staging_bytes.store(bytes, std::memory_order_relaxed); }
 bool HugePageOutputs() { return g_huge_page_outputs.load(std::memory_order_relaxed); }
 void SetHugePageOutputs(bool on) { g_huge_page_outputs.store(on, std::memory_order_relaxed); }
+
+uint64_t AutotuneMinBytes() { return g_autotune_min_bytes.load(std::memory_order_relaxed); }
+void SetAutotuneMinBytes(uint64_t bytes) { g_autotune_min_bytes.store(bytes, std::memory_order_relaxed); }
+uint64_t TuneMaxBytes() { return g_tune_max_bytes.load(std::memory_order_relaxed); }
+void SetTuneMaxBytes(uint64_t bytes) { g_tune_max_bytes.store(bytes, std::memory_order_relaxed); }
+std::string TuneCachePath() {
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  return CachePath();
+}
+void SetTuneCachePath(std::string path) {
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  CachePath() = std::move(path);
+}
 
 int DebugLevel() { return g_debug_level.load(std::memory_order_relaxed); }
 void SetDebugLevel(int level) { g_debug_level.store(level, std::memory_order_relaxed); }

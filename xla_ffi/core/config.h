@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
 namespace flexlink {
 
@@ -19,6 +21,18 @@ void SetShmStagingBytes(size_t bytes);
 // (core/pages.h). Default on.
 bool HugePageOutputs();
 void SetHugePageOutputs(bool on);
+
+// Stage 1 inside the engine (core/executor.h): a group's first call of a kind with at least this many
+// bytes (nccl-tests size) and no fits for that kind profiles every link alone, at power-of-two sizes
+// from 64 KiB up to that call's bucket but at most TuneMaxBytes, verifies the split, and caches the
+// result. 0: never (stage 1 only from jax_flexlink.tune() or the cache). Default 1 MiB.
+uint64_t AutotuneMinBytes();
+void SetAutotuneMinBytes(uint64_t bytes);
+uint64_t TuneMaxBytes();  // default 16 MiB
+void SetTuneMaxBytes(uint64_t bytes);
+// The tuning cache file (plan/tuning_cache.h); empty: plan::DefaultCachePath().
+std::string TuneCachePath();
+void SetTuneCachePath(std::string path);
 
 // Logging on stderr (FLEXLINK_DEBUG): 0 off, kDebugInfo logs stage-1 results and plan changes.
 inline constexpr int kDebugInfo = 1;

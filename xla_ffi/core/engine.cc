@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/core/pages.h"
@@ -54,12 +55,14 @@ std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std
   auto g = std::make_unique<Group>();
   g->comm = std::make_unique<Communicator>(devices);
   for (const auto& link : links->links) g->comm->AddChannel(link->Open(devices));
-  g->balancer = std::make_unique<plan::Balancer>(links->names());
+  plan::BalancerOptions options;
+  options.profile_from_bytes = AutotuneMinBytes();
+  g->balancer = std::make_unique<plan::Balancer>(links->names(), options);
   if (auto model = CurrentModel()) (void)g->balancer->SetModel(*model);
   for (const auto& [key, shares] : CurrentShareOverrides())
     (void)g->balancer->SetShares(key.first, key.second, shares.shares, shares.pinned);
   if (links->links.size() > 1)
-    g->executor = std::make_unique<Executor>(g->comm.get(), links->names(), g->balancer.get());
+    g->executor = std::make_unique<Executor>(g->comm.get(), links->names(), links->spec, g->balancer.get());
   g->links = std::move(links);
   return g;
 }
@@ -114,6 +117,13 @@ Status InstallModel(plan::CostModel model) {
   for (auto& [key, group] : reg.groups)
     if (key.first == set->version) FLEXLINK_RETURN_IF_ERROR(group->balancer->SetModel(model));
   return Status::Ok();
+}
+
+void SetAutotune(uint64_t min_bytes) {
+  SetAutotuneMinBytes(min_bytes);
+  GroupRegistry& reg = Registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups) group->balancer->SetProfileFromBytes(min_bytes);
 }
 
 void ClearPlans() {

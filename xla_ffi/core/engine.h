@@ -36,6 +36,8 @@ Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, b
 
 // Stage 1: installs per-link fits on every group of the current link set, present and future.
 Status InstallModel(plan::CostModel model);
+// Sets config AutotuneMinBytes and applies it to every group's balancer (0: stage 1 only from tune()).
+void SetAutotune(uint64_t min_bytes);
 // Forgets every plan and hand-set share of the current link set (the model stays).
 void ClearPlans();
 

@@ -8,6 +8,8 @@
 
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/rendezvous.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/links/link.h"
@@ -15,18 +17,6 @@
 
 namespace flexlink {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// nccl-tests' "size" of a call: AllReduce the buffer, AllGather the gathered output, ReduceScatter
-// the input. Plans are bucketed by it.
-uint64_t MessageBytes(const CallDesc& d, int n) {
-  return static_cast<uint64_t>(d.units) * d.width() * (d.kind == Kind::kAllReduce ? 1 : n);
-}
 
 std::atomic<bool> g_record_splits{false};
 std::mutex g_splits_mu;
@@ -85,17 +75,9 @@ void LinkWorker::Loop() {
   }
 }
 
-struct Executor::CallState {
-  std::shared_ptr<const plan::Plan> plan;
-  std::mutex mu;
-  std::vector<double> link_seconds;  // slowest rank's time per link
-  double call_seconds = 0;
-  int finished = 0;
-  bool failed = false;
-};
-
-Executor::Executor(Communicator* comm, std::vector<std::string> link_names, plan::Balancer* balancer)
-    : comm_(comm), link_names_(std::move(link_names)), balancer_(balancer) {
+Executor::Executor(Communicator* comm, std::vector<std::string> link_names, std::string spec,
+                   plan::Balancer* balancer)
+    : comm_(comm), link_names_(std::move(link_names)), spec_(std::move(spec)), balancer_(balancer) {
   workers_.resize(link_names_.size());
   for (size_t i = 1; i < link_names_.size(); ++i)
     for (int r = 0; r < comm_->size(); ++r) workers_[i].push_back(std::make_unique<LinkWorker>());
@@ -107,51 +89,77 @@ Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
   CallState* state = ctx.ExecutorState<CallState>([&] {
     auto s = std::make_shared<CallState>();
     s->plan = balancer_->PlanFor(desc.kind, bytes);
+    if (s->plan->mode == plan::PlanMode::kProfile && LoadCachedFits(desc.kind, n))
+      s->plan = balancer_->PlanFor(desc.kind, bytes);
+    s->profile = s->plan->mode == plan::PlanMode::kProfile;
     s->link_seconds.assign(link_names_.size(), 0.0);
     return s;
   });
-  const std::vector<plan::UnitRange> ranges =
-      plan::CutRanges(desc.units, desc.width(), state->plan->shares);
-  std::vector<size_t> used;
-  for (size_t i = 0; i < ranges.size(); ++i)
-    if (!ranges[i].empty()) used.push_back(i);
-  if (used.empty()) used.push_back(0);  // cannot happen for units > 0; keeps indexing safe
 
   // Heap-held: a worker may still write its time if this rank gives up waiting for it.
   auto seconds = std::make_shared<std::vector<double>>(link_names_.size(), 0.0);
-  const auto start = Clock::now();
+  auto start = Clock::now();
   Status status;
-  if (used.size() == 1) {
-    status = comm_->channel(used[0]).RunAlone(ctx, rank, desc);
-    (*seconds)[used[0]] = Since(start);
+  std::vector<plan::UnitRange> ranges;
+  if (state->profile) {
+    status = ctx.Arrive(rank, desc, link_names_[0]);
+    if (status.ok()) status = RunProfile(ctx, rank, desc, *state);
+    std::shared_ptr<const plan::Plan> plan;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      plan = state->plan;
+    }
+    ranges = plan::CutRanges(desc.units, desc.width(), plan->shares);
+    start = Clock::now();  // the call's own time, not the profiling's, goes to stage 2
+    if (status.ok()) status = RunRanges(ctx, rank, ranges, seconds);
   } else {
-    status = ctx.Arrive(rank, desc, link_names_[used[0]]);
-    if (status.ok()) {
-      const auto t0 = Clock::now();
-      ctx.SetDispatchTime(rank, ctx.ArrivedTime());
-      auto range_of = [&](size_t i) { return UnitRange{ranges[i].begin, ranges[i].end}; };
-      for (size_t k = 1; k < used.size(); ++k) {
-        const size_t i = used[k];
-        Channel* channel = &comm_->channel(i);
-        const UnitRange range = range_of(i);
-        workers_[i][rank]->Post([&ctx, channel, rank, i, range, t0, seconds] {
-          Status s = channel->Run(ctx, rank, static_cast<int>(i), range);
-          (*seconds)[i] = Since(t0);
-          return s;
-        });
-      }
-      status = comm_->channel(used[0]).Run(ctx, rank, static_cast<int>(used[0]), range_of(used[0]));
-      (*seconds)[used[0]] = Since(t0);
-      // A link's own waits are bounded by the timeout; this one only guards against a stuck worker.
-      const double worker_timeout = 2 * TimeoutSeconds() + 5;
-      for (size_t k = 1; k < used.size(); ++k) {
-        Status s = workers_[used[k]][rank]->Wait(worker_timeout);
-        if (status.ok() && !s.ok()) status = std::move(s);
-      }
+    ranges = plan::CutRanges(desc.units, desc.width(), state->plan->shares);
+    size_t used = 0, only = 0;
+    for (size_t i = 0; i < ranges.size(); ++i)
+      if (!ranges[i].empty()) ++used, only = i;
+    if (used <= 1) {
+      // One link: its own path (shm stages small calls: a single rendezvous), and the output pages
+      // prepared as a group with one link prepares them.
+      PrepareOutput(desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
+      status = comm_->channel(only).RunAlone(ctx, rank, desc);
+      (*seconds)[only] = Since(start);
+    } else {
+      status = ctx.Arrive(rank, desc, link_names_[0]);
+      if (status.ok()) status = RunRanges(ctx, rank, ranges, seconds);
     }
   }
   Finish(*state, n, desc, ranges, *seconds, Since(start), status.ok(), rank, ctx.run_id(),
          ctx.call_number());
+  return status;
+}
+
+Status Executor::RunRanges(CallContext& ctx, int rank, const std::vector<plan::UnitRange>& ranges,
+                           const std::shared_ptr<std::vector<double>>& seconds) {
+  std::vector<size_t> used;
+  for (size_t i = 0; i < ranges.size(); ++i)
+    if (!ranges[i].empty()) used.push_back(i);
+  if (used.empty()) return Status::Ok();
+  const auto t0 = Clock::now();
+  ctx.SetDispatchTime(rank, ctx.ArrivedTime());
+  auto range_of = [&](size_t i) { return UnitRange{ranges[i].begin, ranges[i].end}; };
+  for (size_t k = 1; k < used.size(); ++k) {
+    const size_t i = used[k];
+    Channel* channel = &comm_->channel(i);
+    const UnitRange range = range_of(i);
+    workers_[i][rank]->Post([&ctx, channel, rank, i, range, t0, seconds] {
+      Status s = channel->Run(ctx, rank, static_cast<int>(i), range);
+      (*seconds)[i] = Since(t0);
+      return s;
+    });
+  }
+  Status status = comm_->channel(used[0]).Run(ctx, rank, static_cast<int>(used[0]), range_of(used[0]));
+  (*seconds)[used[0]] = Since(t0);
+  // A link's own waits are bounded by the timeout; this one only guards against a stuck worker.
+  const double worker_timeout = 2 * TimeoutSeconds() + 5;
+  for (size_t k = 1; k < used.size(); ++k) {
+    Status s = workers_[used[k]][rank]->Wait(worker_timeout);
+    if (status.ok() && !s.ok()) status = std::move(s);
+  }
   return status;
 }
 

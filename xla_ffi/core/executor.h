@@ -8,6 +8,13 @@
 // measured on every rank; the last rank to finish reports the slowest rank's time per link to the
 // balancer (stage 2) and to the link statistics. A plan with one link runs that link alone, which
 // keeps the shm link's single-rendezvous path for small calls.
+//
+// Stage 1 runs inside a group's first large call of a kind without fits (the balancer answers with a
+// kProfile plan): the tuning cache is tried first; else, after the call's arrival, all ranks together
+// time every link alone and then the fitted split at power-of-two sizes on scratch buffers (nested
+// calls of the same communicator, under a run id of their own), fit α–β per link, find the size from
+// which the split measurably beats the best link alone, install that in the balancer, store it in the
+// cache, and run the call itself with the resulting plan (executor_profile.cc).
 #pragma once
 
 #include <condition_variable>
@@ -54,7 +61,9 @@ class LinkWorker {
 class Executor {
  public:
   // `comm` has one channel per link of `link_names`, in the same order.
-  Executor(Communicator* comm, std::vector<std::string> link_names, plan::Balancer* balancer);
+  // `spec`: the link set's canonical spec (the tuning cache's key).
+  Executor(Communicator* comm, std::vector<std::string> link_names, std::string spec,
+           plan::Balancer* balancer);
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
@@ -62,12 +71,23 @@ class Executor {
 
  private:
   struct CallState;
+  struct Profile;
+  // After `ctx`'s arrival: runs every non-empty range, the first on this thread, the others on their
+  // link's worker; (*seconds)[i] is link i's time from the start.
+  Status RunRanges(CallContext& ctx, int rank, const std::vector<plan::UnitRange>& ranges,
+                   const std::shared_ptr<std::vector<double>>& seconds);
+  // Stage 1 (executor_profile.cc). LoadCachedFits: installs the cached fits for `kind` and this
+  // group's size, if any (one thread). RunProfile: every rank, after the arrival; on return
+  // state.plan is the call's plan from the new fits.
+  bool LoadCachedFits(Kind kind, int n);
+  Status RunProfile(CallContext& ctx, int rank, const CallDesc& desc, CallState& state);
   void Finish(CallState& state, int n, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
               const std::vector<double>& seconds, double call_seconds, bool ok, int rank,
               int64_t run_id, uint64_t call_number);
 
   Communicator* const comm_;
   const std::vector<std::string> link_names_;
+  const std::string spec_;
   plan::Balancer* const balancer_;
   // workers_[link][rank]. A call's first link with a range runs on the device thread; the others
   // are posted to their workers. That first link is never a later one than the others, so link 0

@@ -123,6 +123,20 @@ nb::dict LoadTuning(const std::string& path, int ranks) {
   return out;
 }
 
+// LoadTuning, and when found installs the whole entry (fits and measured thresholds) as the model.
+nb::dict InstallCached(const std::string& path, int ranks) {
+  plan::TuneRecord rec;
+  std::string warning;
+  const bool found = plan::LoadTuning(path, {plan::HostName(), CurrentLinkSet()->spec, ranks}, &rec, &warning);
+  if (found) Check(InstallModel(rec.model));
+  nb::dict out;
+  out["fits"] = found ? nb::object(FitsOf(rec.model)) : nb::none();
+  out["max_bytes"] = rec.max_bytes;
+  out["warning"] = warning;
+  out["host"] = plan::HostName();
+  return out;
+}
+
 std::string StoreTuning(const std::string& path, int ranks, const nb::dict& fits, uint64_t max_bytes) {
   plan::TuneRecord rec{{plan::HostName(), CurrentLinkSet()->spec, ranks}, ModelFrom(fits), max_bytes};
   std::string warning;
@@ -162,7 +176,16 @@ void DefineControl(nb::module_& m) {
     return plan::ResolveCachePath(configured, home);
   }, nb::arg("configured"), nb::arg("home"));
   m.def("load_tuning", &LoadTuning, nb::arg("path"), nb::arg("ranks"));
+  m.def("install_cached", &InstallCached, nb::arg("path"), nb::arg("ranks"),
+        "load_tuning, then installs the entry (fits and measured split thresholds) when found.");
   m.def("store_tuning", &StoreTuning, nb::arg("path"), nb::arg("ranks"), nb::arg("fits"), nb::arg("max_bytes"));
+  m.def("set_autotune_min_bytes", &SetAutotune, nb::arg("bytes"),
+        "Stage 1 runs on a group's first call of a kind of at least this many bytes that has no "
+        "fits (0: never).");
+  m.def("autotune_min_bytes", &AutotuneMinBytes);
+  m.def("set_tune_max_bytes", &SetTuneMaxBytes, nb::arg("bytes"), "Largest size stage 1 profiles in the engine.");
+  m.def("tune_max_bytes", &TuneMaxBytes);
+  m.def("set_tune_cache_path", &SetTuneCachePath, nb::arg("path"), "The tuning cache the engine reads and writes.");
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
   m.def("take_split_records", &SplitRecords, "Per-rank ranges of the calls since the last take.");
 }

@@ -29,12 +29,19 @@ std::string_view Name(PlanMode mode) {
     case PlanMode::kTrial: return "trial";
     case PlanMode::kFallback: return "fallback";
     case PlanMode::kPinned: return "pinned";
+    case PlanMode::kProfile: return "profile";
   }
   return "?";
 }
 
 Balancer::Balancer(std::vector<std::string> links, BalancerOptions options)
-    : links_(std::move(links)), options_(options), model_(links_) {}
+    : links_(std::move(links)), options_(options), model_(links_),
+      profile_from_bytes_(options.profile_from_bytes) {}
+
+void Balancer::SetProfileFromBytes(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  profile_from_bytes_ = bytes;
+}
 
 Status Balancer::SetModel(CostModel model) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -42,13 +49,41 @@ Status Balancer::SetModel(CostModel model) {
     return Status::InvalidArgument("flexlink: balancer: the cost model is for a different link set");
   }
   model_ = std::move(model);
-  for (size_t k = 0; k < kNumKinds; ++k) {
-    thresholds_[k] = model_.Has(static_cast<Kind>(k))
-                         ? SplitThreshold(model_.Fits(static_cast<Kind>(k)), options_.split_overhead_s)
-                         : 0;
-  }
+  UpdateThresholds();
   std::erase_if(entries_, [](const auto& kv) { return kv.second.plan->mode != PlanMode::kPinned; });
   return Status::Ok();
+}
+
+Status Balancer::MergeModel(const CostModel& model) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (model.links() != links_) {
+    return Status::InvalidArgument("flexlink: balancer: the cost model is for a different link set");
+  }
+  for (size_t k = 0; k < kNumKinds; ++k) {
+    const Kind kind = static_cast<Kind>(k);
+    if (!model.Has(kind)) continue;
+    model_.CopyKind(model, kind);
+    std::erase_if(entries_, [&](const auto& kv) {
+      return kv.first.first == k && kv.second.plan->mode != PlanMode::kPinned;
+    });
+  }
+  UpdateThresholds();
+  return Status::Ok();
+}
+
+CostModel Balancer::Model() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return model_;
+}
+
+void Balancer::UpdateThresholds() {
+  for (size_t k = 0; k < kNumKinds; ++k) {
+    const Kind kind = static_cast<Kind>(k);
+    thresholds_[k] = !model_.Has(kind) ? 0
+                     : model_.MeasuredThreshold(kind)
+                         ? *model_.MeasuredThreshold(kind)
+                         : SplitThreshold(model_.Fits(kind), options_.split_overhead_s);
+  }
 }
 
 uint64_t Balancer::SplitThresholdBytes(Kind kind) const {
@@ -97,9 +132,19 @@ Balancer::Entry& Balancer::EntryFor(Kind kind, uint64_t bytes) {
       DropBelow(shares, options_.min_share);
       Install(e, PlanMode::kConverging, std::move(shares));
     }
+  } else if (profile_from_bytes_ > 0) {
+    // No stage 1 for this kind yet. A large call runs it (the engine profiles, merges the fits and
+    // asks again); until then small calls take the primary link alone: a split started blind costs
+    // its small calls more than it could gain (and on shared cores may lose outright).
+    if (bytes >= profile_from_bytes_) {
+      Install(e, PlanMode::kProfile, OneHot(n, 0));
+    } else {
+      e.single_link = 0;
+      Install(e, PlanMode::kSingle, OneHot(n, 0));
+    }
   } else {
-    // No stage 1 for this kind: start from equal shares; stage 2 finds the split and the guard the
-    // single-link fallback (by a trial, since there is no model to predict it).
+    // Stage 2 alone: start from equal shares; stage 2 finds the split and the guard the single-link
+    // fallback (by a trial, since there is no model to predict it).
     Install(e, PlanMode::kConverging, std::vector<double>(n, 1.0 / n));
   }
   e.split = e.seed = e.plan->shares;
@@ -131,7 +176,8 @@ Balancer::Outcome Balancer::Report(const Plan& plan, uint64_t bytes, std::span<c
   double rate = static_cast<double>(bytes) / call_seconds;
   uint64_t before = e.plan->epoch;
   switch (plan.mode) {
-    case PlanMode::kPinned: break;
+    case PlanMode::kPinned:
+    case PlanMode::kProfile: break;
     case PlanMode::kSingle:  // below the threshold: remember the rate, nothing to balance
       e.single_rate = e.single_rate > 0 ? 0.9 * e.single_rate + 0.1 * rate : rate;
       break;

@@ -55,6 +55,8 @@ enum class PlanMode : uint8_t {
   kTrial,       // a few calls on the best single link alone, to measure it
   kFallback,    // the split lost to the best single link; that link alone until the next retry
   kPinned,      // shares set by the user (SetShares pinned); never adapted
+  kProfile,     // no fits for this kind yet and the call is large: the engine runs stage 1 first,
+                // installs its fits (MergeModel) and asks again
 };
 std::string_view Name(PlanMode mode);
 
@@ -88,6 +90,10 @@ struct BalancerOptions {
   int max_retry_calls = 4096;      // links of a settled split; doubles each time up to max_retry_calls
   double probe_share = 0.02;       // most share a dropped link gets back when re-probed
   double split_overhead_s = 5e-6;  // executor cost of using more than one link (for the threshold)
+  // Without fits for a kind: calls from this size (nccl-tests bytes) get a kProfile plan, smaller ones
+  // the primary link alone (presumed fastest until stage 1 says otherwise). 0: no stage 1 from the
+  // engine; every size starts from equal shares and stage 2 alone finds the split.
+  uint64_t profile_from_bytes = 0;
 };
 
 class Balancer {
@@ -100,11 +106,19 @@ class Balancer {
   // Installs stage-1 results (link order must match). Plans that are not pinned are discarded and
   // re-seeded from the new model at their next call.
   Status SetModel(CostModel model);
+  // Installs `model`'s fits (and measured threshold) for the kinds it has, keeping the other kinds';
+  // the plans of those kinds that are not pinned are re-seeded at their next call.
+  Status MergeModel(const CostModel& model);
+  // A copy of the current model (fits per kind, measured thresholds).
+  CostModel Model() const;
+  // Changes BalancerOptions::profile_from_bytes for plans made from now on.
+  void SetProfileFromBytes(uint64_t bytes);
   // Size (per-rank bytes) from which a call of `kind` is split; 0 without a model for `kind`.
   uint64_t SplitThresholdBytes(Kind kind) const;
 
   // The plan for a call of `kind` with `bytes` per rank; creates it on the first call of its bucket
-  // (from the model if there is one for `kind`, else equal shares that stage 2 then corrects).
+  // (from the model if there is one for `kind`; else, see BalancerOptions::profile_from_bytes, a
+  // kProfile plan, the primary alone, or equal shares that stage 2 then corrects).
   std::shared_ptr<const Plan> PlanFor(Kind kind, uint64_t bytes);
 
   struct Outcome {
@@ -176,6 +190,7 @@ class Balancer {
   // probe_share again.
   std::vector<double> Reopen(const Entry& e) const;
   void StartTrial(Entry& e, uint64_t bytes, Outcome* out, std::string_view why);
+  void UpdateThresholds();
   // Predicted rate of the best single link (0 without a model) and which link that is.
   double ModelSingleRate(Kind kind, uint64_t bytes, size_t* link) const;
 
@@ -186,6 +201,7 @@ class Balancer {
   std::array<uint64_t, kNumKinds> thresholds_{};
   std::map<Key, Entry> entries_;
   uint64_t next_epoch_ = 1;
+  uint64_t profile_from_bytes_;
 };
 
 }  // namespace flexlink::plan

@@ -126,8 +126,7 @@ size_t FastestSingle(std::span<const AlphaBeta> links, double bytes) {
 }
 
 uint64_t SplitThreshold(std::span<const AlphaBeta> links, double split_overhead_s) {
-  constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
-  if (links.size() < 2) return kNever;
+  if (links.size() < 2) return kNeverSplit;
   auto gain = [&](double bytes) {
     std::vector<double> s = EqualFinishShares(links, bytes);
     size_t used = std::count_if(s.begin(), s.end(), [](double x) { return x > 0; });
@@ -144,7 +143,7 @@ uint64_t SplitThreshold(std::span<const AlphaBeta> links, double split_overhead_
   for (int k = 0; k <= kSteps; ++k) {
     if (!(gain(grid(k)) > 0)) last_loss = k;
   }
-  if (last_loss == kSteps) return kNever;
+  if (last_loss == kSteps) return kNeverSplit;
   if (last_loss < 0) return 0;
   double lo = grid(last_loss), hi = grid(last_loss + 1);  // gain(lo) <= 0 < gain(hi)
   for (int i = 0; i < 60 && hi - lo > 1; ++i) {
@@ -152,6 +151,19 @@ uint64_t SplitThreshold(std::span<const AlphaBeta> links, double split_overhead_
     (gain(mid) > 0 ? hi : lo) = mid;
   }
   return static_cast<uint64_t>(std::ceil(hi));
+}
+
+uint64_t MeasuredSplitThreshold(std::span<const double> sizes, std::span<const double> alone,
+                                std::span<const double> split, double min_gain, uint64_t predicted) {
+  size_t from = sizes.size();
+  while (from > 0) {
+    const size_t i = from - 1;
+    if (!(split[i] > 0 && std::isfinite(split[i]) && split[i] < (1 - min_gain) * alone[i])) break;
+    from = i;
+  }
+  if (sizes.empty() || from == sizes.size()) return kNeverSplit;
+  if (from == 0) return std::min(predicted, static_cast<uint64_t>(sizes[0]));
+  return static_cast<uint64_t>(sizes[from]);
 }
 
 CostModel::CostModel(std::vector<std::string> links) : links_(std::move(links)) {
@@ -164,6 +176,13 @@ CostModel::CostModel(std::vector<std::string> links) : links_(std::move(links)) 
 void CostModel::Set(Kind kind, size_t link, AlphaBeta fit) {
   fits_[KindIndex(kind)].at(link) = fit;
   fitted_[KindIndex(kind)].at(link) = true;
+}
+
+void CostModel::CopyKind(const CostModel& other, Kind kind) {
+  const size_t k = KindIndex(kind);
+  fits_[k] = other.fits_[k];
+  fitted_[k] = other.fitted_[k];
+  measured_[k] = other.measured_[k];
 }
 
 bool CostModel::Has(Kind kind) const {

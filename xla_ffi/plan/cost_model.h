@@ -11,6 +11,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -65,6 +66,16 @@ size_t FastestSingle(std::span<const AlphaBeta> links, double bytes);
 // than one link (fan-out and join of the executor), is predicted faster than the fastest single link
 // at that size and every larger one. 0: always split; UINT64_MAX: never (e.g. one link).
 uint64_t SplitThreshold(std::span<const AlphaBeta> links, double split_overhead_s);
+inline constexpr uint64_t kNeverSplit = UINT64_MAX;
+
+// Stage 1's measured threshold. `sizes` ascending (bytes), `alone[i]` the best single link's time at
+// sizes[i], `split[i]` the timed split's (<= 0 or not finite: no split was run there, e.g. the fits
+// gave one link everything). The split wins at a size when it is `min_gain` faster than alone. The
+// result is the smallest size from which it wins at every larger profiled size; kNeverSplit when it
+// loses at the largest; when it wins at all of them, `predicted` (the fits' threshold) capped at
+// sizes[0], since nothing below was measured.
+uint64_t MeasuredSplitThreshold(std::span<const double> sizes, std::span<const double> alone,
+                                std::span<const double> split, double min_gain, uint64_t predicted);
 
 // Fits of one link set, per collective kind. Link order is the link-spec order (primary first).
 class CostModel {
@@ -80,11 +91,19 @@ class CostModel {
   bool Has(Kind kind) const;
   // Valid only when Has(kind).
   std::span<const AlphaBeta> Fits(Kind kind) const { return fits_[KindIndex(kind)]; }
+  // The split threshold stage 1 measured (splits timed against the best link alone), which wins over
+  // the fits' prediction: links that slow each other down (two links sharing two CPU cores) look
+  // fine one at a time. kNeverSplit: no profiled size was split faster. Unset: predict from the fits.
+  void SetMeasuredThreshold(Kind kind, uint64_t bytes) { measured_[KindIndex(kind)] = bytes; }
+  std::optional<uint64_t> MeasuredThreshold(Kind kind) const { return measured_[KindIndex(kind)]; }
+  // Copies `other`'s fits and measured threshold for `kind` (same links).
+  void CopyKind(const CostModel& other, Kind kind);
 
  private:
   std::vector<std::string> links_;
   std::array<std::vector<AlphaBeta>, kNumKinds> fits_;
   std::array<std::vector<bool>, kNumKinds> fitted_;
+  std::array<std::optional<uint64_t>, kNumKinds> measured_;
 };
 
 }  // namespace flexlink::plan

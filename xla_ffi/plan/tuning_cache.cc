@@ -95,6 +95,16 @@ bool DecodeEntry(const json::Value& entry, TuneRecord* out) {
       model.Set(*kind, i, AlphaBeta{a->as_number(), b->as_number()});
     }
   }
+  // Optional: thresholds stage 1 measured in the engine ({kind: bytes}, -1 = never split).
+  if (const json::Value* measured = entry.Find("split_min_bytes")) {
+    if (!measured->is_object()) return false;
+    for (const auto& [kind_name, v] : measured->object()) {
+      std::optional<Kind> kind = ParseKind(kind_name);
+      if (!kind || !v.is_number() || !model.Has(*kind)) return false;
+      const double b = v.as_number();
+      model.SetMeasuredThreshold(*kind, b < 0 ? kNeverSplit : static_cast<uint64_t>(b));
+    }
+  }
   out->model = std::move(model);
   out->max_bytes = static_cast<uint64_t>(max_bytes->as_number());
   return true;
@@ -125,6 +135,16 @@ json::Value EncodeEntry(const TuneRecord& r, const std::string& links) {
     fits.Set(std::string(Name(kind)), std::move(per_link));
   }
   e.Set("fits", std::move(fits));
+  json::Value measured = json::Value::MakeObject();
+  bool any = false;
+  for (size_t k = 0; k < kNumKinds; ++k) {
+    Kind kind = static_cast<Kind>(k);
+    std::optional<uint64_t> t = r.model.MeasuredThreshold(kind);
+    if (!r.model.Has(kind) || !t) continue;
+    measured.Set(std::string(Name(kind)), *t == kNeverSplit ? -1.0 : static_cast<double>(*t));
+    any = true;
+  }
+  if (any) e.Set("split_min_bytes", std::move(measured));
   return e;
 }
 

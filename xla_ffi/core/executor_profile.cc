@@ -1,0 +1,233 @@
+// Stage 1 inside the engine: the first large call of a kind on a group profiles its links (see
+// executor.h). The model it produces is the same as jax_flexlink.tune()'s, plus one thing a model of
+// links timed one at a time cannot know: whether splitting actually wins on this machine. Links can
+// slow each other down (shm and tcp share this machine's two cores), so the split the fits predict
+// is also timed, against the best link alone, and the smallest size from which it wins at every
+// larger profiled size becomes the split threshold (docs/planning.md).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/rendezvous.h"
+#include "xla_ffi/links/link.h"
+#include "xla_ffi/plan/cost_model.h"
+#include "xla_ffi/plan/ranges.h"
+#include "xla_ffi/plan/shares.h"
+#include "xla_ffi/plan/tuning_cache.h"
+
+namespace flexlink {
+namespace {
+
+constexpr uint64_t kMinProfileBytes = 64 << 10;
+
+std::string CachePath() {
+  std::string path = TuneCachePath();
+  return path.empty() ? plan::DefaultCachePath() : path;
+}
+
+void Log(const std::string& msg) {
+  if (DebugLevel() >= kDebugInfo) std::fprintf(stderr, "flexlink: %s\n", msg.c_str());
+}
+
+std::string Describe(const std::vector<std::string>& names, std::span<const plan::AlphaBeta> fits) {
+  std::string s;
+  for (size_t i = 0; i < names.size(); ++i) {
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "%s%s a=%.1fus bw=%.3gGB/s", i ? ", " : "", names[i].c_str(),
+                  fits[i].alpha * 1e6, fits[i].bytes_per_second() * 1e-9);
+    s += buf;
+  }
+  return s;
+}
+
+std::string ThresholdText(uint64_t t) {
+  return t == plan::kNeverSplit ? std::string("never split (one link alone is faster)")
+                                : "split from " + std::to_string(t) + " B per call";
+}
+
+// A float32 sum (for all_gather: a gather) of `message` nccl-tests bytes for a group of n.
+CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
+  CallDesc d;
+  d.kind = kind;
+  d.op = ReduceOp::kSum;
+  d.dtype = DType::kF32;
+  d.in = in;
+  d.out = out;
+  const size_t elems = message / sizeof(float);
+  d.units = kind == Kind::kAllReduce ? elems : std::max<size_t>(1, elems / n);
+  d.outer = 1;
+  d.inner = d.units;
+  return d;
+}
+
+// A zeroed, cache-line-aligned buffer (zeros: sums and gathers of them are exact, whatever the split).
+struct Buffer {
+  explicit Buffer(size_t bytes) {
+    const size_t rounded = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+    ptr = std::aligned_alloc(64, rounded);
+    if (ptr) std::memset(ptr, 0, rounded);
+  }
+  ~Buffer() { std::free(ptr); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  void* ptr = nullptr;
+};
+
+}  // namespace
+
+bool Executor::LoadCachedFits(Kind kind, int n) {
+  const std::string path = CachePath();
+  plan::TuneRecord rec;
+  std::string warning;
+  const bool found = plan::LoadTuning(path, {plan::HostName(), spec_, n}, &rec, &warning);
+  if (!warning.empty()) Log(warning);
+  if (!found || rec.model.links() != link_names_ || !rec.model.Has(kind)) return false;
+  if (!balancer_->MergeModel(rec.model).ok()) return false;
+  Log("stage 1 for " + std::string(Name(kind)) + " on group " + FormatIds(comm_->devices()) +
+      " from cache " + path + ": " + Describe(link_names_, rec.model.Fits(kind)) + "; " +
+      ThresholdText(balancer_->SplitThresholdBytes(kind)));
+  return true;
+}
+
+Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, CallState& state) {
+  const int n = ctx.size();
+  const size_t links = link_names_.size();
+  Profile* p;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    if (!state.profiling) {
+      auto prof = std::make_unique<Profile>();
+      prof->kind = call.kind;
+      const uint64_t top = std::max<uint64_t>(
+          2 * kMinProfileBytes, std::min(plan::BucketOf(MessageBytes(call, n)), TuneMaxBytes()));
+      for (uint64_t s = kMinProfileBytes; s <= top; s *= 2) prof->sizes.push_back(s);
+      prof->run_id = std::numeric_limits<int64_t>::min() + static_cast<int64_t>(state.plan->epoch);
+      prof->label = "stage 1 of " + ctx.label();
+      prof->started = Clock::now();
+      const size_t reps = prof->warmup + prof->iters;
+      prof->alone.assign(links * prof->sizes.size() * reps, 0.0);
+      prof->split.assign(prof->sizes.size() * reps, 0.0);
+      state.profiling = std::move(prof);
+    }
+    p = state.profiling.get();
+  }
+  const size_t num_sizes = p->sizes.size(), reps = p->warmup + p->iters;
+
+  // This rank's scratch, sized for the largest profiled call.
+  const CallDesc largest = ProfileDesc(p->kind, p->sizes.back(), n, nullptr, nullptr);
+  Buffer in(largest.in_count(n) * sizeof(float)), out(largest.out_count(n) * sizeof(float));
+  if (!in.ptr || !out.ptr)
+    return Status::Internal("flexlink: stage 1: out of memory for the profiling buffers");
+
+  auto seconds = std::make_shared<std::vector<double>>(links, 0.0);
+  // One nested call: everything on `only` (< links), or `shares` split across the links.
+  auto step = [&](size_t size_index, size_t only, const std::vector<double>* shares, double* slowest) {
+    const CallDesc d = ProfileDesc(p->kind, p->sizes[size_index], n, in.ptr, out.ptr);
+    const auto t0 = Clock::now();
+    std::shared_ptr<CallContext> sub = comm_->Join(rank, p->run_id, p->label);
+    Status s;
+    if (shares == nullptr) {
+      s = comm_->channel(only).RunAlone(*sub, rank, d);
+    } else {
+      s = sub->Arrive(rank, d, link_names_[0]);
+      if (s.ok()) s = RunRanges(*sub, rank, plan::CutRanges(d.units, d.width(), *shares), seconds);
+    }
+    const double t = Since(t0);
+    std::lock_guard<std::mutex> lock(state.mu);
+    *slowest = std::max(*slowest, t);
+    return s;
+  };
+  auto best = [&](const std::vector<double>& table, size_t first) {
+    double b = std::numeric_limits<double>::infinity();
+    for (int r = p->warmup; r < static_cast<int>(reps); ++r) b = std::min(b, table[first + r]);
+    return b;
+  };
+
+  for (size_t l = 0; l < links; ++l)
+    for (size_t i = 0; i < num_sizes; ++i)
+      for (size_t r = 0; r < reps; ++r)
+        FLEXLINK_RETURN_IF_ERROR(step(i, l, nullptr, &p->alone[(l * num_sizes + i) * reps + r]));
+  FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "stage 1 fit", link_names_[0]));
+
+  // Every rank fits the same numbers the same way, so all of them time the same splits.
+  plan::CostModel model(link_names_);
+  std::vector<double> message(num_sizes), best_alone(num_sizes, std::numeric_limits<double>::infinity());
+  for (size_t i = 0; i < num_sizes; ++i)
+    message[i] = static_cast<double>(MessageBytes(ProfileDesc(p->kind, p->sizes[i], n, nullptr, nullptr), n));
+  for (size_t l = 0; l < links; ++l) {
+    std::vector<plan::Sample> samples;
+    for (size_t i = 0; i < num_sizes; ++i) {
+      const double t = best(p->alone, (l * num_sizes + i) * reps);
+      samples.push_back({message[i], t});
+      best_alone[i] = std::min(best_alone[i], t);
+    }
+    plan::AlphaBeta fit;
+    if (!plan::FitAlphaBeta(samples, &fit).ok())  // cannot happen with >= 2 sizes; keep a usable line
+      fit = plan::AlphaBeta{0, samples.back().seconds / samples.back().bytes};
+    model.Set(p->kind, l, fit);
+  }
+  std::vector<std::vector<double>> splits(num_sizes);
+  for (size_t i = 0; i < num_sizes; ++i) {
+    splits[i] = plan::EqualFinishShares(model.Fits(p->kind), message[i]);
+    plan::DropBelow(splits[i], balancer_->options().min_share);
+    if (std::count_if(splits[i].begin(), splits[i].end(), [](double x) { return x > 0; }) < 2) continue;
+    for (size_t r = 0; r < reps; ++r)
+      FLEXLINK_RETURN_IF_ERROR(step(i, 0, &splits[i], &p->split[i * reps + r]));
+  }
+  FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "stage 1 split check", link_names_[0]));
+
+  std::lock_guard<std::mutex> lock(state.mu);
+  if (p->installed) return Status::Ok();
+  p->installed = true;
+  std::vector<double> split(num_sizes);
+  for (size_t i = 0; i < num_sizes; ++i) split[i] = best(p->split, i * reps);
+  const uint64_t threshold = plan::MeasuredSplitThreshold(
+      message, best_alone, split, balancer_->options().min_split_gain,
+      plan::SplitThreshold(model.Fits(p->kind), balancer_->options().split_overhead_s));
+  model.SetMeasuredThreshold(p->kind, threshold);
+  Status merged = balancer_->MergeModel(model);
+  state.plan = balancer_->PlanFor(p->kind, MessageBytes(call, n));
+
+  std::string timings;
+  for (size_t i = 0; i < num_sizes; ++i) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%s%.0f KiB %.3g/%.3g ms", i ? ", " : "", message[i] / 1024,
+                  best_alone[i] * 1e3, std::isfinite(split[i]) && split[i] > 0 ? split[i] * 1e3 : 0.0);
+    timings += buf;
+  }
+  Log("stage 1 for " + std::string(Name(p->kind)) + " on group " + FormatIds(comm_->devices()) + " (" +
+      std::to_string(Since(p->started)).substr(0, 5) + " s): " + Describe(link_names_, model.Fits(p->kind)) +
+      "; best alone/split: " + timings + "; " + ThresholdText(threshold) + "; plan " +
+      balancer_->Describe(*state.plan));
+  if (!merged.ok()) return merged;
+
+  // Persist, keeping what the cache already holds for the other kinds of this key.
+  const std::string path = CachePath();
+  plan::TuneRecord rec;
+  std::string warning;
+  const plan::CacheKey key{plan::HostName(), spec_, n};
+  plan::CostModel stored = model;
+  uint64_t max_bytes = p->sizes.back();
+  if (plan::LoadTuning(path, key, &rec, &warning) && rec.model.links() == link_names_) {
+    for (size_t k = 0; k < plan::kNumKinds; ++k) {
+      const Kind other = static_cast<Kind>(k);
+      if (other != p->kind && rec.model.Has(other)) stored.CopyKind(rec.model, other);
+    }
+    max_bytes = std::max(max_bytes, rec.max_bytes);
+  }
+  Status saved = plan::StoreTuning(path, plan::TuneRecord{key, stored, max_bytes}, &warning);
+  if (!saved.ok()) Log("tuning cache " + path + ": " + saved.message());
+  else if (!warning.empty()) Log(warning);
+  return Status::Ok();
+}
+
+}  // namespace flexlink

@@ -1,0 +1,54 @@
+// What the ranks of one executor call share (internal to executor.cc and executor_profile.cc).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/core/call.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/plan/balancer.h"
+
+namespace flexlink {
+
+using Clock = std::chrono::steady_clock;
+
+inline double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// nccl-tests' "size" of a call: AllReduce the buffer, AllGather the gathered output, ReduceScatter
+// the input. Plans are bucketed by it.
+inline uint64_t MessageBytes(const CallDesc& d, int n) {
+  return static_cast<uint64_t>(d.units) * d.width() * (d.kind == Kind::kAllReduce ? 1 : n);
+}
+
+// Stage 1 run by the ranks of one call (executor_profile.cc). Every rank runs the same steps in the
+// same order; a step's time is the slowest rank's, a size's time the best of its timed repetitions.
+struct Executor::Profile {
+  Kind kind = Kind::kAllReduce;
+  std::vector<uint64_t> sizes;  // profiled message sizes (nccl-tests bytes), ascending
+  int warmup = 1, iters = 2;    // untimed and timed repetitions of every step
+  int64_t run_id = 0;           // of the nested calls: the same on every rank, never an XLA run's
+  std::string label;
+  Clock::time_point started;
+  std::vector<double> alone;    // [link][size][repetition]: max over ranks
+  std::vector<double> split;    // [size][repetition]
+  bool installed = false;
+};
+
+struct Executor::CallState {
+  std::mutex mu;
+  std::shared_ptr<const plan::Plan> plan;  // replaced (under mu) once stage 1 ran in this call
+  bool profile = false;                    // this call runs stage 1 first
+  std::unique_ptr<Profile> profiling;      // made by the first rank to profile
+  std::vector<double> link_seconds;        // slowest rank's time per link
+  double call_seconds = 0;
+  int finished = 0;
+  bool failed = false;
+};
+
+}  // namespace flexlink
