@@ -11,7 +11,9 @@ std::atomic<double> g_timeout_s{300.0};
 // Measured crossover on the 2-core test machine with 8 device threads (docs/engine.md).
 std::atomic<size_t> g_shm_staging_bytes{16 * 1024};
 std::atomic<bool> g_huge_page_outputs{true};
+std::atomic<size_t> g_shm_streaming_separate_bytes{256 << 10};
 std::atomic<int> g_debug_level{0};
+std::atomic<bool> g_populate_outputs{true};
 std::atomic<uint64_t> g_autotune_min_bytes{1 << 20};
 std::atomic<uint64_t> g_tune_max_bytes{16 << 20};
 std::mutex g_cache_mu;
@@ -26,6 +28,10 @@ double TimeoutSeconds() { return g_timeout_s.load(std::memory_order_relaxed); }
 void SetTimeoutSeconds(double seconds) { g_timeout_s.store(seconds, std::memory_order_relaxed); }
 size_t ShmStagingBytes() { return g_shm_staging_bytes.load(std::memory_order_relaxed); }
 void SetShmStagingBytes(size_t bytes) { g_shm_staging_bytes.store(bytes, std::memory_order_relaxed); }
+size_t ShmStreamingSeparateBytes() { return g_shm_streaming_separate_bytes.load(std::memory_order_relaxed); }
+void SetShmStreamingSeparateBytes(size_t bytes) {
+  g_shm_streaming_separate_bytes.store(bytes, std::memory_order_relaxed);
+}
 bool HugePageOutputs() { return g_huge_page_outputs.load(std::memory_order_relaxed); }
 void SetHugePageOutputs(bool on) { g_huge_page_outputs.store(on, std::memory_order_relaxed); }
 
@@ -41,6 +47,9 @@ void SetTuneCachePath(std::string path) {
   std::lock_guard<std::mutex> lock(g_cache_mu);
   CachePath() = std::move(path);
 }
+
+bool PopulateOutputs() { return g_populate_outputs.load(std::memory_order_relaxed); }
+void SetPopulateOutputs(bool on) { g_populate_outputs.store(on, std::memory_order_relaxed); }
 
 int DebugLevel() { return g_debug_level.load(std::memory_order_relaxed); }
 void SetDebugLevel(int level) { g_debug_level.store(level, std::memory_order_relaxed); }

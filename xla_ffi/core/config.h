@@ -17,10 +17,20 @@ void SetTimeoutSeconds(double seconds);
 size_t ShmStagingBytes();
 void SetShmStagingBytes(size_t bytes);
 
+// Output size from which the shm link writes a separate (not in-place) output with non-temporal
+// stores. Default: see config.cc.
+size_t ShmStreamingSeparateBytes();
+void SetShmStreamingSeparateBytes(size_t bytes);
+
 // Whether large fresh outputs get transparent huge pages advised before they are written
 // (core/pages.h). Default on.
 bool HugePageOutputs();
 void SetHugePageOutputs(bool on);
+
+// Whether fresh outputs are faulted in with one madvise(MADV_POPULATE_WRITE) instead of a store per
+// page (core/pages.h). Default on; falls back to stores where the kernel lacks it.
+bool PopulateOutputs();
+void SetPopulateOutputs(bool on);
 
 // Stage 1 inside the engine (core/executor.h): a group's first call of a kind with at least this many
 // bytes (nccl-tests size) and no fits for that kind profiles every link alone, at power-of-two sizes

@@ -169,8 +169,14 @@ NB_MODULE(_flexlink, m) {
   m.def("set_shm_staging_bytes", &SetShmStagingBytes, nb::arg("bytes"),
         "Per-rank input size up to which the shm link stages inputs (one rendezvous per call).");
   m.def("shm_staging_bytes", &ShmStagingBytes);
+  m.def("set_shm_streaming_bytes", &SetShmStreamingSeparateBytes, nb::arg("bytes"),
+        "Output size from which shm writes separate outputs with non-temporal stores.");
+  m.def("shm_streaming_bytes", &ShmStreamingSeparateBytes);
   m.def("set_huge_page_outputs", &SetHugePageOutputs, nb::arg("on"),
         "Advise transparent huge pages on large outputs before writing them (default on).");
   m.def("huge_page_outputs", &HugePageOutputs);
+  m.def("set_populate_outputs", &SetPopulateOutputs, nb::arg("on"),
+        "Fault fresh outputs in with one madvise(MADV_POPULATE_WRITE) (default on).");
+  m.def("populate_outputs", &PopulateOutputs);
   DefineControl(m);
 }

@@ -26,11 +26,9 @@ size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }
 // lines were never read. In place, the lines were just read and are hot: stream only when huge.
 // (A/B through XLA, out of place, 2-4 MiB: 0.88x -> 0.93-0.98x of native's time ratio.)
 constexpr size_t kStreamingOutputBytes = 8 << 20;
-constexpr size_t kStreamingSeparateOutputBytes = 256 << 10;
-
 bool StreamOutputs(const CallDesc& d, size_t out_bytes) {
   return out_bytes >= kStreamingOutputBytes ||
-         (d.out != d.in && out_bytes >= kStreamingSeparateOutputBytes);
+         (d.out != d.in && out_bytes >= ShmStreamingSeparateBytes());
 }
 
 // memcpy, but with streaming stores when `stream` (x86-64; plain memcpy elsewhere).
