@@ -86,6 +86,35 @@ def test_all_reduce_in_place():
         assert np.array_equal(bufs[d], want[d])
 
 
+@pytest.mark.parametrize("populate,huge,stream_bytes", [
+    (True, True, 256 << 10), (False, True, 256 << 10), (True, False, 0), (False, False, 1 << 40)])
+def test_output_preparation_and_store_variants_agree(populate, huge, stream_bytes):
+    """Fresh outputs (np.empty of 4 MiB: new mappings) faulted in by madvise or by stores, with or
+    without huge pages, written with streaming or cached stores: the same bytes."""
+    saved = (fl.populate_outputs(), fl.huge_page_outputs(), fl.shm_streaming_bytes())
+    fl.set_populate_outputs(populate)
+    fl.set_huge_page_outputs(huge)
+    fl.set_shm_streaming_bytes(stream_bytes)
+    try:
+        count = (4 << 20) // 4 + 3  # not a whole number of pages or cache lines
+        xs = make_data("int32", (N, count), seed=107)
+        outs = {d: np.empty(count, np.int32) for d in range(N)}
+        errors = run_ranks("all_reduce", "sum", range(N), [N], {d: xs[d] for d in range(N)}, outs)
+        assert not errors, errors
+        want = xs.sum(axis=0, dtype=np.int32)
+        for d in range(N):
+            assert np.array_equal(outs[d], want), f"all_reduce rank {d}"
+        gathered = {d: np.empty(N * count, np.int32) for d in range(N)}
+        errors = run_ranks("all_gather", "sum", range(N), [N], {d: xs[d] for d in range(N)}, gathered)
+        assert not errors, errors
+        for d in range(N):
+            assert np.array_equal(gathered[d], xs.reshape(-1)), f"all_gather rank {d}"
+    finally:
+        fl.set_populate_outputs(saved[0])
+        fl.set_huge_page_outputs(saved[1])
+        fl.set_shm_streaming_bytes(saved[2])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_float_sum_in_rank_order(dtype):
     """Rank order, not device id order or arrival order: group [3,1,4,0,6,2,7,5]."""
