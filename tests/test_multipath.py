@@ -215,7 +215,7 @@ def test_links_from_the_environment():
     assert res.returncode != 0 and "FLEXLINK_LINKS" in res.stderr and "bogus" in res.stderr
 
 
-def test_stage1_profiles_fits_and_caches(tmp_path):
+def test_tune_runs_stage1_now_and_caches(tmp_path):
     from helpers import run_python
     code = """
         import time, jax, jax.numpy as jnp, numpy as np
@@ -223,16 +223,16 @@ def test_stage1_profiles_fits_and_caches(tmp_path):
         import jax_flexlink as flx
         flx.configure(links="emulated:a@gbps=0.2,latency_us=5;emulated:b@gbps=0.1,latency_us=5")
         t = time.perf_counter()
-        fits = flx.tune(collectives=("all_reduce",), min_bytes=1 << 16, max_bytes=1 << 20,
-                        use_cache=CACHED)
+        model = flx.tune(collectives=("all_reduce",), max_bytes="1M", use_cache=CACHED)
         print("SECONDS", time.perf_counter() - t)
-        (a_alpha, a_beta), (b_alpha, b_beta) = fits["all_reduce"]
+        (a_alpha, a_beta), (b_alpha, b_beta) = model["fits"]["all_reduce"]
         print("BW_RATIO", b_beta / a_beta)
+        print("THRESHOLD", model["split_min_bytes"]["all_reduce"])
         mesh = Mesh(np.array(jax.devices()), ("x",))
         f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"),
                                   out_specs=P("x"), check_vma=False))
         f(jax.device_put(jnp.ones(8 * (1 << 18), jnp.float32), NamedSharding(mesh, P("x"))))
-        plan, = flx.stats()["plans"]
+        plan = [p for p in flx.stats()["plans"] if p["bucket_bytes"] == 1 << 20][0]
         print("FIRST_SHARES", plan["shares"]["a"], plan["mode"])
     """
     env = {"FLEXLINK_TUNE_CACHE": str(tmp_path / "tune.json"), "FLEXLINK_DEBUG": "INFO"}
@@ -240,13 +240,22 @@ def test_stage1_profiles_fits_and_caches(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in first.stdout.splitlines() if " " in line)
     assert 1.5 < float(out["BW_RATIO"]) < 2.6, out  # b is half as fast: twice the seconds per byte
+    assert int(out["THRESHOLD"]) <= 1 << 20, out  # splitting wins (at least) at the largest size
     share_a = float(out["FIRST_SHARES"].split()[0])
-    assert abs(share_a - 2 / 3) < 0.08, out  # stage 1 alone lands near the optimum, before stage 2
-    assert "stage 1 profiled" in first.stderr and (tmp_path / "tune.json").exists()
+    assert abs(share_a - 2 / 3) < 0.05, out  # stage 1 alone lands near the optimum, before stage 2
+    assert "stage 1 for all_reduce on group" in first.stderr and "from cache" not in first.stderr
+    assert (tmp_path / "tune.json").exists()
     second = run_python(code.replace("CACHED", "True"), env_extra=env)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "stage 1 from cache" in second.stderr, second.stderr[-2000:]
-    assert "stage 1 profiled" not in second.stderr
+    assert "from cache" in second.stderr, second.stderr[-2000:]
+    assert " s): " not in second.stderr, second.stderr[-2000:]  # no profiling line
+    out2 = dict(line.split(" ", 1) for line in second.stdout.splitlines() if " " in line)
+    assert out2["BW_RATIO"] == out["BW_RATIO"], (out, out2)  # the same fits, bit for bit
+
+
+def test_tune_with_one_link_has_nothing_to_balance():
+    flx.configure(links="shm")
+    assert flx.tune() == {}
 
 
 ENGINE_STAGE1 = """
@@ -265,6 +274,7 @@ ENGINE_STAGE1 = """
     print("SMALL", call(1 << 18)[1 << 18])
     print("LARGE", call(2 << 20)[2 << 20])
     print("AFTER", call(1 << 18)[1 << 18])
+    print("THRESHOLD", flx._flexlink.group_fits(list(range(8)))["split_min_bytes"]["all_reduce"])
 """
 
 
@@ -280,10 +290,15 @@ def test_stage1_runs_in_the_engine_on_the_first_large_call(tmp_path):
     assert out["SMALL"] == "('single', 1.0)", out
     mode, share_a = eval(out["LARGE"])
     assert mode in ("converging", "settled") and abs(share_a - 2 / 3) < 0.05, out
-    # After stage 1 the small bucket is re-seeded from the fits (a 256 KiB call splits too: far
-    # above the predicted threshold for links this slow).
+    # After stage 1 the small bucket is re-seeded from the model: split near the optimum if the
+    # measured threshold is at most 256 KiB (as it is on a quiet machine: the split is ~1.5x faster
+    # there), else the fastest link alone.
     mode, share_a = eval(out["AFTER"])
-    assert mode in ("converging", "settled") and abs(share_a - 2 / 3) < 0.05, out
+    if int(out["THRESHOLD"]) <= 1 << 18:
+        assert mode in ("converging", "settled") and abs(share_a - 2 / 3) < 0.05, out
+    else:
+        assert (mode, share_a) == ("single", 1.0), out
+    assert int(out["THRESHOLD"]) <= 2 << 20, out  # the 2 MiB call itself was split
     assert "stage 1 for all_reduce on group [0, 1, 2, 3, 4, 5, 6, 7] (" in first.stderr, first.stderr[-2000:]
     import json
     entry, = json.loads((tmp_path / "tune.json").read_text())["entries"]

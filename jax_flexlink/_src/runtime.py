@@ -41,7 +41,8 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
 
 def load_cached_model() -> None:
   """Stage 1 from the tuning cache, when this link set was tuned before on this host (for a group of
-  all local devices); otherwise plans start from equal shares until tune() runs."""
+  all local devices), so that calls below the autotune size are planned from it too; otherwise the
+  engine runs stage 1 on each group's first large call (or tune() does, now)."""
   if len(_flexlink.links()) > 1:
     import jax  # noqa: PLC0415 - the backend must exist to count devices; only multi-link setups ask
     from jax_flexlink._src import tune  # noqa: PLC0415 - tune imports the public API modules

@@ -1,8 +1,6 @@
-"""Stage 1 of the balancer: profile each link alone, fit latency and bandwidth, seed the split.
+"""Stage 1 of the balancer from Python: tune() runs the engine's stage 1 (core/executor_profile.cc)
+now instead of on the first large call, and load_cached() installs cached fits at configure time.
 
-Each link is timed alone (its share pinned to 100%) on real collective calls at power-of-two sizes;
-a least-squares α–β fit per (collective, link) gives predicted times, from which the balancer takes
-the split that makes the links finish together, and the size below which one link beats any split.
 Fits persist in the tuning cache (FLEXLINK_TUNE_CACHE, default ~/.cache/jax_flexlink/tune.json),
 keyed by host, link set and group size, and are reloaded instead of re-profiling.
 """
@@ -17,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_flexlink import _flexlink
 from jax_flexlink._src import api, native
-from jax_flexlink._src.config import ENV
+from jax_flexlink._src.config import ENV, parse_bytes
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -69,52 +67,44 @@ def _per_device_elements(collective, size, n, itemsize):
   return -(-elems // n) * n if collective == "reduce_scatter" else elems
 
 
-def tune(*, collectives=COLLECTIVES, min_bytes: int = 1 << 16, max_bytes: int = 1 << 24,
-         iters: int = 3, devices=None, use_cache: bool = True, store: bool = True) -> dict:
-  """Stage 1: profiles every configured link alone and installs the fitted split.
+def tune(*, collectives=COLLECTIVES, max_bytes: int | str = 16 << 20, devices=None,
+         use_cache: bool = True) -> dict:
+  """Stage 1 now, for the group of `devices` (default: all local devices, in order).
 
-  Returns {collective: [(alpha_s, beta_s_per_byte) per link, in link order]}. With `use_cache`, a
-  cached entry for this host, link set and group size is installed instead of profiling.
+  The same stage 1 the engine runs on a group's first large call: every link profiled alone at
+  powers of two from 64 KiB to `max_bytes`, α–β fits, the fitted split timed against the best link
+  alone (which decides the size from which calls are split), stored in the tuning cache. With
+  `use_cache`, a cached entry for this host, link set and group size is installed instead.
+
+  Returns {"fits": {collective: [(alpha_s, beta_s_per_byte) per link, in link order]},
+  "split_min_bytes": {collective: bytes}} (2**64 - 1: never split); {} with a single link.
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
-  if use_cache:
-    cached = load_cached(n)
-    if cached is not None and set(collectives) <= set(cached):
-      return cached
   names = list(_flexlink.links())
+  if len(names) < 2 or n < 2:
+    return {}
+  top = parse_bytes(max_bytes, "max_bytes")
+  if top < 1 << 17:
+    raise ValueError(f"max_bytes={max_bytes!r}: must be at least 128K (two profile sizes)")
   mesh = Mesh(np.array(devices), ("x",))
-  sizes = [1 << k for k in range(max(int(min_bytes).bit_length() - 1, 0),
-                                 int(max_bytes).bit_length())]
-  fits = {}
+  saved = (_flexlink.autotune_min_bytes(), _flexlink.tune_max_bytes(), _flexlink.tune_use_cache())
   try:
+    _flexlink.set_autotune_min_bytes(1)  # this call is "large", whatever the configured size
+    _flexlink.set_tune_max_bytes(top)
+    _flexlink.set_tune_use_cache(bool(use_cache))
     for collective in collectives:
-      f = _program(mesh, collective)
-      samples = [[] for _ in names]
-      for size in sizes:
-        elems = _per_device_elements(collective, size, n, 4)
-        x = jax.device_put(jnp.ones((n * elems,), jnp.float32), NamedSharding(mesh, P("x")))
-        message = elems * 4 * (n if collective == "all_gather" else 1)
-        bucket = 1 << (message.bit_length() - 1)
-        for i, name in enumerate(names):
-          _flexlink.set_shares(collective, bucket, [float(j == i) for j in range(len(names))], True)
-          f(x).block_until_ready()  # compile, warm the link
-          before = _flexlink.stats()["links"][name]
-          for _ in range(iters):
-            f(x).block_until_ready()
-          after = _flexlink.stats()["links"][name]
-          calls = after["calls"] - before["calls"]
-          if calls:
-            samples[i].append((float(message), (after["seconds"] - before["seconds"]) / calls))
-      fits[collective] = [_flexlink.fit_alpha_beta(s) for s in samples]
+      _flexlink.forget_model(collective)
+      elems = _per_device_elements(collective, top, n, 4)
+      x = jax.device_put(jnp.zeros((n * elems,), jnp.float32), NamedSharding(mesh, P("x")))
+      _program(mesh, collective)(x).block_until_ready()
   finally:
-    _flexlink.clear_plans()  # the pins go; stage 2 starts from the model below
-  _flexlink.install_model(fits)
-  _log(f"stage 1 profiled {n} ranks, {sizes[0]}..{sizes[-1]} B: {_describe(fits)}")
-  for collective in fits:
-    _log(f"{collective}: split from {_flexlink.split_threshold_bytes(collective)} B per call")
-  if store:
-    warning = _flexlink.store_tuning(cache_path(), n, fits, sizes[-1])
-    if warning:
-      _log(f"tuning cache {cache_path()}: {warning}")
-  return fits
+    _flexlink.set_autotune_min_bytes(saved[0])
+    _flexlink.set_tune_max_bytes(saved[1])
+    _flexlink.set_tune_use_cache(saved[2])
+  model = _flexlink.group_fits([d.id for d in devices])
+  if model is None:  # cannot happen: the calls above made the group
+    raise RuntimeError("flexlink: tune(): the group was not created")
+  return {"fits": {c: model["fits"][c] for c in collectives if c in model["fits"]},
+          "split_min_bytes": {c: model["split_min_bytes"][c] for c in collectives
+                              if c in model["split_min_bytes"]}}

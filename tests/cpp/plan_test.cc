@@ -492,6 +492,10 @@ void TestProfileMode() {
   m.SetMeasuredThreshold(Kind::kAllReduce, kNeverSplit);
   Check(b.MergeModel(m).ok() && b.PlanFor(Kind::kAllReduce, 64 << 20)->mode == PlanMode::kSingle,
         "never split: every size single");
+  b.ForgetKind(Kind::kAllReduce);
+  Check(b.PlanFor(Kind::kAllReduce, 64 << 20)->mode == PlanMode::kProfile &&
+            b.SplitThresholdBytes(Kind::kAllReduce) == 0 && !b.Model().MeasuredThreshold(Kind::kAllReduce),
+        "forgotten fits: stage 1 again");
   b.SetProfileFromBytes(0);
   Check(b.PlanFor(Kind::kReduceScatter, 4 << 20)->mode == PlanMode::kProfile,
         "an existing plan stays");

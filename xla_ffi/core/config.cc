@@ -16,6 +16,7 @@ std::atomic<int> g_debug_level{0};
 std::atomic<bool> g_populate_outputs{true};
 std::atomic<uint64_t> g_autotune_min_bytes{1 << 20};
 std::atomic<uint64_t> g_tune_max_bytes{16 << 20};
+std::atomic<bool> g_tune_use_cache{true};
 std::mutex g_cache_mu;
 std::string& CachePath() {
   static auto* path = new std::string();
@@ -39,6 +40,8 @@ uint64_t AutotuneMinBytes() { return g_autotune_min_bytes.load(std::memory_order
 void SetAutotuneMinBytes(uint64_t bytes) { g_autotune_min_bytes.store(bytes, std::memory_order_relaxed); }
 uint64_t TuneMaxBytes() { return g_tune_max_bytes.load(std::memory_order_relaxed); }
 void SetTuneMaxBytes(uint64_t bytes) { g_tune_max_bytes.store(bytes, std::memory_order_relaxed); }
+bool TuneUseCache() { return g_tune_use_cache.load(std::memory_order_relaxed); }
+void SetTuneUseCache(bool on) { g_tune_use_cache.store(on, std::memory_order_relaxed); }
 std::string TuneCachePath() {
   std::lock_guard<std::mutex> lock(g_cache_mu);
   return CachePath();

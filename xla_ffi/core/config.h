@@ -39,6 +39,10 @@ void SetPopulateOutputs(bool on);
 uint64_t AutotuneMinBytes();
 void SetAutotuneMinBytes(uint64_t bytes);
 uint64_t TuneMaxBytes();  // default 16 MiB
+// Whether stage 1 in the engine may take fits from the tuning cache (default true; tune(use_cache=
+// False) turns it off while it runs).
+bool TuneUseCache();
+void SetTuneUseCache(bool on);
 void SetTuneMaxBytes(uint64_t bytes);
 // The tuning cache file (plan/tuning_cache.h); empty: plan::DefaultCachePath().
 std::string TuneCachePath();

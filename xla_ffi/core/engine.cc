@@ -119,6 +119,28 @@ Status InstallModel(plan::CostModel model) {
   return Status::Ok();
 }
 
+void ForgetModel(Kind kind) {
+  if (auto model = CurrentModel()) {
+    plan::CostModel m = *model;
+    m.ClearKind(kind);
+    SetCurrentModel(std::move(m));
+  }
+  const uint64_t version = CurrentLinkSet()->version;
+  GroupRegistry& reg = Registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups)
+    if (key.first == version) group->balancer->ForgetKind(kind);
+}
+
+std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices) {
+  const uint64_t version = CurrentLinkSet()->version;
+  GroupRegistry& reg = Registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.groups.find({version, std::vector<int64_t>(devices.begin(), devices.end())});
+  if (it == reg.groups.end()) return std::nullopt;
+  return it->second->balancer->Model();
+}
+
 void SetAutotune(uint64_t min_bytes) {
   SetAutotuneMinBytes(min_bytes);
   GroupRegistry& reg = Registry();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -36,6 +37,12 @@ Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, b
 
 // Stage 1: installs per-link fits on every group of the current link set, present and future.
 Status InstallModel(plan::CostModel model);
+// Forgets `kind`'s stage-1 fits everywhere (the current model and every group's balancer), so that
+// the next large call of that kind on a group runs stage 1 again.
+void ForgetModel(Kind kind);
+// The model (fits, measured thresholds) of the group `devices` of the current link set; nullopt if
+// that group has not been made.
+std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices);
 // Sets config AutotuneMinBytes and applies it to every group's balancer (0: stage 1 only from tune()).
 void SetAutotune(uint64_t min_bytes);
 // Forgets every plan and hand-set share of the current link set (the model stays).

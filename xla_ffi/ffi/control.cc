@@ -185,6 +185,24 @@ void DefineControl(nb::module_& m) {
   m.def("autotune_min_bytes", &AutotuneMinBytes);
   m.def("set_tune_max_bytes", &SetTuneMaxBytes, nb::arg("bytes"), "Largest size stage 1 profiles in the engine.");
   m.def("tune_max_bytes", &TuneMaxBytes);
+  m.def("set_tune_use_cache", &SetTuneUseCache, nb::arg("on"));
+  m.def("tune_use_cache", &TuneUseCache);
+  m.def("forget_model", [](const std::string& kind) { ForgetModel(KindOf(kind)); }, nb::arg("collective"),
+        "Forgets a collective's stage-1 fits everywhere: its next large call runs stage 1 again.");
+  m.def("group_fits", [](const std::vector<int64_t>& devices) -> nb::object {
+    auto model = GroupModel(devices);
+    if (!model) return nb::none();
+    nb::dict out = FitsOf(*model);
+    nb::dict thresholds;
+    for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter}) {
+      auto t = model->MeasuredThreshold(kind);
+      if (model->Has(kind) && t) thresholds[std::string(Name(kind)).c_str()] = nb::int_(*t);
+    }
+    nb::dict result;
+    result["fits"] = out;
+    result["split_min_bytes"] = thresholds;
+    return result;
+  }, nb::arg("devices"), "The stage-1 model of one group: {fits: {collective: [(alpha, beta)]}, split_min_bytes}.");
   m.def("set_tune_cache_path", &SetTuneCachePath, nb::arg("path"), "The tuning cache the engine reads and writes.");
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
   m.def("take_split_records", &SplitRecords, "Per-rank ranges of the calls since the last take.");

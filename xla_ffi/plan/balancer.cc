@@ -71,6 +71,15 @@ Status Balancer::MergeModel(const CostModel& model) {
   return Status::Ok();
 }
 
+void Balancer::ForgetKind(Kind kind) {
+  std::lock_guard<std::mutex> lock(mu_);
+  model_.ClearKind(kind);
+  std::erase_if(entries_, [&](const auto& kv) {
+    return kv.first.first == KindIndex(kind) && kv.second.plan->mode != PlanMode::kPinned;
+  });
+  UpdateThresholds();
+}
+
 CostModel Balancer::Model() const {
   std::lock_guard<std::mutex> lock(mu_);
   return model_;

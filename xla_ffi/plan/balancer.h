@@ -109,6 +109,8 @@ class Balancer {
   // Installs `model`'s fits (and measured threshold) for the kinds it has, keeping the other kinds';
   // the plans of those kinds that are not pinned are re-seeded at their next call.
   Status MergeModel(const CostModel& model);
+  // Forgets `kind`'s fits; its plans that are not pinned start over (stage 1 again, see PlanFor).
+  void ForgetKind(Kind kind);
   // A copy of the current model (fits per kind, measured thresholds).
   CostModel Model() const;
   // Changes BalancerOptions::profile_from_bytes for plans made from now on.

@@ -185,6 +185,13 @@ void CostModel::CopyKind(const CostModel& other, Kind kind) {
   measured_[k] = other.measured_[k];
 }
 
+void CostModel::ClearKind(Kind kind) {
+  const size_t k = KindIndex(kind);
+  fits_[k].assign(links_.size(), AlphaBeta{});
+  fitted_[k].assign(links_.size(), false);
+  measured_[k].reset();
+}
+
 bool CostModel::Has(Kind kind) const {
   const auto& f = fitted_[KindIndex(kind)];
   return !f.empty() && std::all_of(f.begin(), f.end(), [](bool b) { return b; });

@@ -98,6 +98,8 @@ class CostModel {
   std::optional<uint64_t> MeasuredThreshold(Kind kind) const { return measured_[KindIndex(kind)]; }
   // Copies `other`'s fits and measured threshold for `kind` (same links).
   void CopyKind(const CostModel& other, Kind kind);
+  // Forgets the fits and measured threshold of `kind`.
+  void ClearKind(Kind kind);
 
  private:
   std::vector<std::string> links_;
