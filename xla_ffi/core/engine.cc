@@ -148,15 +148,6 @@ void SetAutotune(uint64_t min_bytes) {
   for (auto& [key, group] : reg.groups) group->balancer->SetProfileFromBytes(min_bytes);
 }
 
-void ClearPlans() {
-  ClearShareOverrides();
-  const uint64_t version = CurrentLinkSet()->version;
-  GroupRegistry& reg = Registry();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  for (auto& [key, group] : reg.groups)
-    if (key.first == version) group->balancer->Clear();
-}
-
 std::vector<PlanSnapshot> SnapshotPlans() {
   const uint64_t version = CurrentLinkSet()->version;
   std::vector<PlanSnapshot> out;

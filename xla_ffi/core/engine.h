@@ -45,8 +45,6 @@ void ForgetModel(Kind kind);
 std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices);
 // Sets config AutotuneMinBytes and applies it to every group's balancer (0: stage 1 only from tune()).
 void SetAutotune(uint64_t min_bytes);
-// Forgets every plan and hand-set share of the current link set (the model stays).
-void ClearPlans();
 
 struct PlanSnapshot {
   std::vector<int64_t> group;

@@ -75,21 +75,6 @@ void SetLinkRate(const std::string& name, double gbps, double latency_us) {
   link->SetRate(gbps, latency_us);
 }
 
-// fits: {collective: [(alpha_s, beta_s_per_byte) per link, in link order]}
-plan::CostModel ModelFrom(const nb::dict& fits) {
-  auto set = CurrentLinkSet();
-  plan::CostModel model(set->names());
-  for (auto [k, v] : fits) {
-    const Kind kind = KindOf(nb::cast<std::string>(k));
-    auto per_link = nb::cast<std::vector<std::pair<double, double>>>(v);
-    if (per_link.size() != set->links.size())
-      throw nb::value_error("install_model: one (alpha, beta) per link expected");
-    for (size_t i = 0; i < per_link.size(); ++i)
-      model.Set(kind, i, plan::AlphaBeta{per_link[i].first, per_link[i].second});
-  }
-  return model;
-}
-
 nb::dict FitsOf(const plan::CostModel& model) {
   nb::dict out;
   for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter}) {
@@ -98,28 +83,6 @@ nb::dict FitsOf(const plan::CostModel& model) {
     for (const auto& f : model.Fits(kind)) fits.emplace_back(f.alpha, f.beta);
     out[std::string(Name(kind)).c_str()] = fits;
   }
-  return out;
-}
-
-std::pair<double, double> Fit(const std::vector<std::pair<double, double>>& samples) {
-  std::vector<plan::Sample> s;
-  for (auto [bytes, seconds] : samples) s.push_back(plan::Sample{bytes, seconds});
-  plan::AlphaBeta fit;
-  Check(plan::FitAlphaBeta(s, &fit));
-  return {fit.alpha, fit.beta};
-}
-
-// The tuning cache entry for the current links and `ranks`, as {fits, max_bytes, warning}; fits is
-// None when there is no entry.
-nb::dict LoadTuning(const std::string& path, int ranks) {
-  plan::TuneRecord rec;
-  std::string warning;
-  const bool found = plan::LoadTuning(path, {plan::HostName(), CurrentLinkSet()->spec, ranks}, &rec, &warning);
-  nb::dict out;
-  out["fits"] = found ? nb::object(FitsOf(rec.model)) : nb::none();
-  out["max_bytes"] = rec.max_bytes;
-  out["warning"] = warning;
-  out["host"] = plan::HostName();
   return out;
 }
 
@@ -135,13 +98,6 @@ nb::dict InstallCached(const std::string& path, int ranks) {
   out["warning"] = warning;
   out["host"] = plan::HostName();
   return out;
-}
-
-std::string StoreTuning(const std::string& path, int ranks, const nb::dict& fits, uint64_t max_bytes) {
-  plan::TuneRecord rec{{plan::HostName(), CurrentLinkSet()->spec, ranks}, ModelFrom(fits), max_bytes};
-  std::string warning;
-  Check(plan::StoreTuning(path, rec, &warning));
-  return warning;
 }
 
 }  // namespace
@@ -161,24 +117,12 @@ void DefineControl(nb::module_& m) {
   m.def("set_link_rate", &SetLinkRate, nb::arg("name"), nb::arg("gbps"), nb::arg("latency_us") = 0.0,
         "Changes an emulated link's pace while running.");
   m.def("set_debug_level", &SetDebugLevel, nb::arg("level"));
-  m.def("fit_alpha_beta", &Fit, nb::arg("samples"), "Least-squares (alpha_s, beta_s_per_byte) of (bytes, seconds).");
-  m.def("install_model", [](const nb::dict& fits) { Check(InstallModel(ModelFrom(fits))); }, nb::arg("fits"),
-        "Stage 1: per-link fits {collective: [(alpha, beta), ...]} for the current links.");
-  m.def("clear_plans", &ClearPlans, "Forgets every plan and hand-set share (the model stays).");
-  m.def("split_threshold_bytes", [](const std::string& kind) {
-    auto model = CurrentModel();
-    if (!model || !model->Has(KindOf(kind))) return uint64_t{0};
-    plan::Balancer b(CurrentLinkSet()->names());
-    (void)b.SetModel(*model);
-    return b.SplitThresholdBytes(KindOf(kind));
-  }, nb::arg("collective"));
   m.def("tune_cache_path", [](const std::string& configured, const std::string& home) {
     return plan::ResolveCachePath(configured, home);
   }, nb::arg("configured"), nb::arg("home"));
-  m.def("load_tuning", &LoadTuning, nb::arg("path"), nb::arg("ranks"));
   m.def("install_cached", &InstallCached, nb::arg("path"), nb::arg("ranks"),
-        "load_tuning, then installs the entry (fits and measured split thresholds) when found.");
-  m.def("store_tuning", &StoreTuning, nb::arg("path"), nb::arg("ranks"), nb::arg("fits"), nb::arg("max_bytes"));
+        "Installs the tuning cache entry (fits, measured split thresholds) of this host, the current "
+        "links and `ranks`, if there is one: {fits or None, max_bytes, warning, host}.");
   m.def("set_autotune_min_bytes", &SetAutotune, nb::arg("bytes"),
         "Stage 1 runs on a group's first call of a kind of at least this many bytes that has no "
         "fits (0: never).");
