@@ -326,3 +326,25 @@ def test_stage1_in_the_engine_on_real_links(mesh1d):
         np.testing.assert_array_equal(got, np.asarray(collective_fn(mesh1d, lax, kind)(x)))
         plans = {p["bucket_bytes"]: p for p in flx.stats()["plans"] if p["collective"] == kind}
         assert plans[2 << 20]["mode"] in ("single", "converging", "settled"), plans
+
+
+def test_stage1_in_concurrent_groups_of_a_2d_mesh():
+    """Two row groups of a 2x4 mesh reach their first large call together: each profiles on its own
+    (nested calls of its own communicator), neither waits for the other, and the results are exact."""
+    from jax.sharding import Mesh
+    flx.configure(links="shm;emulated:e@gbps=0.5")
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    per_device = (1 << 20) // 4
+    x = jax.device_put(jnp.arange(N * per_device, dtype=jnp.int32).reshape(2, 4 * per_device) % 5,
+                       NamedSharding(mesh, P("x", "y")))
+    f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "y"), mesh=mesh, in_specs=P("x", "y"),
+                              out_specs=P("x", "y"), check_vma=False))
+    ref = jax.jit(jax.shard_map(lambda v: lax.psum(v, "y"), mesh=mesh, in_specs=P("x", "y"),
+                                out_specs=P("x", "y"), check_vma=False))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
+    groups = {tuple(p["group"]) for p in flx.stats()["plans"] if p["bucket_bytes"] == 1 << 20}
+    assert groups == {(0, 1, 2, 3), (4, 5, 6, 7)}, flx.stats()["plans"]
+    for g in groups:
+        model = _flexlink.group_fits(list(g))
+        assert "all_reduce" in model["fits"] and "all_reduce" in model["split_min_bytes"], model
