@@ -492,6 +492,16 @@ void TestProfileMode() {
   m.SetMeasuredThreshold(Kind::kAllReduce, kNeverSplit);
   Check(b.MergeModel(m).ok() && b.PlanFor(Kind::kAllReduce, 64 << 20)->mode == PlanMode::kSingle,
         "never split: every size single");
+  m.SetMeasuredThreshold(Kind::kAllReduce, 2 << 20);
+  m.SetProfiledBytes(Kind::kAllReduce, 1 << 20);
+  Check(b.MergeModel(m).ok(), "merge with a profiled size");
+  Check(b.PlanFor(Kind::kAllReduce, 8 << 20)->mode == PlanMode::kConverging,
+        "8x the profiled size: the fits extrapolate");
+  Check(b.PlanFor(Kind::kAllReduce, 16 << 20)->mode == PlanMode::kProfile,
+        "16x the profiled size: profile again, up to the size seen");
+  m.SetProfiledBytes(Kind::kAllReduce, 16 << 20);
+  Check(b.MergeModel(m).ok() && b.PlanFor(Kind::kAllReduce, uint64_t{1} << 34)->mode == PlanMode::kConverging,
+        "profiled up to the configured maximum: never again");
   b.ForgetKind(Kind::kAllReduce);
   Check(b.PlanFor(Kind::kAllReduce, 64 << 20)->mode == PlanMode::kProfile &&
             b.SplitThresholdBytes(Kind::kAllReduce) == 0 && !b.Model().MeasuredThreshold(Kind::kAllReduce),
@@ -546,6 +556,7 @@ void TestCache() {
   rec.max_bytes = 1 << 26;
   rec.model.SetMeasuredThreshold(Kind::kAllReduce, kNeverSplit);
   rec.model.SetMeasuredThreshold(Kind::kAllGather, 262144);
+  rec.model.SetProfiledBytes(Kind::kAllReduce, 1 << 20);
   TuneRecord other = rec;
   other.key.ranks = 4;
   other.model.Set(Kind::kAllReduce, 0, {9e-6, 1e-9});
@@ -563,6 +574,9 @@ void TestCache() {
             got.model.MeasuredThreshold(Kind::kAllGather) == 262144u &&
             !got.model.MeasuredThreshold(Kind::kReduceScatter),
         "measured thresholds round-trip (never included)");
+  Check(got.model.ProfiledBytes(Kind::kAllReduce) == (1u << 20) &&
+            got.model.ProfiledBytes(Kind::kAllGather) == rec.max_bytes,
+        "profiled sizes round-trip; without one, the entry's max_bytes");
   Check(LoadTuning(path, other.key, &got, &warning) && got.model.Fits(Kind::kAllReduce)[0].alpha == 9e-6,
         "ranks are part of the key");
   Check(!LoadTuning(path, {rec.key.host, "shm;tcp", 8}, &got, &warning) && warning.empty(), "unknown key");

@@ -57,6 +57,7 @@ std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std
   for (const auto& link : links->links) g->comm->AddChannel(link->Open(devices));
   plan::BalancerOptions options;
   options.profile_from_bytes = AutotuneMinBytes();
+  options.profile_max_bytes = TuneMaxBytes();
   g->balancer = std::make_unique<plan::Balancer>(links->names(), options);
   if (auto model = CurrentModel()) (void)g->balancer->SetModel(*model);
   for (const auto& [key, shares] : CurrentShareOverrides())
@@ -139,6 +140,13 @@ std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices) {
   auto it = reg.groups.find({version, std::vector<int64_t>(devices.begin(), devices.end())});
   if (it == reg.groups.end()) return std::nullopt;
   return it->second->balancer->Model();
+}
+
+void SetTuneMax(uint64_t max_bytes) {
+  SetTuneMaxBytes(max_bytes);
+  GroupRegistry& reg = Registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups) group->balancer->SetProfileMaxBytes(max_bytes);
 }
 
 void SetAutotune(uint64_t min_bytes) {

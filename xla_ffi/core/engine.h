@@ -43,6 +43,8 @@ void ForgetModel(Kind kind);
 // The model (fits, measured thresholds) of the group `devices` of the current link set; nullopt if
 // that group has not been made.
 std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices);
+// Sets config TuneMaxBytes and applies it to every group's balancer.
+void SetTuneMax(uint64_t max_bytes);
 // Sets config AutotuneMinBytes and applies it to every group's balancer (0: stage 1 only from tune()).
 void SetAutotune(uint64_t min_bytes);
 

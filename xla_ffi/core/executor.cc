@@ -89,7 +89,8 @@ Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
   CallState* state = ctx.ExecutorState<CallState>([&] {
     auto s = std::make_shared<CallState>();
     s->plan = balancer_->PlanFor(desc.kind, bytes);
-    if (s->plan->mode == plan::PlanMode::kProfile && TuneUseCache() && LoadCachedFits(desc.kind, n))
+    if (s->plan->mode == plan::PlanMode::kProfile && TuneUseCache() &&
+        LoadCachedFits(desc.kind, n, ProfileTopBytes(bytes)))
       s->plan = balancer_->PlanFor(desc.kind, bytes);
     s->profile = s->plan->mode == plan::PlanMode::kProfile;
     s->link_seconds.assign(link_names_.size(), 0.0);

@@ -79,7 +79,8 @@ class Executor {
   // Stage 1 (executor_profile.cc). LoadCachedFits: installs the cached fits for `kind` and this
   // group's size, if any (one thread). RunProfile: every rank, after the arrival; on return
   // state.plan is the call's plan from the new fits.
-  bool LoadCachedFits(Kind kind, int n);
+  // `needed_bytes`: the size the entry must have been profiled up to.
+  bool LoadCachedFits(Kind kind, int n, uint64_t needed_bytes);
   Status RunProfile(CallContext& ctx, int rank, const CallDesc& desc, CallState& state);
   void Finish(CallState& state, int n, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
               const std::vector<double>& seconds, double call_seconds, bool ok, int rank,

@@ -84,13 +84,19 @@ struct Buffer {
 
 }  // namespace
 
-bool Executor::LoadCachedFits(Kind kind, int n) {
+uint64_t ProfileTopBytes(uint64_t message_bytes) {
+  return plan::BucketOf(std::max<uint64_t>(
+      2 * kMinProfileBytes, std::min(plan::BucketOf(message_bytes), TuneMaxBytes())));
+}
+
+bool Executor::LoadCachedFits(Kind kind, int n, uint64_t needed_bytes) {
   const std::string path = CachePath();
   plan::TuneRecord rec;
   std::string warning;
   const bool found = plan::LoadTuning(path, {plan::HostName(), spec_, n}, &rec, &warning);
   if (!warning.empty()) Log(warning);
   if (!found || rec.model.links() != link_names_ || !rec.model.Has(kind)) return false;
+  if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;  // profiled at smaller sizes only
   if (!balancer_->MergeModel(rec.model).ok()) return false;
   Log("stage 1 for " + std::string(Name(kind)) + " on group " + FormatIds(comm_->devices()) +
       " from cache " + path + ": " + Describe(link_names_, rec.model.Fits(kind)) + "; " +
@@ -107,8 +113,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
     if (!state.profiling) {
       auto prof = std::make_unique<Profile>();
       prof->kind = call.kind;
-      const uint64_t top = std::max<uint64_t>(
-          2 * kMinProfileBytes, std::min(plan::BucketOf(MessageBytes(call, n)), TuneMaxBytes()));
+      const uint64_t top = ProfileTopBytes(MessageBytes(call, n));
       for (uint64_t s = kMinProfileBytes; s <= top; s *= 2) prof->sizes.push_back(s);
       prof->run_id = std::numeric_limits<int64_t>::min() + static_cast<int64_t>(state.plan->epoch);
       prof->label = "stage 1 of " + ctx.label();
@@ -194,6 +199,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
       message, best_alone, split, balancer_->options().min_split_gain,
       plan::SplitThreshold(model.Fits(p->kind), balancer_->options().split_overhead_s));
   model.SetMeasuredThreshold(p->kind, threshold);
+  model.SetProfiledBytes(p->kind, p->sizes.back());
   Status merged = balancer_->MergeModel(model);
   state.plan = balancer_->PlanFor(p->kind, MessageBytes(call, n));
 

@@ -40,6 +40,10 @@ struct Executor::Profile {
   bool installed = false;
 };
 
+// The largest size stage 1 profiles for a call of `message_bytes`: powers of two from 64 KiB up to
+// the call's bucket, at most TuneMaxBytes (at least two sizes).
+uint64_t ProfileTopBytes(uint64_t message_bytes);
+
 struct Executor::CallState {
   std::mutex mu;
   std::shared_ptr<const plan::Plan> plan;  // replaced (under mu) once stage 1 ran in this call

@@ -127,7 +127,7 @@ void DefineControl(nb::module_& m) {
         "Stage 1 runs on a group's first call of a kind of at least this many bytes that has no "
         "fits (0: never).");
   m.def("autotune_min_bytes", &AutotuneMinBytes);
-  m.def("set_tune_max_bytes", &SetTuneMaxBytes, nb::arg("bytes"), "Largest size stage 1 profiles in the engine.");
+  m.def("set_tune_max_bytes", &SetTuneMax, nb::arg("bytes"), "Largest size stage 1 profiles in the engine.");
   m.def("tune_max_bytes", &TuneMaxBytes);
   m.def("set_tune_use_cache", &SetTuneUseCache, nb::arg("on"));
   m.def("tune_use_cache", &TuneUseCache);

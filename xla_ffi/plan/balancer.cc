@@ -36,7 +36,12 @@ std::string_view Name(PlanMode mode) {
 
 Balancer::Balancer(std::vector<std::string> links, BalancerOptions options)
     : links_(std::move(links)), options_(options), model_(links_),
-      profile_from_bytes_(options.profile_from_bytes) {}
+      profile_from_bytes_(options.profile_from_bytes), profile_max_bytes_(options.profile_max_bytes) {}
+
+void Balancer::SetProfileMaxBytes(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  profile_max_bytes_ = bytes;
+}
 
 void Balancer::SetProfileFromBytes(uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -131,6 +136,12 @@ Balancer::Entry& Balancer::EntryFor(Kind kind, uint64_t bytes) {
   size_t n = links_.size();
   if (n == 1) {
     Install(e, PlanMode::kSingle, OneHot(1, 0));
+  } else if (model_.Has(kind) && profile_from_bytes_ > 0 && model_.ProfiledBytes(kind) > 0 &&
+             model_.ProfiledBytes(kind) < BucketOf(profile_max_bytes_) &&
+             bucket / options_.reprofile_factor >= model_.ProfiledBytes(kind)) {
+    // Far beyond what stage 1 measured (links can behave differently at larger sizes, and a "never
+    // split" seen at small sizes may not hold): profile again, up to this size.
+    Install(e, PlanMode::kProfile, OneHot(n, 0));
   } else if (model_.Has(kind)) {
     auto fits = model_.Fits(kind);
     if (bytes < thresholds_[KindIndex(kind)]) {

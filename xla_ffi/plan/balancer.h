@@ -94,6 +94,10 @@ struct BalancerOptions {
   // the primary link alone (presumed fastest until stage 1 says otherwise). 0: no stage 1 from the
   // engine; every size starts from equal shares and stage 2 alone finds the split.
   uint64_t profile_from_bytes = 0;
+  // With fits: a call whose bucket is at least reprofile_factor x the largest size profiled for its
+  // kind, when that is below profile_max_bytes, runs stage 1 again ("up to the largest size seen").
+  uint64_t profile_max_bytes = 16 << 20;
+  uint64_t reprofile_factor = 16;
 };
 
 class Balancer {
@@ -113,8 +117,9 @@ class Balancer {
   void ForgetKind(Kind kind);
   // A copy of the current model (fits per kind, measured thresholds).
   CostModel Model() const;
-  // Changes BalancerOptions::profile_from_bytes for plans made from now on.
+  // Change BalancerOptions::profile_from_bytes / profile_max_bytes for plans made from now on.
   void SetProfileFromBytes(uint64_t bytes);
+  void SetProfileMaxBytes(uint64_t bytes);
   // Size (per-rank bytes) from which a call of `kind` is split; 0 without a model for `kind`.
   uint64_t SplitThresholdBytes(Kind kind) const;
 
@@ -204,6 +209,7 @@ class Balancer {
   std::map<Key, Entry> entries_;
   uint64_t next_epoch_ = 1;
   uint64_t profile_from_bytes_;
+  uint64_t profile_max_bytes_;
 };
 
 }  // namespace flexlink::plan

@@ -183,6 +183,7 @@ void CostModel::CopyKind(const CostModel& other, Kind kind) {
   fits_[k] = other.fits_[k];
   fitted_[k] = other.fitted_[k];
   measured_[k] = other.measured_[k];
+  profiled_[k] = other.profiled_[k];
 }
 
 void CostModel::ClearKind(Kind kind) {
@@ -190,6 +191,7 @@ void CostModel::ClearKind(Kind kind) {
   fits_[k].assign(links_.size(), AlphaBeta{});
   fitted_[k].assign(links_.size(), false);
   measured_[k].reset();
+  profiled_[k] = 0;
 }
 
 bool CostModel::Has(Kind kind) const {

@@ -96,6 +96,9 @@ class CostModel {
   // fine one at a time. kNeverSplit: no profiled size was split faster. Unset: predict from the fits.
   void SetMeasuredThreshold(Kind kind, uint64_t bytes) { measured_[KindIndex(kind)] = bytes; }
   std::optional<uint64_t> MeasuredThreshold(Kind kind) const { return measured_[KindIndex(kind)]; }
+  // The largest size stage 1 profiled for `kind` (0: unknown). Calls far beyond it profile again.
+  void SetProfiledBytes(Kind kind, uint64_t bytes) { profiled_[KindIndex(kind)] = bytes; }
+  uint64_t ProfiledBytes(Kind kind) const { return profiled_[KindIndex(kind)]; }
   // Copies `other`'s fits and measured threshold for `kind` (same links).
   void CopyKind(const CostModel& other, Kind kind);
   // Forgets the fits and measured threshold of `kind`.
@@ -106,6 +109,7 @@ class CostModel {
   std::array<std::vector<AlphaBeta>, kNumKinds> fits_;
   std::array<std::vector<bool>, kNumKinds> fitted_;
   std::array<std::optional<uint64_t>, kNumKinds> measured_;
+  std::array<uint64_t, kNumKinds> profiled_{};
 };
 
 }  // namespace flexlink::plan

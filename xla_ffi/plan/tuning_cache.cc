@@ -105,6 +105,16 @@ bool DecodeEntry(const json::Value& entry, TuneRecord* out) {
       model.SetMeasuredThreshold(*kind, b < 0 ? kNeverSplit : static_cast<uint64_t>(b));
     }
   }
+  // Optional: the largest size profiled per kind ({kind: bytes}); else the entry's max_bytes.
+  const json::Value* profiled = entry.Find("profiled_bytes");
+  if (profiled && !profiled->is_object()) return false;
+  for (size_t k = 0; k < kNumKinds; ++k) {
+    const Kind kind = static_cast<Kind>(k);
+    if (!model.Has(kind)) continue;
+    const json::Value* v = profiled ? profiled->Find(std::string(Name(kind))) : nullptr;
+    if (v && (!v->is_number() || v->as_number() < 0)) return false;
+    model.SetProfiledBytes(kind, static_cast<uint64_t>(v ? v->as_number() : max_bytes->as_number()));
+  }
   out->model = std::move(model);
   out->max_bytes = static_cast<uint64_t>(max_bytes->as_number());
   return true;
@@ -145,6 +155,15 @@ json::Value EncodeEntry(const TuneRecord& r, const std::string& links) {
     any = true;
   }
   if (any) e.Set("split_min_bytes", std::move(measured));
+  json::Value profiled = json::Value::MakeObject();
+  any = false;
+  for (size_t k = 0; k < kNumKinds; ++k) {
+    Kind kind = static_cast<Kind>(k);
+    if (!r.model.Has(kind) || r.model.ProfiledBytes(kind) == 0) continue;
+    profiled.Set(std::string(Name(kind)), static_cast<double>(r.model.ProfiledBytes(kind)));
+    any = true;
+  }
+  if (any) e.Set("profiled_bytes", std::move(profiled));
   return e;
 }
 
