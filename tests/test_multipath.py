@@ -348,3 +348,19 @@ def test_stage1_in_concurrent_groups_of_a_2d_mesh():
     for g in groups:
         model = _flexlink.group_fits(list(g))
         assert "all_reduce" in model["fits"] and "all_reduce" in model["split_min_bytes"], model
+
+
+def test_stage1_profiles_again_for_a_much_larger_call(mesh1d):
+    """Profiled up to 128 KiB by the first call; a call 16x larger profiles again, up to its size;
+    one 4x larger only extrapolates."""
+    flx.configure(links="shm;emulated:e@gbps=0.5", autotune_min_bytes="64K")
+    f = collective_fn(mesh1d, flx, "all_reduce")
+
+    def call(nbytes):
+        x = sharded(mesh1d, jnp.ones((N * (nbytes // 4),), jnp.float32))
+        assert (np.asarray(f(x)) == N).all()
+        return _flexlink.group_fits(list(range(N)))["profiled_bytes"]["all_reduce"]
+
+    assert call(128 << 10) == 128 << 10
+    assert call(512 << 10) == 128 << 10
+    assert call(2 << 20) == 2 << 20

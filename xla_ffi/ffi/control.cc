@@ -137,16 +137,20 @@ void DefineControl(nb::module_& m) {
     auto model = GroupModel(devices);
     if (!model) return nb::none();
     nb::dict out = FitsOf(*model);
-    nb::dict thresholds;
+    nb::dict thresholds, profiled;
     for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter}) {
+      if (!model->Has(kind)) continue;
       auto t = model->MeasuredThreshold(kind);
-      if (model->Has(kind) && t) thresholds[std::string(Name(kind)).c_str()] = nb::int_(*t);
+      if (t) thresholds[std::string(Name(kind)).c_str()] = nb::int_(*t);
+      profiled[std::string(Name(kind)).c_str()] = nb::int_(model->ProfiledBytes(kind));
     }
     nb::dict result;
     result["fits"] = out;
     result["split_min_bytes"] = thresholds;
+    result["profiled_bytes"] = profiled;
     return result;
-  }, nb::arg("devices"), "The stage-1 model of one group: {fits: {collective: [(alpha, beta)]}, split_min_bytes}.");
+  }, nb::arg("devices"), "The stage-1 model of one group: {fits: {collective: [(alpha, beta)]}, split_min_bytes, "
+        "profiled_bytes}.");
   m.def("set_tune_cache_path", &SetTuneCachePath, nb::arg("path"), "The tuning cache the engine reads and writes.");
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
   m.def("take_split_records", &SplitRecords, "Per-rank ranges of the calls since the last take.");
