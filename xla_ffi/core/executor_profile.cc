@@ -28,6 +28,10 @@ namespace flexlink {
 namespace {
 
 constexpr uint64_t kMinProfileBytes = 64 << 10;
+// Above this, sizes step by 4x instead of 2x and skip the untimed repetition: the time there is
+// bandwidth (a line needs few points) and slow links make these steps the whole cost of stage 1; the
+// smaller sizes before them have warmed every buffer already (the best of the timed runs is kept).
+constexpr uint64_t kCoarseProfileBytes = 1 << 20;
 
 std::string CachePath() {
   std::string path = TuneCachePath();
@@ -114,7 +118,9 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
       auto prof = std::make_unique<Profile>();
       prof->kind = call.kind;
       const uint64_t top = ProfileTopBytes(MessageBytes(call, n));
-      for (uint64_t s = kMinProfileBytes; s <= top; s *= 2) prof->sizes.push_back(s);
+      for (uint64_t s = kMinProfileBytes; s <= top; s *= s < kCoarseProfileBytes ? 2 : 4)
+        prof->sizes.push_back(s);
+      if (prof->sizes.back() != top) prof->sizes.push_back(top);
       prof->run_id = std::numeric_limits<int64_t>::min() + static_cast<int64_t>(state.plan->epoch);
       prof->label = "stage 1 of " + ctx.label();
       prof->started = Clock::now();
@@ -151,6 +157,9 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
     *slowest = std::max(*slowest, t);
     return s;
   };
+  auto first_rep = [&](size_t size_index) -> size_t {
+    return p->sizes[size_index] > kCoarseProfileBytes ? p->warmup : 0;
+  };
   auto best = [&](const std::vector<double>& table, size_t first) {
     double b = std::numeric_limits<double>::infinity();
     for (int r = p->warmup; r < static_cast<int>(reps); ++r) b = std::min(b, table[first + r]);
@@ -159,7 +168,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
 
   for (size_t l = 0; l < links; ++l)
     for (size_t i = 0; i < num_sizes; ++i)
-      for (size_t r = 0; r < reps; ++r)
+      for (size_t r = first_rep(i); r < reps; ++r)
         FLEXLINK_RETURN_IF_ERROR(step(i, l, nullptr, &p->alone[(l * num_sizes + i) * reps + r]));
   FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "stage 1 fit", link_names_[0]));
 
@@ -185,7 +194,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
     splits[i] = plan::EqualFinishShares(model.Fits(p->kind), message[i]);
     plan::DropBelow(splits[i], balancer_->options().min_share);
     if (std::count_if(splits[i].begin(), splits[i].end(), [](double x) { return x > 0; }) < 2) continue;
-    for (size_t r = 0; r < reps; ++r)
+    for (size_t r = first_rep(i); r < reps; ++r)
       FLEXLINK_RETURN_IF_ERROR(step(i, 0, &splits[i], &p->split[i * reps + r]));
   }
   FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "stage 1 split check", link_names_[0]));
