@@ -127,6 +127,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
       const size_t reps = prof->warmup + prof->iters;
       prof->alone.assign(links * prof->sizes.size() * reps, 0.0);
       prof->split.assign(prof->sizes.size() * reps, 0.0);
+      prof->paired.assign(prof->sizes.size() * reps, 0.0);
       state.profiling = std::move(prof);
     }
     p = state.profiling.get();
@@ -189,23 +190,31 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
       fit = plan::AlphaBeta{0, samples.back().seconds / samples.back().bytes};
     model.Set(p->kind, l, fit);
   }
+  // Each split repetition is paired with one of the fastest link alone just before it, and the two
+  // are compared with each other: load that comes and goes while stage 1 runs then weighs on both.
   std::vector<std::vector<double>> splits(num_sizes);
   for (size_t i = 0; i < num_sizes; ++i) {
     splits[i] = plan::EqualFinishShares(model.Fits(p->kind), message[i]);
     plan::DropBelow(splits[i], balancer_->options().min_share);
     if (std::count_if(splits[i].begin(), splits[i].end(), [](double x) { return x > 0; }) < 2) continue;
-    for (size_t r = first_rep(i); r < reps; ++r)
+    const size_t fastest = plan::FastestSingle(model.Fits(p->kind), message[i]);
+    for (size_t r = first_rep(i); r < reps; ++r) {
+      FLEXLINK_RETURN_IF_ERROR(step(i, fastest, nullptr, &p->paired[i * reps + r]));
       FLEXLINK_RETURN_IF_ERROR(step(i, 0, &splits[i], &p->split[i * reps + r]));
+    }
   }
   FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "stage 1 split check", link_names_[0]));
 
   std::lock_guard<std::mutex> lock(state.mu);
   if (p->installed) return Status::Ok();
   p->installed = true;
-  std::vector<double> split(num_sizes);
-  for (size_t i = 0; i < num_sizes; ++i) split[i] = best(p->split, i * reps);
+  std::vector<double> split(num_sizes), paired(num_sizes);
+  for (size_t i = 0; i < num_sizes; ++i) {
+    split[i] = best(p->split, i * reps);
+    paired[i] = split[i] > 0 ? best(p->paired, i * reps) : best_alone[i];
+  }
   const uint64_t threshold = plan::MeasuredSplitThreshold(
-      message, best_alone, split, balancer_->options().min_split_gain,
+      message, paired, split, balancer_->options().min_split_gain,
       plan::SplitThreshold(model.Fits(p->kind), balancer_->options().split_overhead_s));
   model.SetMeasuredThreshold(p->kind, threshold);
   model.SetProfiledBytes(p->kind, p->sizes.back());
@@ -216,7 +225,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
   for (size_t i = 0; i < num_sizes; ++i) {
     char buf[96];
     std::snprintf(buf, sizeof buf, "%s%.0f KiB %.3g/%.3g ms", i ? ", " : "", message[i] / 1024,
-                  best_alone[i] * 1e3, std::isfinite(split[i]) && split[i] > 0 ? split[i] * 1e3 : 0.0);
+                  paired[i] * 1e3, std::isfinite(split[i]) && split[i] > 0 ? split[i] * 1e3 : 0.0);
     timings += buf;
   }
   Log("stage 1 for " + std::string(Name(p->kind)) + " on group " + FormatIds(comm_->devices()) + " (" +

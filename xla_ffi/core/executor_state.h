@@ -37,6 +37,7 @@ struct Executor::Profile {
   Clock::time_point started;
   std::vector<double> alone;    // [link][size][repetition]: max over ranks
   std::vector<double> split;    // [size][repetition]
+  std::vector<double> paired;   // [size][repetition]: the fastest link alone, timed just before each split
   bool installed = false;
 };
 

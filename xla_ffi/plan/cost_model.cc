@@ -155,12 +155,11 @@ uint64_t SplitThreshold(std::span<const AlphaBeta> links, double split_overhead_
 
 uint64_t MeasuredSplitThreshold(std::span<const double> sizes, std::span<const double> alone,
                                 std::span<const double> split, double min_gain, uint64_t predicted) {
+  auto wins = [&](size_t i) {
+    return split[i] > 0 && std::isfinite(split[i]) && split[i] < (1 - min_gain) * alone[i];
+  };
   size_t from = sizes.size();
-  while (from > 0) {
-    const size_t i = from - 1;
-    if (!(split[i] > 0 && std::isfinite(split[i]) && split[i] < (1 - min_gain) * alone[i])) break;
-    from = i;
-  }
+  while (from > 0 && wins(from - 1)) --from;
   if (sizes.empty() || from == sizes.size()) return kNeverSplit;
   if (from == 0) return std::min(predicted, static_cast<uint64_t>(sizes[0]));
   return static_cast<uint64_t>(sizes[from]);
