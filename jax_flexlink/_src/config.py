@@ -53,6 +53,14 @@ def parse_bytes(text: str, what: str) -> int:
   return value * _SUFFIXES[suffix]
 
 
+def parse_profile_bytes(text, what: str) -> int:
+  """parse_bytes for a largest profiling size: stage 1 needs two sizes from 64 KiB, so >= 128K."""
+  value = parse_bytes(text, what)
+  if value < 1 << 17:
+    raise ValueError(f"{what}={text!r}: must be at least 128K (two profile sizes)")
+  return value
+
+
 def _env_bytes(name: str, default: int) -> int:
   raw = os.environ.get(name)
   if raw is None or not raw.strip():

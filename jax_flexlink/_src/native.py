@@ -33,7 +33,7 @@ def register_targets() -> None:
   _flexlink.set_timeout(ENV.timeout_s)
   _flexlink.set_debug_level(ENV.debug_level)
   _flexlink.set_autotune_min_bytes(ENV.autotune_min_bytes)
-  _flexlink.set_tune_max_bytes(max(ENV.tune_max_bytes, 1 << 17))
+  _flexlink.set_tune_max_bytes(ENV.tune_max_bytes)  # the engine profiles at least two sizes anyway
   _flexlink.set_tune_cache_path(tune_cache_path())
   try:
     _flexlink.configure_links(ENV.links)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from jax_flexlink import _flexlink
-from jax_flexlink._src.config import parse_bytes
+from jax_flexlink._src.config import parse_bytes, parse_profile_bytes
 
 
 def configure(*, links: str | None = None, timeout_s: float | None = None,
@@ -30,10 +30,7 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
   if autotune_min_bytes is not None:
     _flexlink.set_autotune_min_bytes(parse_bytes(autotune_min_bytes, "autotune_min_bytes"))
   if tune_max_bytes is not None:
-    value = parse_bytes(tune_max_bytes, "tune_max_bytes")
-    if value < 1 << 17:
-      raise ValueError(f"tune_max_bytes={tune_max_bytes!r}: must be at least 128K (two profile sizes)")
-    _flexlink.set_tune_max_bytes(value)
+    _flexlink.set_tune_max_bytes(parse_profile_bytes(tune_max_bytes, "tune_max_bytes"))
   if links is not None:
     _flexlink.configure_links(links)
     load_cached_model()

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_flexlink import _flexlink
 from jax_flexlink._src import api, native
-from jax_flexlink._src.config import ENV, parse_bytes
+from jax_flexlink._src.config import ENV, parse_profile_bytes
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -84,9 +84,7 @@ def tune(*, collectives=COLLECTIVES, max_bytes: int | str = 16 << 20, devices=No
   names = list(_flexlink.links())
   if len(names) < 2 or n < 2:
     return {}
-  top = parse_bytes(max_bytes, "max_bytes")
-  if top < 1 << 17:
-    raise ValueError(f"max_bytes={max_bytes!r}: must be at least 128K (two profile sizes)")
+  top = parse_profile_bytes(max_bytes, "max_bytes")
   mesh = Mesh(np.array(devices), ("x",))
   saved = (_flexlink.autotune_min_bytes(), _flexlink.tune_max_bytes(), _flexlink.tune_use_cache())
   try:

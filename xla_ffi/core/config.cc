@@ -1,6 +1,7 @@
 #include "xla_ffi/core/config.h"
 
 #include <atomic>
+#include <cstdio>
 #include <mutex>
 #include <utility>
 
@@ -56,5 +57,8 @@ void SetPopulateOutputs(bool on) { g_populate_outputs.store(on, std::memory_orde
 
 int DebugLevel() { return g_debug_level.load(std::memory_order_relaxed); }
 void SetDebugLevel(int level) { g_debug_level.store(level, std::memory_order_relaxed); }
+void LogInfo(const std::string& msg) {
+  if (DebugLevel() >= kDebugInfo) std::fprintf(stderr, "flexlink: %s\n", msg.c_str());
+}
 
 }  // namespace flexlink

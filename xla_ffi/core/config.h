@@ -52,5 +52,7 @@ void SetTuneCachePath(std::string path);
 inline constexpr int kDebugInfo = 1;
 int DebugLevel();
 void SetDebugLevel(int level);
+// "flexlink: <msg>" on stderr at kDebugInfo and above.
+void LogInfo(const std::string& msg);
 
 }  // namespace flexlink

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <string>
 
 #include "xla_ffi/core/communicator.h"
@@ -187,9 +186,7 @@ void Executor::Finish(CallState& state, int n, const CallDesc& desc,
   const size_t per_unit = desc.width() * (desc.kind == Kind::kReduceScatter ? n : 1);
   for (size_t i = 0; i < ranges.size(); ++i)
     if (!ranges[i].empty()) RecordLinkCall(link_names_[i], ranges[i].size() * per_unit, state.link_seconds[i]);
-  if (outcome.changed && DebugLevel() >= kDebugInfo)
-    std::fprintf(stderr, "flexlink: group %s: %s\n", FormatIds(comm_->devices()).c_str(),
-                 outcome.reason.c_str());
+  if (outcome.changed) LogInfo("group " + FormatIds(comm_->devices()) + ": " + outcome.reason);
 }
 
 void SetRecordSplits(bool on) { g_record_splits.store(on); }

@@ -38,10 +38,6 @@ std::string CachePath() {
   return path.empty() ? plan::DefaultCachePath() : path;
 }
 
-void Log(const std::string& msg) {
-  if (DebugLevel() >= kDebugInfo) std::fprintf(stderr, "flexlink: %s\n", msg.c_str());
-}
-
 std::string Describe(const std::vector<std::string>& names, std::span<const plan::AlphaBeta> fits) {
   std::string s;
   for (size_t i = 0; i < names.size(); ++i) {
@@ -98,11 +94,11 @@ bool Executor::LoadCachedFits(Kind kind, int n, uint64_t needed_bytes) {
   plan::TuneRecord rec;
   std::string warning;
   const bool found = plan::LoadTuning(path, {plan::HostName(), spec_, n}, &rec, &warning);
-  if (!warning.empty()) Log(warning);
+  if (!warning.empty()) LogInfo(warning);
   if (!found || rec.model.links() != link_names_ || !rec.model.Has(kind)) return false;
   if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;  // profiled at smaller sizes only
   if (!balancer_->MergeModel(rec.model).ok()) return false;
-  Log("stage 1 for " + std::string(Name(kind)) + " on group " + FormatIds(comm_->devices()) +
+  LogInfo("stage 1 for " + std::string(Name(kind)) + " on group " + FormatIds(comm_->devices()) +
       " from cache " + path + ": " + Describe(link_names_, rec.model.Fits(kind)) + "; " +
       ThresholdText(balancer_->SplitThresholdBytes(kind)));
   return true;
@@ -228,7 +224,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
                   paired[i] * 1e3, std::isfinite(split[i]) && split[i] > 0 ? split[i] * 1e3 : 0.0);
     timings += buf;
   }
-  Log("stage 1 for " + std::string(Name(p->kind)) + " on group " + FormatIds(comm_->devices()) + " (" +
+  LogInfo("stage 1 for " + std::string(Name(p->kind)) + " on group " + FormatIds(comm_->devices()) + " (" +
       std::to_string(Since(p->started)).substr(0, 5) + " s): " + Describe(link_names_, model.Fits(p->kind)) +
       "; best alone/split: " + timings + "; " + ThresholdText(threshold) + "; plan " +
       balancer_->Describe(*state.plan));
@@ -249,8 +245,8 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
     max_bytes = std::max(max_bytes, rec.max_bytes);
   }
   Status saved = plan::StoreTuning(path, plan::TuneRecord{key, stored, max_bytes}, &warning);
-  if (!saved.ok()) Log("tuning cache " + path + ": " + saved.message());
-  else if (!warning.empty()) Log(warning);
+  if (!saved.ok()) LogInfo("tuning cache " + path + ": " + saved.message());
+  else if (!warning.empty()) LogInfo(warning);
   return Status::Ok();
 }
 

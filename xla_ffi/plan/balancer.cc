@@ -55,8 +55,14 @@ Status Balancer::SetModel(CostModel model) {
   }
   model_ = std::move(model);
   UpdateThresholds();
-  std::erase_if(entries_, [](const auto& kv) { return kv.second.plan->mode != PlanMode::kPinned; });
+  DropPlans(std::nullopt);
   return Status::Ok();
+}
+
+void Balancer::DropPlans(std::optional<size_t> kind) {
+  std::erase_if(entries_, [&](const auto& kv) {
+    return (!kind || kv.first.first == *kind) && kv.second.plan->mode != PlanMode::kPinned;
+  });
 }
 
 Status Balancer::MergeModel(const CostModel& model) {
@@ -68,9 +74,7 @@ Status Balancer::MergeModel(const CostModel& model) {
     const Kind kind = static_cast<Kind>(k);
     if (!model.Has(kind)) continue;
     model_.CopyKind(model, kind);
-    std::erase_if(entries_, [&](const auto& kv) {
-      return kv.first.first == k && kv.second.plan->mode != PlanMode::kPinned;
-    });
+    DropPlans(k);
   }
   UpdateThresholds();
   return Status::Ok();
@@ -79,9 +83,7 @@ Status Balancer::MergeModel(const CostModel& model) {
 void Balancer::ForgetKind(Kind kind) {
   std::lock_guard<std::mutex> lock(mu_);
   model_.ClearKind(kind);
-  std::erase_if(entries_, [&](const auto& kv) {
-    return kv.first.first == KindIndex(kind) && kv.second.plan->mode != PlanMode::kPinned;
-  });
+  DropPlans(KindIndex(kind));
   UpdateThresholds();
 }
 

@@ -36,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -90,6 +91,7 @@ struct BalancerOptions {
   int max_retry_calls = 4096;      // links of a settled split; doubles each time up to max_retry_calls
   double probe_share = 0.02;       // most share a dropped link gets back when re-probed
   double split_overhead_s = 5e-6;  // executor cost of using more than one link (for the threshold)
+  // The next two are starting values: SetProfileFromBytes / SetProfileMaxBytes change them later.
   // Without fits for a kind: calls from this size (nccl-tests bytes) get a kProfile plan, smaller ones
   // the primary link alone (presumed fastest until stage 1 says otherwise). 0: no stage 1 from the
   // engine; every size starts from equal shares and stage 2 alone finds the split.
@@ -198,6 +200,9 @@ class Balancer {
   std::vector<double> Reopen(const Entry& e) const;
   void StartTrial(Entry& e, uint64_t bytes, Outcome* out, std::string_view why);
   void UpdateThresholds();
+  // Forgets the plans that are not pinned (of one kind, or of all): they are re-seeded at their next
+  // call from the model as it is now.
+  void DropPlans(std::optional<size_t> kind);
   // Predicted rate of the best single link (0 without a model) and which link that is.
   double ModelSingleRate(Kind kind, uint64_t bytes, size_t* link) const;
 
