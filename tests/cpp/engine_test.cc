@@ -17,6 +17,7 @@
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/reduce.h"
 #include "xla_ffi/links/shm.h"
 #include "tests/cpp/check.h"
 #include "tests/cpp/reference.h"
@@ -453,6 +454,63 @@ void TestRanges() {
 
 // Large calls: 4.4 and 8.4 MB per rank in place (the latter with streaming stores), and an
 // all_gather with 9.6 MB of output per rank.
+// The one-pass kernel that stores a reduction to several destinations (shm all_reduce): every dtype
+// and op, destinations at different offsets from a cache line (the streamed tiles follow the first
+// destination's lines, the others take plain stores), lengths around the 64-byte tile, streaming on
+// and off, and a destination that is one of the sources (in place). Bitwise against the reference.
+void TestReduceToKernel() {
+  const DType all[] = {DType::kPred, DType::kS8,  DType::kS16, DType::kS32, DType::kS64,
+                       DType::kU8,   DType::kU16, DType::kU32, DType::kU64, DType::kF16,
+                       DType::kBF16, DType::kF32, DType::kF64, DType::kC64, DType::kC128};
+  const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMax, ReduceOp::kMin};
+  const size_t counts[] = {1, 3, 31, 64, 65, 1000, 4099};
+  for (DType t : all)
+    for (ReduceOp op : ops) {
+      const ReduceToKernel kernel = GetReduceToKernel(t, op);
+      const bool complex = t == DType::kC64 || t == DType::kC128;
+      if (complex && (op == ReduceOp::kMax || op == ReduceOp::kMin)) {
+        Expect(kernel == nullptr, std::string("no ReduceTo kernel for complex ") + std::string(Name(op)));
+        continue;
+      }
+      const size_t w = ByteWidth(t);
+      for (size_t count : counts)
+        for (int nsrc : {2, 5, 8})
+          for (bool stream : {false, true})
+            for (bool in_place : {false, true}) {
+              std::vector<std::vector<uint8_t>> in(nsrc);
+              std::vector<const uint8_t*> ref_srcs;
+              for (int k = 0; k < nsrc; ++k) {
+                in[k] = RandomData(t, count, static_cast<uint32_t>(k * 131 + count), op == ReduceOp::kMax);
+                ref_srcs.push_back(in[k].data());
+              }
+              std::vector<uint8_t> want(count * w);
+              for (size_t i = 0; i < count; ++i) RefReduce(t, op, ref_srcs, i, &want[i * w]);
+              // Destinations in one 64-byte-aligned arena at offsets w*{0,1,3,...} past line starts.
+              const int ndst = 4;
+              const size_t stride = (count * w + 64 + 127) / 64 * 64;
+              std::vector<uint8_t> arena(stride * ndst + 64);
+              uint8_t* base = arena.data() + (64 - reinterpret_cast<uintptr_t>(arena.data()) % 64) % 64;
+              const size_t offsets[ndst] = {w, 0, 3 * w, 48 % (16 * w) / w * w};
+              std::vector<std::vector<uint8_t>> work = in;  // sources the kernel may overwrite
+              std::vector<const void*> srcs;
+              for (auto& v : work) srcs.push_back(v.data());
+              std::vector<void*> dsts;
+              for (int d = 0; d < ndst; ++d) dsts.push_back(base + d * stride + offsets[d] % 64);
+              if (in_place) dsts[1] = work[1].data();
+              kernel(srcs.data(), nsrc, dsts.data(), ndst, count, stream);
+              size_t wrong = 0;
+              for (int d = 0; d < ndst; ++d) {
+                std::vector<uint8_t> got(static_cast<uint8_t*>(dsts[d]), static_cast<uint8_t*>(dsts[d]) + count * w);
+                wrong += CountWrong(t, got, want);
+              }
+              Expect(wrong == 0, "ReduceTo " + std::string(Name(t)) + " " + std::string(Name(op)) + " count " +
+                                     std::to_string(count) + " nsrc " + std::to_string(nsrc) +
+                                     (stream ? " stream" : "") + (in_place ? " in-place" : "") + ": " +
+                                     std::to_string(wrong) + " wrong");
+            }
+    }
+}
+
 void TestLarge() {
   Spec big;
   big.in_dims = {1100001};
@@ -471,6 +529,7 @@ void TestLarge() {
 }
 
 int main() {
+  TestReduceToKernel();
   TestRanges();
   TestLarge();
   TestValidation();

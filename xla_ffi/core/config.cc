@@ -14,7 +14,7 @@ std::atomic<size_t> g_shm_staging_bytes{16 * 1024};
 std::atomic<bool> g_huge_page_outputs{true};
 std::atomic<size_t> g_shm_streaming_separate_bytes{256 << 10};
 std::atomic<int> g_debug_level{0};
-std::atomic<bool> g_populate_outputs{true};
+std::atomic<bool> g_populate_outputs{false};
 std::atomic<uint64_t> g_autotune_min_bytes{1 << 20};
 std::atomic<uint64_t> g_tune_max_bytes{16 << 20};
 std::atomic<bool> g_tune_use_cache{true};

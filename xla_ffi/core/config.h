@@ -28,7 +28,9 @@ bool HugePageOutputs();
 void SetHugePageOutputs(bool on);
 
 // Whether fresh outputs are faulted in with one madvise(MADV_POPULATE_WRITE) instead of a store per
-// page (core/pages.h). Default on; falls back to stores where the kernel lacks it.
+// page (core/pages.h). Default off: the madvise holds the process's mmap lock for the whole range, and
+// through XLA (which maps and unmaps large outputs on other threads every call) that made stalls of
+// 100-700 ms; a store per page faults under the per-VMA lock. Falls back to stores where unsupported.
 bool PopulateOutputs();
 void SetPopulateOutputs(bool on);
 

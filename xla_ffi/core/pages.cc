@@ -1,6 +1,7 @@
 #include "xla_ffi/core/pages.h"
 
 #include <cstdint>
+#include <vector>
 
 #include "xla_ffi/core/config.h"
 
@@ -29,17 +30,22 @@ void AdviseHugePages(void* p, size_t bytes) {
 #endif
 }
 
-// Whether the pages holding the first and the last byte are resident: a recycled buffer (from the
-// allocator's free lists) has them, a fresh mapping has neither. Touching a resident buffer page by
-// page would cost a cache miss per page for nothing.
-bool LooksResident(void* p, size_t bytes) {
+// Whether every page of [p, p + bytes) is resident. A recycled buffer usually is; a fresh mapping is
+// not; and a chunk from a glibc arena whose heap was trimmed (MADV_DONTNEED on its free middle) keeps
+// its first and last pages but lost the ones between: at 16 MiB per rank through XLA that was
+// 4000+ faults per call behind resident ends, so the ends alone do not tell. One mincore over the
+// range (a byte per page in a thread_local vector) costs a page-table walk, ~1 us per MiB.
+bool AllResident(void* p, size_t bytes) {
 #if defined(__linux__)
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~(kPage - 1);
-  const uintptr_t last = (reinterpret_cast<uintptr_t>(p) + bytes - 1) & ~(kPage - 1);
-  unsigned char a = 0, b = 0;
-  if (mincore(reinterpret_cast<void*>(first), kPage, &a) != 0) return false;
-  if (mincore(reinterpret_cast<void*>(last), kPage, &b) != 0) return false;
-  return (a & 1) && (b & 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes + kPage - 1) & ~(kPage - 1);
+  thread_local std::vector<unsigned char> vec;
+  vec.resize((end - first) / kPage);
+  if (mincore(reinterpret_cast<void*>(first), end - first, vec.data()) != 0) return false;
+  for (unsigned char v : vec) {
+    if (!(v & 1)) return false;
+  }
+  return true;
 #else
   (void)p;
   (void)bytes;
@@ -67,7 +73,7 @@ bool PopulateWrite(void* p, size_t bytes) {
 
 void PrepareOutput(void* out, size_t bytes, bool aliases_input) {
   if (aliases_input) return;  // the input's pages are in place already
-  if (bytes < kPrefaultMinBytes || LooksResident(out, bytes)) return;
+  if (bytes < kPrefaultMinBytes || AllResident(out, bytes)) return;
   if (bytes >= kHugeMinBytes && HugePageOutputs()) AdviseHugePages(out, bytes);
   if (PopulateOutputs() && PopulateWrite(out, bytes)) return;  // the partial pages at the ends: resident now too
   // One store per page; volatile so it is not elided. The value does not matter (see header).

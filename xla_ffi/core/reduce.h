@@ -12,11 +12,24 @@ namespace flexlink {
 // dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i], evaluated left to right in rank order, for
 // i in [0, count). float16/bfloat16 accumulate in float32 and round once (nearest-even); integers wrap;
 // max/min propagate NaN; bool max = or, min = and. `dst` may alias any src (in-place collectives): each
-// cache block is accumulated in a local buffer and stored only after all sources were read.
+// 64-byte tile is reduced in registers and stored only after all sources of the tile were read.
 using ReduceKernel = void (*)(const void* const* srcs, int nsrc, void* dst, size_t count);
 
-// nullptr when the combination is not supported (complex max/min).
+// The same reduction stored to each of dsts[0, ndst) (all_reduce: one rank's slice into every rank's
+// output) in one pass over the sources. `stream`: non-temporal stores (x86) into the 16-byte-aligned
+// destinations, for outputs far larger than the cache or never read before; the rest get plain stores.
+using ReduceToKernel = void (*)(const void* const* srcs, int nsrc, void* const* dsts, int ndst, size_t count,
+                                bool stream);
+
+struct ReduceKernels {
+  ReduceKernel one = nullptr;
+  ReduceToKernel to_many = nullptr;
+};
+
+// nullptr (both) when the combination is not supported (complex max/min).
+ReduceKernels GetReduceKernels(DType dtype, ReduceOp op);
 ReduceKernel GetReduceKernel(DType dtype, ReduceOp op);
+ReduceToKernel GetReduceToKernel(DType dtype, ReduceOp op);
 
 // OK, or an InvalidArgument naming the dtype and op.
 Status CheckReduction(DType dtype, ReduceOp op);

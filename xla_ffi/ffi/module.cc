@@ -176,7 +176,8 @@ NB_MODULE(_flexlink, m) {
         "Advise transparent huge pages on large outputs before writing them (default on).");
   m.def("huge_page_outputs", &HugePageOutputs);
   m.def("set_populate_outputs", &SetPopulateOutputs, nb::arg("on"),
-        "Fault fresh outputs in with one madvise(MADV_POPULATE_WRITE) (default on).");
+        "Fault fresh outputs in with one madvise(MADV_POPULATE_WRITE) instead of a store per page "
+        "(default off; see docs/engine.md).");
   m.def("populate_outputs", &PopulateOutputs);
   DefineControl(m);
 }

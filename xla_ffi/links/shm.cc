@@ -83,6 +83,12 @@ std::vector<const char*>& BasePointers(size_t n) {
   return v;
 }
 
+std::vector<void*>& DestinationPointers(size_t n) {
+  thread_local std::vector<void*> v;
+  v.resize(n);
+  return v;
+}
+
 std::vector<char*>& OutputPointers(size_t n) {
   thread_local std::vector<char*> v;
   v.resize(n);
@@ -98,23 +104,17 @@ void ReduceUnits(ReduceKernel kernel, std::span<const char* const> inputs, char*
   kernel(srcs.data(), static_cast<int>(inputs.size()), out + range.begin * w, range.size());
 }
 
-// all_reduce, direct: reduce `slice` into outputs[rank] block by block and copy each block, still in
-// cache, into every other rank's output. Blocks of this size keep the n source blocks in L2.
-constexpr size_t kBroadcastBlockBytes = 64 * 1024;
-
-void ReduceBroadcast(ReduceKernel kernel, std::span<const char* const> inputs, std::span<char* const> outputs,
+// all_reduce, direct: reduce `slice` across every rank's input and store the result into every rank's
+// output, in one pass (each input line read once, each output line written once).
+void ReduceBroadcast(ReduceToKernel kernel, std::span<const char* const> inputs, std::span<char* const> outputs,
                      int rank, size_t w, UnitRange slice, bool stream) {
+  if (slice.size() == 0) return;
   const size_t n = inputs.size();
-  const size_t block = std::max<size_t>(1, kBroadcastBlockBytes / w);
-  char* own = outputs[rank];
-  for (size_t b = slice.begin; b < slice.end; b += block) {
-    const UnitRange piece{b, std::min(slice.end, b + block)};
-    ReduceUnits(kernel, inputs, own, w, piece);
-    for (size_t j = 1; j < n; ++j) {
-      char* peer = outputs[(rank + j) % n];
-      CopyOut(peer + piece.begin * w, own + piece.begin * w, piece.size() * w, stream);
-    }
-  }
+  auto& srcs = SourcePointers(n);
+  for (size_t k = 0; k < n; ++k) srcs[k] = inputs[k] + slice.begin * w;
+  auto& dsts = DestinationPointers(n);
+  for (size_t j = 0; j < n; ++j) dsts[j] = outputs[(rank + j) % n] + slice.begin * w;
+  kernel(srcs.data(), static_cast<int>(n), dsts.data(), static_cast<int>(n), slice.size(), stream);
 }
 
 // Calls f(row, first, last) for the pieces of `range` that fall in each row of `inner` units.
@@ -321,7 +321,7 @@ Status ShmChannel::Run(CallContext& ctx, int rank, int lane, UnitRange range) {
     case Kind::kAllReduce: {
       auto& outputs = OutputPointers(n);
       for (int k = 0; k < n; ++k) outputs[k] = static_cast<char*>(ctx.desc(k).out);
-      ReduceBroadcast(GetReduceKernel(me.dtype, me.op), inputs, outputs, rank, w,
+      ReduceBroadcast(GetReduceToKernel(me.dtype, me.op), inputs, outputs, rank, w,
                       Slice(range, n, rank, w), StreamOutputs(me, me.units * w));
       return ctx.Barrier(rank, lane, "reduce-broadcast", link_name());
     }
