@@ -38,6 +38,7 @@ class Config:
     impl: str                  # "flexlink"; "lax" only for the harness's own tests
     argv: list[str]
     settings: dict
+    stat: str = "median"       # the time a table shows and speedups use: "median" or "mean"
 
 
 def _size_arg(text: str) -> int:
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"rank, clamped to [{timing.AUTO_MIN_ITERS}, {timing.AUTO_MAX_ITERS}] (default 0)")
     g.add_argument("-w", "--warmup_iters", type=_nonneg_int, default=None,
                    help="untimed iterations first (the first also compiles) (default 2)")
+    g.add_argument("--stat", choices=list(timing.STATS), default="median",
+                   help="time per row: median (default; robust to single stalled calls on a shared "
+                        "machine) or mean (nccl-tests' average); the table shows the speedup by the other "
+                        "one too, the JSON has both")
     g.add_argument("-c", "--check", type=int, choices=[0, 1], default=1,
                    help="check every row's result against the exact expected output (default 1)")
     g.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
@@ -160,13 +165,13 @@ def parse(argv: list[str] | None = None) -> Config:
     modes = {"inplace": [True], "outofplace": [False]}.get(a.mode or "both", [False, True])
     links = a.links if a.links is not None else scen.links
     settings = {"minbytes": minb, "maxbytes": maxb, "stepfactor": stepf, "stepbytes": stepb,
-                "iters": a.iters or "auto", "warmup": pick("warmup_iters"), "check": a.check, "seed": a.seed,
+                "iters": a.iters or "auto", "stat": a.stat, "warmup": pick("warmup_iters"), "check": a.check, "seed": a.seed,
                 "collectives": colls, "ops": ops, "dtypes": dtypes,
                 "modes": ["inplace" if m else "outofplace" for m in modes]}
     return Config(sizes=sweep, collectives=colls, ops=ops, dtypes=dtypes, iters=a.iters or None,
                   warmup=pick("warmup_iters"), check=bool(a.check), devices=devices, links=links, modes=modes,
                   baseline=a.baseline, json_path=a.json, plot_path=a.plot, scenario=scen.name,
-                  seed=a.seed, impl=a.impl, argv=argv, settings=settings)
+                  seed=a.seed, impl=a.impl, argv=argv, settings=settings, stat=a.stat)
 
 
 _DEVCOUNT_RE = re.compile(r"--xla_force_host_platform_device_count=\S*")

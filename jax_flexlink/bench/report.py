@@ -22,6 +22,8 @@ ROW_FIELDS: dict[str, tuple] = {
     "baseline": (str,), "baseline_impl": (str, type(None)), "baseline_algbw_gbps": _NUM + (type(None),),
     "baseline_time_min_us": _NUM + (type(None),), "baseline_time_max_us": _NUM + (type(None),),
     "baseline_time_median_us": _NUM + (type(None),),
+    "time_mean_us": _NUM, "baseline_time_mean_us": _NUM + (type(None),),
+    "speedup_median": _NUM + (type(None),), "speedup_mean": _NUM + (type(None),),
     "baseline_wrong": (int, type(None)), "aliased": (bool, type(None)),
 }
 TOP_FIELDS: dict[str, tuple] = {

@@ -96,10 +96,11 @@ class Runner:
         self.say(f"# iters {iters}, warmup {cfg.warmup}, check {int(cfg.check)}, seed {cfg.seed}; "
                  f"jax {jax.__version__}, jax_flexlink {self.flex.version()}")
         self.say(f"# reference: single-thread memcpy {self.copy_gbps:.1f} GB/s (read+write) on this machine")
-        self.say("# time = mean over iterations (min/median/max in --json; FlexLink and native interleaved call "
-                 "by call); algbw = bytes/time; busbw = algbw x "
+        other = table.other_stat(cfg.stat)
+        self.say(f"# time = {cfg.stat} over iterations (FlexLink and native interleaved call by call, order "
+                 f"alternating; min/median/mean/max in --json); algbw = bytes/time; busbw = algbw x "
                  "2(n-1)/n (AllReduce), (n-1)/n (AllGather, ReduceScatter); speedup = native time / "
-                 "FlexLink time")
+                 f"FlexLink time; '{other}' = the same ratio of {other} times")
         if self.flex.selftest:
             self.say("# WARNING: self-test mode: the 'FlexLink' columns are jax.lax, not FlexLink")
 
@@ -123,7 +124,7 @@ class Runner:
         if native:
             title += f"  (native = {native[1]})"
         self.say()
-        for line in table.header(title, cfg.modes, native is not None):
+        for line in table.header(title, cfg.modes, native is not None, stat=cfg.stat):
             self.say(line)
         fns = {}
         for inplace in cfg.modes:
@@ -156,7 +157,7 @@ class Runner:
                 by_mode[inplace] = row
                 self.rows.append(row)
             del x
-            self.say(table.size_line(by_mode, cfg.modes, native is not None))
+            self.say(table.size_line(by_mode, cfg.modes, native is not None, stat=cfg.stat))
 
     def _measure(self, impls: list, x, expected, inplace: bool, iters: int, nbytes: int,
                  factor: float) -> dict:
@@ -177,14 +178,18 @@ class Runner:
         del outs
         for prefix, k in (("", 0), ("baseline_", 1)):
             t = ts[k] if k < len(ts) else None
-            algbw, busbw = timing.bandwidths(nbytes, t.mean_s, factor) if t else (None, None)
-            res.update({f"{prefix}time_us": t.mean_s * 1e6 if t else None,
+            algbw, busbw = timing.bandwidths(nbytes, t.value(cfg.stat), factor) if t else (None, None)
+            res.update({f"{prefix}time_us": t.value(cfg.stat) * 1e6 if t else None,
                         f"{prefix}time_min_us": t.min_s * 1e6 if t else None,
                         f"{prefix}time_max_us": t.max_s * 1e6 if t else None,
                         f"{prefix}time_median_us": t.median_s * 1e6 if t else None,
+                        f"{prefix}time_mean_us": t.mean_s * 1e6 if t else None,
                         f"{prefix}algbw_gbps": algbw, f"{prefix}busbw_gbps": busbw,
                         f"{prefix}wrong": wrongs[k] if t else None})
-        res["speedup"] = (ts[1].mean_s / ts[0].mean_s) if len(ts) > 1 and ts[0].mean_s > 0 else None
+        for stat in timing.STATS:
+            ok = len(ts) > 1 and ts[0].value(stat) > 0
+            res[f"speedup_{stat}"] = ts[1].value(stat) / ts[0].value(stat) if ok else None
+        res["speedup"] = res[f"speedup_{cfg.stat}"]
         return res
 
     # -------------------------------------------------------------------------------------------------

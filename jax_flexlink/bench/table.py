@@ -2,8 +2,12 @@
 
     #                                       out-of-place ................................. in-place ...
     #                                       FlexLink                      native
-    #       size      count   type  redop     time  algbw  busbw #wrong     time  algbw  busbw #wrong speedup
-    #        (B) (elements)                   (us) (GB/s) (GB/s)            (us) (GB/s) (GB/s)
+    #       size      count   type  redop     time  algbw  busbw #wrong     time  algbw  busbw #wrong speedup   mean
+    #        (B) (elements)                   (us) (GB/s) (GB/s)            (us) (GB/s) (GB/s)            (x)    (x)
+
+`time` is the run's statistic (median by default); `speedup` compares that statistic, and the column
+after it the other one (mean when the table shows medians), so a stall-dominated row shows as a gap
+between the two.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ _MEAS = ["time", "algbw", "busbw", "#wrong"]
 _MEAS_UNITS = ["(us)", "(GB/s)", "(GB/s)", ""]
 _MEAS_W = [9, 7, 7, 7]
 _SPEED_W = 8
+_OTHER_W = 7
+
+
+def other_stat(stat: str) -> str:
+    """The statistic shown next to the speedup: the one the table's times do not use."""
+    return "mean" if stat == "median" else "median"
 
 
 def fmt_time(us: float | None) -> str:
@@ -55,11 +65,11 @@ def fmt_shares(shares: dict[str, float] | None) -> str:
 
 def _group_width(baseline: bool) -> int:
     w = sum(_MEAS_W) + len(_MEAS_W)
-    return w * 2 + _SPEED_W + 1 if baseline else w
+    return w * 2 + _SPEED_W + 1 + _OTHER_W + 1 if baseline else w
 
 
 def header(title: str, modes: list[bool], baseline: bool, flex_label: str = "FlexLink",
-           base_label: str = "native") -> list[str]:
+           base_label: str = "native", stat: str = "median") -> list[str]:
     lead_w = sum(_LEAD_W) + len(_LEAD_W) - 1
     gw = _group_width(baseline)
     meas_w = sum(_MEAS_W) + len(_MEAS_W)
@@ -72,18 +82,18 @@ def header(title: str, modes: list[bool], baseline: bool, flex_label: str = "Fle
         impls = [flex_label] + ([base_label] if baseline else [])
         line2 += "".join(" " + f"{('-- ' + name + ' ').ljust(meas_w - 2, '-')}" + " " for name in impls)
         if baseline:
-            line2 += " " * (_SPEED_W + 1)
+            line2 += " " * (_SPEED_W + 1 + _OTHER_W + 1)
         for _ in impls:
             line3 += "".join(f" {h:>{w}}" for h, w in zip(_MEAS, _MEAS_W))
             line4 += "".join(f" {h:>{w}}" for h, w in zip(_MEAS_UNITS, _MEAS_W))
         if baseline:
-            line3 += f" {'speedup':>{_SPEED_W}}"
-            line4 += f" {'(x)':>{_SPEED_W}}"
+            line3 += f" {'speedup':>{_SPEED_W}} {other_stat(stat):>{_OTHER_W}}"
+            line4 += f" {'(x)':>{_SPEED_W}} {'(x)':>{_OTHER_W}}"
     line3 += "  links"
     return [f"# {title}", line1.rstrip(), line2.rstrip(), line3, line4.rstrip()]
 
 
-def size_line(rows: dict[bool, dict], modes: list[bool], baseline: bool) -> str:
+def size_line(rows: dict[bool, dict], modes: list[bool], baseline: bool, stat: str = "median") -> str:
     """One line for one size: rows maps inplace -> JSON row."""
     any_row = next(iter(rows.values()))
     lead = [str(any_row["bytes"]), str(any_row["count"]), any_row["dtype"], any_row["op"]]
@@ -99,7 +109,9 @@ def size_line(rows: dict[bool, dict], modes: list[bool], baseline: bool) -> str:
         widths = _MEAS_W * (2 if baseline else 1)
         line += "".join(f" {v:>{w}}" for v, w in zip(vals, widths))
         if baseline:
+            other = r.get(f"speedup_{other_stat(stat)}") if r else None
             line += f" {fmt_speedup(r['speedup']) if r else '-':>{_SPEED_W}}"
+            line += f" {fmt_speedup(other) if r else '-':>{_OTHER_W}}"
         if r and r.get("shares"):
             shares = r["shares"]  # the last mode's split; JSON keeps each mode's
     return line + "  " + fmt_shares(shares)
@@ -120,8 +132,10 @@ def footer(rows: list[dict], baseline: bool) -> list[str]:
         b = [r["baseline_busbw_gbps"] for r in rows if r.get("baseline_busbw_gbps") is not None]
         if b:
             lines.append(f"# Avg bus bandwidth (native baseline) : {sum(b) / len(b):.4f} ")
-        s = [r["speedup"] for r in rows if r.get("speedup")]
-        if s:
-            geo = math.exp(sum(math.log(x) for x in s) / len(s))
-            lines.append(f"# Speedup (native time / FlexLink time), geometric mean : {geo:.2f}x")
+        for stat in ("median", "mean"):  # the geometric mean over rows, and the worst row
+            vals = [r[f"speedup_{stat}"] for r in rows if r.get(f"speedup_{stat}")]
+            if vals:
+                geo = math.exp(sum(math.log(x) for x in vals) / len(vals))
+                lines.append(f"# Speedup (native time / FlexLink time) by {stat}s: geometric mean {geo:.2f}x, "
+                             f"lowest {min(vals):.2f}x")
     return lines

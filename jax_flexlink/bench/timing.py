@@ -1,7 +1,12 @@
 """Warm-up, then iterations timed around block_until_ready; per-iteration samples give mean/min/max.
 
 FlexLink and the native baseline are timed alternately, call by call, so that background load on a
-shared machine does not favour whichever ran second.
+shared machine does not favour either, and in alternating order (A B, B A, A B, ...), so that what one
+call leaves behind (dirty cache lines, the allocator's free lists) does not always land on the same one.
+
+The statistic a table reports is chosen by the caller: the median by default, because on a shared VM
+single calls stall for several times their usual time (host page faults, preemption) and a mean over
+5-50 calls follows those stalls more than the collective; the mean is kept too (docs/bench.md).
 
 In-place (donated input): a donated buffer is consumed by the call, so every iteration needs a fresh
 input. `make_arg` builds it *outside* the timed region (an on-device copy of the seeded input, completed
@@ -20,8 +25,10 @@ from typing import Any, Callable
 
 # Default iteration count scales down with the size so a sweep to 64 MiB finishes in minutes on 2 cores.
 AUTO_BYTES_BUDGET = 256 << 20
-AUTO_MIN_ITERS = 5
+AUTO_MIN_ITERS = 10
 AUTO_MAX_ITERS = 50
+
+STATS = ("median", "mean")
 
 
 def auto_iters(nbytes: int) -> int:
@@ -56,6 +63,12 @@ class Timing:
     def max_s(self) -> float:
         return max(self.samples_s) if self.samples_s else math.nan
 
+    def value(self, stat: str) -> float:
+        """The time by `stat`: 'median' or 'mean'."""
+        if stat not in STATS:
+            raise ValueError(f"unknown statistic {stat!r}; expected one of {', '.join(STATS)}")
+        return self.median_s if stat == "median" else self.mean_s
+
 
 def _block(x):
     import jax
@@ -75,8 +88,9 @@ def time_calls(fn: Callable[[Any], Any], make_arg: Callable[[], Any], warmup: in
 
 def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any], warmup: int, iters: int,
                      probes: list | None = None) -> tuple[list[Timing], list[Any], list[Any]]:
-    """Times several implementations of one collective, alternating them call by call (A B A B ...),
-    so that load from other processes on a shared machine falls on all of them alike.
+    """Times several implementations of one collective, alternating them call by call and reversing the
+    order every other round (A B, B A, A B, ...), so that load from other processes on a shared machine,
+    and what each call leaves behind for the next, fall on all of them alike.
 
     Each call gets its own make_arg() (made and completed before the clock starts). probes[k](arg) runs
     untimed before fns[k]'s last timed call. Returns per fn: Timing, last output, probe result.
@@ -90,7 +104,9 @@ def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any
     for i in range(max(0, warmup) + iters):
         timed = i >= max(0, warmup)
         last = i == max(0, warmup) + iters - 1
-        for k, fn in enumerate(fns):
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        for k in order:
+            fn = fns[k]
             arg = _block(make_arg())
             if last and probes[k] is not None:
                 probed[k] = probes[k](arg)

@@ -63,6 +63,22 @@ def test_harness_selftest_run(tmp_path):
     ag = [r for r in doc["rows"] if r["collective"] == "all_gather"]
     assert [r["bytes"] for r in ag if not r["inplace"]] == [4096, 16384, 65536]
     assert [r["count"] for r in ag if not r["inplace"]] == [128, 512, 2048]
+    # the default statistic is the median; the mean is there too, with its own speedup
+    assert doc["settings"]["stat"] == "median" and "speedup    mean" in p.stdout
+    for r in doc["rows"]:
+        assert r["time_us"] == r["time_median_us"] and r["speedup"] == r["speedup_median"]
+        assert r["speedup_mean"] == pytest.approx(r["baseline_time_mean_us"] / r["time_mean_us"])
+
+
+def test_stat_mean(tmp_path):
+    out = tmp_path / "mean.json"
+    p = _bench(["--_impl", "lax", "-C", "all_reduce", "-b", "4K", "-e", "4K", "-n", "3", "-w", "0",
+                "--outofplace", "--stat", "mean", "--json", str(out)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# time = mean over iterations" in p.stdout and "speedup  median" in p.stdout
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["time_us"] == r["time_mean_us"] and r["speedup"] == r["speedup_mean"]
+    assert r["baseline_time_us"] == r["baseline_time_mean_us"]
 
 
 def test_every_op_and_dtype_matches_lax(tmp_path):

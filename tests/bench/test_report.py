@@ -14,7 +14,8 @@ def _row(**kw):
              algbw_gbps=0.04096, busbw_gbps=0.07168,
              baseline="native", baseline_impl="lax.psum", baseline_wrong=0, speedup=2.0,
              baseline_time_us=200.0, baseline_time_min_us=150.0, baseline_time_max_us=250.0,
-             baseline_time_median_us=190.0, baseline_algbw_gbps=0.02048, baseline_busbw_gbps=0.03584)
+             baseline_time_median_us=190.0, baseline_algbw_gbps=0.02048, baseline_busbw_gbps=0.03584,
+             time_mean_us=101.0, baseline_time_mean_us=205.0, speedup_median=2.0, speedup_mean=2.03)
     r.update(kw)
     return r
 
@@ -60,7 +61,8 @@ def test_invalid_documents(mutate, msg):
 def test_baseline_none_rows_are_valid():
     r = _row(baseline="none", baseline_impl=None, baseline_time_us=None, baseline_time_min_us=None,
              baseline_time_max_us=None, baseline_time_median_us=None, baseline_algbw_gbps=None,
-             baseline_busbw_gbps=None, baseline_wrong=None, speedup=None, shares=None, wrong=None)
+             baseline_busbw_gbps=None, baseline_wrong=None, speedup=None, shares=None, wrong=None,
+             baseline_time_mean_us=None, speedup_median=None, speedup_mean=None)
     assert report.validate(_doc([r])) == []
 
 
@@ -112,6 +114,22 @@ def test_footer():
     assert lines[0] == "# Out of bounds values : 3 FAILED"
     assert lines[1].startswith("# Avg bus bandwidth    : 0.0858")
     assert table.footer([_row()], True)[0] == "# Out of bounds values : 0 OK"
+    slow = _row(speedup_median=0.5, speedup_mean=0.25)
+    lines = table.footer([_row(), slow], baseline=True)
+    assert "by medians: geometric mean 1.00x, lowest 0.50x" in lines[3]
+    assert "by means: geometric mean 0.71x, lowest 0.25x" in lines[4]
+
+
+def test_size_line_shows_both_statistics():
+    head = table.header("AllReduce", [False], True, stat="median")
+    assert head[3].split()[-3:] == ["speedup", "mean", "links"]
+    line = table.size_line({False: _row(speedup=2.0, speedup_median=2.0, speedup_mean=1.25)}, [False], True)
+    assert line.split()[-3:] == ["2.00x", "1.25x", "shm:100%"]
+    head = table.header("AllReduce", [False], True, stat="mean")
+    assert head[3].split()[-3:] == ["speedup", "median", "links"]
+    line = table.size_line({False: _row(speedup=1.25, speedup_median=2.0, speedup_mean=1.25)}, [False], True,
+                           stat="mean")
+    assert line.split()[-3:] == ["1.25x", "2.00x", "shm:100%"]
 
 
 def test_scenarios():
