@@ -178,16 +178,23 @@ void PlaceBlock(const CallDesc& d, size_t n, const char* src, size_t k, char* ds
 
 bool StreamGather(const CallDesc& d, size_t n) { return StreamOutputs(d, d.units * n * d.width()); }
 
-// Pull: this rank copies every rank's block into its own output (from staging: peers' inputs may
-// already be gone). Starting at our own rank spreads the ranks' reads over different sources.
+// Pull: this rank copies every rank's block into its own output (from staging, or from the peers'
+// inputs). Starting at our own rank spreads the ranks' reads over different sources.
 void GatherUnits(const CallDesc& d, std::span<const char* const> inputs, int rank, char* out,
-                 UnitRange range) {
+                 UnitRange range, bool stream) {
   const size_t n = inputs.size();
   for (size_t j = 0; j < n; ++j) {
     const size_t k = (rank + j) % n;
-    PlaceBlock(d, n, inputs[k], k, out, range, StreamGather(d, n));
+    PlaceBlock(d, n, inputs[k], k, out, range, stream);
   }
 }
+
+// Below this output size per rank all_gather pulls with cached stores: all outputs together fit in the
+// last-level cache, each thread writes one buffer only, and the inputs (1/n of it) are read n times
+// from cache. Above it, pushing with streaming stores reads each input once and moves n outputs' worth
+// past the cache. (8 threads, reused buffers: 1 MiB output pull 0.14 ms vs push 0.37 ms, 2 MiB 0.42 vs
+// 0.68 ms, 4 MiB 1.66 vs 1.45 ms, 8 MiB 3.5 vs 2.8 ms.)
+constexpr size_t kPullGatherBytes = size_t{4} << 20;
 
 // Push: this rank copies its own block into every rank's output, a cache-sized chunk at a time so its
 // input is read from memory once (n + 1 bytes moved per output byte / n instead of 2).
@@ -301,7 +308,7 @@ Status ShmChannel::RunAlone(CallContext& ctx, int rank, const CallDesc& desc) {
       ReduceUnits(GetReduceKernel(desc.dtype, desc.op), regions, out, w, all);
       break;
     case Kind::kAllGather:
-      GatherUnits(desc, regions, rank, out, all);
+      GatherUnits(desc, regions, rank, out, all, StreamGather(desc, n));
       break;
     case Kind::kReduceScatter:
       ScatterReduceUnits(desc, GetReduceKernel(desc.dtype, desc.op), regions, rank, out, all);
@@ -326,9 +333,13 @@ Status ShmChannel::Run(CallContext& ctx, int rank, int lane, UnitRange range) {
       return ctx.Barrier(rank, lane, "reduce-broadcast", link_name());
     }
     case Kind::kAllGather: {
-      auto& outputs = OutputPointers(n);
-      for (int k = 0; k < n; ++k) outputs[k] = static_cast<char*>(ctx.desc(k).out);
-      PushUnits(me, inputs[rank], outputs, rank, range);
+      if (me.units * n * w < kPullGatherBytes) {
+        GatherUnits(me, inputs, rank, out, range, /*stream=*/false);
+      } else {
+        auto& outputs = OutputPointers(n);
+        for (int k = 0; k < n; ++k) outputs[k] = static_cast<char*>(ctx.desc(k).out);
+        PushUnits(me, inputs[rank], outputs, rank, range);
+      }
       return ctx.Barrier(rank, lane, "all-gather", link_name());
     }
     case Kind::kReduceScatter:
