@@ -456,8 +456,9 @@ void TestRanges() {
 // all_gather with 9.6 MB of output per rank.
 // The one-pass kernel that stores a reduction to several destinations (shm all_reduce): every dtype
 // and op, destinations at different offsets from a cache line (the streamed tiles follow the first
-// destination's lines, the others take plain stores), lengths around the 64-byte tile, streaming on
-// and off, and a destination that is one of the sources (in place). Bitwise against the reference.
+// destination's lines, the others take plain stores), lengths around the 64-byte tile, streaming off
+// or on for some destinations, and a destination that is one of the sources (in place, streamed too).
+// Bitwise against the reference.
 void TestReduceToKernel() {
   const DType all[] = {DType::kPred, DType::kS8,  DType::kS16, DType::kS32, DType::kS64,
                        DType::kU8,   DType::kU16, DType::kU32, DType::kU64, DType::kF16,
@@ -497,7 +498,8 @@ void TestReduceToKernel() {
               std::vector<void*> dsts;
               for (int d = 0; d < ndst; ++d) dsts.push_back(base + d * stride + offsets[d] % 64);
               if (in_place) dsts[1] = work[1].data();
-              kernel(srcs.data(), nsrc, dsts.data(), ndst, count, stream);
+              const uint8_t flags[ndst] = {1, 1, 0, 1};  // streamed and cached destinations mixed
+              kernel(srcs.data(), nsrc, dsts.data(), ndst, count, stream ? flags : nullptr);
               size_t wrong = 0;
               for (int d = 0; d < ndst; ++d) {
                 std::vector<uint8_t> got(static_cast<uint8_t*>(dsts[d]), static_cast<uint8_t*>(dsts[d]) + count * w);

@@ -189,7 +189,8 @@ void ReducePartial(const void* const* srcs, int nsrc, void* const* dsts, int nds
 // Tiles start where the first destination's cache lines do, so that when the destinations share
 // their alignment (XLA's buffers, the engine's own) every streamed tile is a whole line.
 template <class T, class Op>
-void ReduceToImpl(const void* const* srcs, int nsrc, void* const* dsts, int ndst, size_t count, bool stream) {
+void ReduceToImpl(const void* const* srcs, int nsrc, void* const* dsts, int ndst, size_t count,
+                  const uint8_t* stream) {
   constexpr size_t kT = kTile<T>;
   if (nsrc == 1) {
     for (int d = 0; d < ndst; ++d)
@@ -202,17 +203,18 @@ void ReduceToImpl(const void* const* srcs, int nsrc, void* const* dsts, int ndst
   alignas(64) T res[kT];
   for (; i + kT <= count; i += kT) {
     ReduceTile<T, Op, kT>(srcs, nsrc, i, res);
-    for (int d = 0; d < ndst; ++d) StoreTile(static_cast<char*>(dsts[d]) + i * sizeof(T), res, stream);
+    for (int d = 0; d < ndst; ++d)
+      StoreTile(static_cast<char*>(dsts[d]) + i * sizeof(T), res, stream != nullptr && stream[d]);
   }
   if (i < count) ReducePartial<T, Op>(srcs, nsrc, dsts, ndst, i, count - i);
 #if defined(__SSE2__)
-  if (stream) _mm_sfence();  // streaming stores are weakly ordered: complete them before any later signal
+  if (stream != nullptr) _mm_sfence();  // streaming stores are weakly ordered: complete them before any later signal
 #endif
 }
 
 template <class T, class Op>
 void ReduceImpl(const void* const* srcs, int nsrc, void* dst, size_t count) {
-  ReduceToImpl<T, Op>(srcs, nsrc, &dst, 1, count, /*stream=*/false);
+  ReduceToImpl<T, Op>(srcs, nsrc, &dst, 1, count, /*stream=*/nullptr);
 }
 
 template <class T, class Op>

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/core/types.h"
@@ -16,10 +17,11 @@ namespace flexlink {
 using ReduceKernel = void (*)(const void* const* srcs, int nsrc, void* dst, size_t count);
 
 // The same reduction stored to each of dsts[0, ndst) (all_reduce: one rank's slice into every rank's
-// output) in one pass over the sources. `stream`: non-temporal stores (x86) into the 16-byte-aligned
-// destinations, for outputs far larger than the cache or never read before; the rest get plain stores.
+// output) in one pass over the sources. stream[d] (nullptr: none): non-temporal stores (x86) into
+// dsts[d] where a tile is a whole cache line of it — for outputs that are separate buffers, whose lines
+// were never read; a destination that is also a source was just read and takes plain stores.
 using ReduceToKernel = void (*)(const void* const* srcs, int nsrc, void* const* dsts, int ndst, size_t count,
-                                bool stream);
+                                const uint8_t* stream);
 
 struct ReduceKernels {
   ReduceKernel one = nullptr;

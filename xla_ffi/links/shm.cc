@@ -20,15 +20,15 @@ constexpr size_t kCacheLine = 64;
 
 size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
-// When outputs are written with non-temporal stores. A cached store first reads the line for
-// ownership: wasted traffic when all ranks' outputs together are far beyond the last-level cache
-// (8 MiB per rank), and already from a few hundred KiB when the output is a separate buffer, whose
-// lines were never read. In place, the lines were just read and are hot: stream only when huge.
-// (A/B through XLA, out of place, 2-4 MiB: 0.88x -> 0.93-0.98x of native's time ratio.)
-constexpr size_t kStreamingOutputBytes = 8 << 20;
-bool StreamOutputs(const CallDesc& d, size_t out_bytes) {
-  return out_bytes >= kStreamingOutputBytes ||
-         (d.out != d.in && out_bytes >= ShmStreamingSeparateBytes());
+// Whether a separate output (never read by this call) is written with non-temporal stores: a cached
+// store first reads the line for ownership, wasted traffic from a few hundred KiB per rank on (A/B
+// through XLA, out of place, 2-4 MiB: 0.88x -> 0.93-0.98x of native's time ratio with the earlier
+// kernel; 1-4 MiB 1.29-1.53x -> 1.48-1.65x of native's speed with the one-pass one). An output that
+// is its own input is never streamed: the call just read its lines, and streaming into cached lines
+// costs more than writing them back (engine, all_reduce in place, one-pass kernel: 16 MiB 11-12 ms
+// streamed vs 6.4-6.6 ms cached, 64 MiB 48-49 vs 29 ms).
+bool StreamSeparate(const CallDesc& d, size_t out_bytes) {
+  return d.out != d.in && out_bytes >= ShmStreamingSeparateBytes();
 }
 
 // memcpy, but with streaming stores when `stream` (x86-64; plain memcpy elsewhere).
@@ -106,15 +106,21 @@ void ReduceUnits(ReduceKernel kernel, std::span<const char* const> inputs, char*
 
 // all_reduce, direct: reduce `slice` across every rank's input and store the result into every rank's
 // output, in one pass (each input line read once, each output line written once).
-void ReduceBroadcast(ReduceToKernel kernel, std::span<const char* const> inputs, std::span<char* const> outputs,
-                     int rank, size_t w, UnitRange slice, bool stream) {
+void ReduceBroadcast(ReduceToKernel kernel, const CallContext& ctx, std::span<const char* const> inputs,
+                     std::span<char* const> outputs, int rank, size_t w, UnitRange slice) {
   if (slice.size() == 0) return;
   const size_t n = inputs.size();
   auto& srcs = SourcePointers(n);
   for (size_t k = 0; k < n; ++k) srcs[k] = inputs[k] + slice.begin * w;
   auto& dsts = DestinationPointers(n);
-  for (size_t j = 0; j < n; ++j) dsts[j] = outputs[(rank + j) % n] + slice.begin * w;
-  kernel(srcs.data(), static_cast<int>(n), dsts.data(), static_cast<int>(n), slice.size(), stream);
+  thread_local std::vector<uint8_t> stream;
+  stream.resize(n);
+  for (size_t j = 0; j < n; ++j) {
+    const size_t k = (rank + j) % n;
+    dsts[j] = outputs[k] + slice.begin * w;
+    stream[j] = StreamSeparate(ctx.desc(static_cast<int>(k)), ctx.desc(static_cast<int>(k)).units * w);
+  }
+  kernel(srcs.data(), static_cast<int>(n), dsts.data(), static_cast<int>(n), slice.size(), stream.data());
 }
 
 // Calls f(row, first, last) for the pieces of `range` that fall in each row of `inner` units.
@@ -176,7 +182,7 @@ void PlaceBlock(const CallDesc& d, size_t n, const char* src, size_t k, char* ds
   if (range.end > last_full * inner) piece(last_full, 0, range.end - last_full * inner);
 }
 
-bool StreamGather(const CallDesc& d, size_t n) { return StreamOutputs(d, d.units * n * d.width()); }
+bool StreamGather(const CallDesc& d, size_t n) { return StreamSeparate(d, d.units * n * d.width()); }
 
 // Pull: this rank copies every rank's block into its own output (from staging, or from the peers'
 // inputs). Starting at our own rank spreads the ranks' reads over different sources.
@@ -328,8 +334,7 @@ Status ShmChannel::Run(CallContext& ctx, int rank, int lane, UnitRange range) {
     case Kind::kAllReduce: {
       auto& outputs = OutputPointers(n);
       for (int k = 0; k < n; ++k) outputs[k] = static_cast<char*>(ctx.desc(k).out);
-      ReduceBroadcast(GetReduceToKernel(me.dtype, me.op), inputs, outputs, rank, w,
-                      Slice(range, n, rank, w), StreamOutputs(me, me.units * w));
+      ReduceBroadcast(GetReduceToKernel(me.dtype, me.op), ctx, inputs, outputs, rank, w, Slice(range, n, rank, w));
       return ctx.Barrier(rank, lane, "reduce-broadcast", link_name());
     }
     case Kind::kAllGather: {
