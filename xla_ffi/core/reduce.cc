@@ -125,25 +125,12 @@ struct CProd : Identity<Complex<F>> {
 template <class T>
 constexpr size_t kTile = 64 / sizeof(T);
 
-// res[0, m) = the reduction of srcs[*][i, i + m). The accumulator is a few registers (a line of
-// storage widened to Acc), so each source line is read exactly once and nothing is stored before
-// every source of the tile was read: a destination may alias any source.
-template <class T, class Op, size_t m>
-inline void ReduceTile(const void* const* srcs, int nsrc, size_t i, T* res) {
-  using Acc = typename Op::Acc;
-  Acc acc[m];
-  const T* s0 = static_cast<const T*>(srcs[0]) + i;
-  for (size_t j = 0; j < m; ++j) acc[j] = Op::Load(s0[j]);
-  for (int k = 1; k < nsrc; ++k) {
-    const T* s = static_cast<const T*>(srcs[k]) + i;
-    for (size_t j = 0; j < m; ++j) acc[j] = Op::Apply(acc[j], Op::Load(s[j]));
-  }
-  for (size_t j = 0; j < m; ++j) res[j] = Op::Store(acc[j]);
-}
-
-// Same for a tail shorter than a tile (m only known at run time).
+// res[0, m) = the reduction of srcs[*][i, i + m), m <= kTile. The accumulator is a few registers (a line
+// of storage widened to Acc), so each source line is read exactly once and nothing is stored before
+// every source of the tile was read: a destination may alias any source. Always inlined, so the full
+// tiles get a constant m (unrolled and vectorized) and only the tail loops.
 template <class T, class Op>
-void ReduceTail(const void* const* srcs, int nsrc, size_t i, size_t m, T* res) {
+[[gnu::always_inline]] inline void ReduceTile(const void* const* srcs, int nsrc, size_t i, size_t m, T* res) {
   using Acc = typename Op::Acc;
   Acc acc[kTile<T>];
   const T* s0 = static_cast<const T*>(srcs[0]) + i;
@@ -178,7 +165,7 @@ inline void StoreTile(char* dst, const void* tile, bool stream) {
 template <class T, class Op>
 void ReducePartial(const void* const* srcs, int nsrc, void* const* dsts, int ndst, size_t i, size_t m) {
   alignas(64) T res[kTile<T>];
-  ReduceTail<T, Op>(srcs, nsrc, i, m, res);
+  ReduceTile<T, Op>(srcs, nsrc, i, m, res);
   for (int d = 0; d < ndst; ++d) std::memcpy(static_cast<char*>(dsts[d]) + i * sizeof(T), res, m * sizeof(T));
 }
 
@@ -202,7 +189,7 @@ void ReduceToImpl(const void* const* srcs, int nsrc, void* const* dsts, int ndst
   if (i > 0) ReducePartial<T, Op>(srcs, nsrc, dsts, ndst, 0, i);
   alignas(64) T res[kT];
   for (; i + kT <= count; i += kT) {
-    ReduceTile<T, Op, kT>(srcs, nsrc, i, res);
+    ReduceTile<T, Op>(srcs, nsrc, i, kT, res);
     for (int d = 0; d < ndst; ++d)
       StoreTile(static_cast<char*>(dsts[d]) + i * sizeof(T), res, stream != nullptr && stream[d]);
   }
