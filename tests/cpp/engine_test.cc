@@ -14,9 +14,14 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/reduce.h"
 #include "xla_ffi/links/shm.h"
 #include "tests/cpp/check.h"
@@ -513,6 +518,31 @@ void TestReduceToKernel() {
     }
 }
 
+// PrepareOutput faults in every missing page of an output whose ends are resident (a malloc chunk
+// whose middle glibc trimmed), not only fresh buffers; a fully resident one it leaves alone.
+void TestPrepareOutputFaultsTheMiddle() {
+#if defined(__linux__)
+  const size_t page = 4096, bytes = 1 << 20;
+  void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  Expect(m != MAP_FAILED, "mmap for the residency test");
+  if (m == MAP_FAILED) return;
+  char* p = static_cast<char*>(m);
+  auto resident = [&] {
+    std::vector<unsigned char> v(bytes / page);
+    if (mincore(p, bytes, v.data()) != 0) return size_t{0};
+    size_t r = 0;
+    for (unsigned char x : v) r += x & 1;
+    return r;
+  };
+  p[0] = 1;
+  p[bytes - 1] = 2;
+  Expect(resident() == 2, "only the two touched pages are resident before PrepareOutput");
+  PrepareOutput(p, bytes, /*aliases_input=*/false);
+  Expect(resident() == bytes / page, "PrepareOutput faulted in the pages between resident ends");
+  munmap(m, bytes);
+#endif
+}
+
 void TestLarge() {
   Spec big;
   big.in_dims = {1100001};
@@ -531,6 +561,7 @@ void TestLarge() {
 }
 
 int main() {
+  TestPrepareOutputFaultsTheMiddle();
   TestReduceToKernel();
   TestRanges();
   TestLarge();
