@@ -16,9 +16,11 @@ constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
 // Below this a buffer holds at most one whole huge page; not worth a system call. Which outputs get
 // huge pages was measured three ways through XLA (docs/engine.md, "Output pages"): every output of
 // 4 MiB+ that is not fully resident (this), only nearly fresh mappings, only 32 MiB+ (always fresh
-// mmaps). This one gave the fastest typical call at every size in full benchmark runs (lowest median
-// speedup per run 1.05-1.10 vs 0.53-1.07 and 0.82-1.02); its cost is occasional stalls at 16 MiB,
-// where the mean per call was 27.8 ms against 19.2 ms without huge pages (native 21-25 ms).
+// mmaps). This one gave the fastest typical call in full benchmark runs (lowest median speedup per
+// run 1.05-1.10 in three runs, but 0.41 in a fourth; the others 0.53-1.07 and 0.82-1.02). Its cost on
+// this VM: some processes get huge pages the hypervisor must back again (prefaults at ~0.35 GB/s of
+// thread CPU time instead of ~7 GB/s), and at 16 MiB the mean per call was 27.8 ms against 19.2 ms
+// without huge pages (native 21-25 ms).
 constexpr size_t kHugeMinBytes = size_t{4} << 20;
 // Below this the output is written before faults could matter (and staged calls never touch peers').
 constexpr size_t kPrefaultMinBytes = size_t{64} << 10;
