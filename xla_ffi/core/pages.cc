@@ -1,6 +1,7 @@
 #include "xla_ffi/core/pages.h"
 
 #include <cstdint>
+#include <ctime>
 #include <vector>
 
 #include "xla_ffi/core/config.h"
@@ -19,8 +20,7 @@ constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
 // mmaps). This one gave the fastest typical call in full benchmark runs (lowest median speedup per
 // run 1.05-1.10 in three runs, but 0.41 in a fourth; the others 0.53-1.07 and 0.82-1.02). Its cost on
 // this VM: some processes get huge pages the hypervisor must back again (prefaults at ~0.35 GB/s of
-// thread CPU time instead of ~7 GB/s), and at 16 MiB the mean per call was 27.8 ms against 19.2 ms
-// without huge pages (native 21-25 ms).
+// thread CPU time instead of ~7 GB/s); HugePageGovernor (pages.h) backs off when that happens.
 constexpr size_t kHugeMinBytes = size_t{4} << 20;
 // Below this the output is written before faults could matter (and staged calls never touch peers').
 constexpr size_t kPrefaultMinBytes = size_t{64} << 10;
@@ -76,17 +76,46 @@ bool PopulateWrite(void* p, size_t bytes) {
 #endif
 }
 
+double ThreadCpuSeconds() {
+#if defined(__linux__)
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+#else
+  return 0;
+#endif
+}
+
+HugePageGovernor g_huge_pages;  // one per process: the hypervisor's state is the whole VM's
+
 }  // namespace
+
+bool HugePageGovernor::Allow() {
+  int b = backoff_.load(std::memory_order_relaxed);
+  while (b > 0 && !backoff_.compare_exchange_weak(b, b - 1, std::memory_order_relaxed)) {
+  }
+  return b <= 0;
+}
+
+void HugePageGovernor::Record(size_t bytes, double cpu_seconds) {
+  if (cpu_seconds > 0 && static_cast<double>(bytes) / cpu_seconds < kSlowBytesPerSecond)
+    backoff_.store(kBackoffOutputs, std::memory_order_relaxed);
+}
 
 void PrepareOutput(void* out, size_t bytes, bool aliases_input) {
   if (aliases_input) return;  // the input's pages are in place already
   if (bytes < kPrefaultMinBytes || AllResident(out, bytes)) return;
-  if (bytes >= kHugeMinBytes && HugePageOutputs()) AdviseHugePages(out, bytes);
-  if (PopulateOutputs() && PopulateWrite(out, bytes)) return;  // the partial pages at the ends: resident now too
-  // One store per page; volatile so it is not elided. The value does not matter (see header).
-  volatile char* p = static_cast<char*>(out);
-  const size_t first = (kPage - reinterpret_cast<uintptr_t>(out) % kPage) % kPage;
-  for (size_t i = first; i < bytes; i += kPage) p[i] = 0;
+  const bool huge = bytes >= kHugeMinBytes && HugePageOutputs() && g_huge_pages.Allow();
+  if (huge) AdviseHugePages(out, bytes);
+  const double t0 = huge ? ThreadCpuSeconds() : 0;
+  // MADV_POPULATE_WRITE also makes the partial pages at the ends resident.
+  if (!(PopulateOutputs() && PopulateWrite(out, bytes))) {
+    // One store per page; volatile so it is not elided. The value does not matter (see header).
+    volatile char* p = static_cast<char*>(out);
+    const size_t first = (kPage - reinterpret_cast<uintptr_t>(out) % kPage) % kPage;
+    for (size_t i = first; i < bytes; i += kPage) p[i] = 0;
+  }
+  if (huge) g_huge_pages.Record(bytes, ThreadCpuSeconds() - t0);
 }
 
 }  // namespace flexlink
