@@ -204,6 +204,12 @@ void ReduceImpl(const void* const* srcs, int nsrc, void* dst, size_t count) {
   ReduceToImpl<T, Op>(srcs, nsrc, &dst, 1, count, /*stream=*/nullptr);
 }
 
+// Both entry points of one (dtype, op); nullptr (both) when the combination is not supported.
+struct ReduceKernels {
+  ReduceKernel one = nullptr;
+  ReduceToKernel to_many = nullptr;
+};
+
 template <class T, class Op>
 constexpr ReduceKernels Kernels() {
   return {&ReduceImpl<T, Op>, &ReduceToImpl<T, Op>};
@@ -242,8 +248,6 @@ ReduceKernels ComplexKernel(ReduceOp op) {
   }
 }
 
-}  // namespace
-
 ReduceKernels GetReduceKernels(DType dtype, ReduceOp op) {
   switch (dtype) {
     // XLA's add on PRED is or and multiply is and; lax converts bool psum to int32 before us anyway.
@@ -267,6 +271,8 @@ ReduceKernels GetReduceKernels(DType dtype, ReduceOp op) {
   }
   return {};
 }
+
+}  // namespace
 
 ReduceKernel GetReduceKernel(DType dtype, ReduceOp op) { return GetReduceKernels(dtype, op).one; }
 ReduceToKernel GetReduceToKernel(DType dtype, ReduceOp op) { return GetReduceKernels(dtype, op).to_many; }

@@ -23,13 +23,7 @@ using ReduceKernel = void (*)(const void* const* srcs, int nsrc, void* dst, size
 using ReduceToKernel = void (*)(const void* const* srcs, int nsrc, void* const* dsts, int ndst, size_t count,
                                 const uint8_t* stream);
 
-struct ReduceKernels {
-  ReduceKernel one = nullptr;
-  ReduceToKernel to_many = nullptr;
-};
-
-// nullptr (both) when the combination is not supported (complex max/min).
-ReduceKernels GetReduceKernels(DType dtype, ReduceOp op);
+// nullptr when the combination is not supported (complex max/min).
 ReduceKernel GetReduceKernel(DType dtype, ReduceOp op);
 ReduceToKernel GetReduceToKernel(DType dtype, ReduceOp op);
 

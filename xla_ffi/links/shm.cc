@@ -107,7 +107,7 @@ void ReduceUnits(ReduceKernel kernel, std::span<const char* const> inputs, char*
 // all_reduce, direct: reduce `slice` across every rank's input and store the result into every rank's
 // output, in one pass (each input line read once, each output line written once).
 void ReduceBroadcast(ReduceToKernel kernel, const CallContext& ctx, std::span<const char* const> inputs,
-                     std::span<char* const> outputs, int rank, size_t w, UnitRange slice) {
+                     int rank, size_t w, UnitRange slice) {
   if (slice.size() == 0) return;
   const size_t n = inputs.size();
   auto& srcs = SourcePointers(n);
@@ -116,9 +116,9 @@ void ReduceBroadcast(ReduceToKernel kernel, const CallContext& ctx, std::span<co
   thread_local std::vector<uint8_t> stream;
   stream.resize(n);
   for (size_t j = 0; j < n; ++j) {
-    const size_t k = (rank + j) % n;
-    dsts[j] = outputs[k] + slice.begin * w;
-    stream[j] = StreamSeparate(ctx.desc(static_cast<int>(k)), ctx.desc(static_cast<int>(k)).units * w);
+    const CallDesc& peer = ctx.desc(static_cast<int>((rank + j) % n));
+    dsts[j] = static_cast<char*>(peer.out) + slice.begin * w;
+    stream[j] = StreamSeparate(peer, peer.units * w);
   }
   kernel(srcs.data(), static_cast<int>(n), dsts.data(), static_cast<int>(n), slice.size(), stream.data());
 }
@@ -331,12 +331,9 @@ Status ShmChannel::Run(CallContext& ctx, int rank, int lane, UnitRange range) {
   for (int k = 0; k < n; ++k) inputs[k] = static_cast<const char*>(ctx.desc(k).in);
   char* out = static_cast<char*>(me.out);
   switch (me.kind) {
-    case Kind::kAllReduce: {
-      auto& outputs = OutputPointers(n);
-      for (int k = 0; k < n; ++k) outputs[k] = static_cast<char*>(ctx.desc(k).out);
-      ReduceBroadcast(GetReduceToKernel(me.dtype, me.op), ctx, inputs, outputs, rank, w, Slice(range, n, rank, w));
+    case Kind::kAllReduce:
+      ReduceBroadcast(GetReduceToKernel(me.dtype, me.op), ctx, inputs, rank, w, Slice(range, n, rank, w));
       return ctx.Barrier(rank, lane, "reduce-broadcast", link_name());
-    }
     case Kind::kAllGather: {
       if (me.units * n * w < kPullGatherBytes) {
         GatherUnits(me, inputs, rank, out, range, /*stream=*/false);
