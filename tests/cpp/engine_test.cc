@@ -518,28 +518,91 @@ void TestReduceToKernel() {
     }
 }
 
-// PrepareOutput faults in every missing page of an output whose ends are resident (a malloc chunk
-// whose middle glibc trimmed), not only fresh buffers; a fully resident one it leaves alone.
-void TestPrepareOutputFaultsTheMiddle() {
 #if defined(__linux__)
-  const size_t page = 4096, bytes = 1 << 20;
+// Resident 4 KiB pages of [p, p + bytes) (page-aligned p).
+size_t ResidentPages(const char* p, size_t bytes) {
+  std::vector<unsigned char> v((bytes + 4095) / 4096);
+  if (mincore(const_cast<char*>(p), bytes, v.data()) != 0) return 0;
+  size_t r = 0;
+  for (unsigned char x : v) r += x & 1;
+  return r;
+}
+#endif
+
+// OutputFaults faults in every missing page of an output whose ends are resident (a malloc chunk
+// from a trimmed glibc heap looks like that), through its unaligned head, whole 2 MiB blocks and
+// tail, and leaves the bytes already there as they were.
+void TestOutputFaultsTheMiddle() {
+#if defined(__linux__)
+  const size_t page = 4096, bytes = (size_t{5} << 20) + 3 * page;
   void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   Expect(m != MAP_FAILED, "mmap for the residency test");
   if (m == MAP_FAILED) return;
   char* p = static_cast<char*>(m);
-  auto resident = [&] {
-    std::vector<unsigned char> v(bytes / page);
-    if (mincore(p, bytes, v.data()) != 0) return size_t{0};
-    size_t r = 0;
-    for (unsigned char x : v) r += x & 1;
-    return r;
-  };
   p[0] = 1;
   p[bytes - 1] = 2;
-  Expect(resident() == 2, "only the two touched pages are resident before PrepareOutput");
-  PrepareOutput(p, bytes, /*aliases_input=*/false);
-  Expect(resident() == bytes / page, "PrepareOutput faulted in the pages between resident ends");
+  Expect(ResidentPages(p, bytes) == 2, "only the two touched pages are resident before");
+  OutputFaults faults(1);
+  faults.Publish(0, p + 100, bytes - 100, /*aliases_input=*/false);  // an unaligned output
+  faults.Help(0);
+  faults.Withdraw(0);
+  Expect(ResidentPages(p, bytes) == bytes / page, "every page between the resident ends faulted in");
+  Expect(p[0] == 1 && p[bytes - 1] == 2, "bytes already written are unchanged");
   munmap(m, bytes);
+#endif
+}
+
+// Ranks fault each other's outputs: one rank publishes and never helps, another helps and faults
+// all of it; a rank that writes its output while a helper still faults it keeps every byte it wrote
+// (a plain store as the touch would zero some); after Withdraw nobody claims more of an output.
+void TestOutputFaultsShared() {
+#if defined(__linux__)
+  const size_t bytes = size_t{8} << 20;
+  auto map = [&] {
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return m == MAP_FAILED ? nullptr : static_cast<char*>(m);
+  };
+  char* a = map();
+  char* b = map();
+  Expect(a && b, "mmap for the shared-faults test");
+  if (!a || !b) return;
+  {
+    OutputFaults faults(2);
+    faults.Publish(0, a, bytes, false);
+    faults.Publish(1, b, bytes, false);
+    faults.Help(1);  // rank 1 alone faults both
+    Expect(ResidentPages(a, bytes) == bytes / 4096, "a helper faulted in another rank's output");
+    faults.Withdraw(0);
+    faults.Withdraw(1);
+  }
+  munmap(a, bytes);
+  munmap(b, bytes);
+  for (int round = 0; round < 4; ++round) {
+    a = map();
+    if (!a) return;
+    OutputFaults faults(2);
+    faults.Publish(0, a, bytes, false);
+    std::thread helper([&] { faults.Help(1); });
+    // The owner writes from the end, toward the blocks the helper claims first.
+    for (size_t off = bytes; off > 0; off -= 4096) std::memset(a + off - 4096, 0x5a, 4096);
+    helper.join();
+    faults.Withdraw(0);
+    size_t wrong = 0;
+    for (size_t i = 0; i < bytes; ++i) wrong += a[i] != 0x5a;
+    Expect(wrong == 0, "bytes the owner wrote survive a concurrent helper (" + std::to_string(wrong) +
+                           " changed, round " + std::to_string(round) + ")");
+    munmap(a, bytes);
+  }
+  a = map();
+  if (!a) return;
+  {
+    OutputFaults faults(2);
+    faults.Publish(0, a, bytes, false);
+    faults.Withdraw(0);
+    faults.Help(1);
+    Expect(ResidentPages(a, bytes) == 0, "no block is claimed after Withdraw");
+  }
+  munmap(a, bytes);
 #endif
 }
 
@@ -580,7 +643,8 @@ void TestLarge() {
 
 int main() {
   TestHugePageGovernor();
-  TestPrepareOutputFaultsTheMiddle();
+  TestOutputFaultsTheMiddle();
+  TestOutputFaultsShared();
   TestReduceToKernel();
   TestRanges();
   TestLarge();

@@ -186,16 +186,18 @@ Status RunCollective(const CollectiveArgs& args) {
   }
   Group* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
-  // Before arriving: nobody writes this rank's output before the arrival (see core/pages.h). With
-  // several links the faults are left to the links' own writes instead, where they overlap with the
-  // other links' transfers rather than delay the start of all of them.
-  if (!group->executor) PrepareOutput(desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
   Communicator* comm = group->comm.get();
   std::shared_ptr<CallContext> call = comm->Join(rank, args.run_id, args.label);
   if (group->executor) return group->executor->Run(*call, rank, desc);
+  // One link runs the whole call: the ranks fault the outputs in together, starting now, before
+  // anyone writes them (core/pages.h). With several links the executor decides.
+  call->output_faults().Publish(rank, desc.out, desc.out_count(n) * desc.width(),
+                                desc.out == desc.in);
+  call->output_faults().Help(rank);
   Channel& channel = comm->channel(0);
   const auto start = std::chrono::steady_clock::now();
   Status status = channel.RunAlone(*call, rank, desc);
+  call->output_faults().Withdraw(rank);
   if (rank == 0 && status.ok()) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -1,7 +1,9 @@
 #include "xla_ffi/core/pages.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <ctime>
+#include <thread>
 #include <vector>
 
 #include "xla_ffi/core/config.h"
@@ -25,17 +27,6 @@ constexpr size_t kHugeMinBytes = size_t{4} << 20;
 // Below this the output is written before faults could matter (and staged calls never touch peers').
 constexpr size_t kPrefaultMinBytes = size_t{64} << 10;
 constexpr uintptr_t kPage = 4096;
-
-void AdviseHugePages(void* p, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHugePage - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
 
 // Whether every page of [p, p + bytes) is resident. A recycled buffer usually is; a fresh mapping is
 // not; and a chunk from a glibc arena whose heap was trimmed (MADV_DONTNEED on its free middle) keeps
@@ -102,20 +93,96 @@ void HugePageGovernor::Record(size_t bytes, double cpu_seconds) {
     backoff_.store(kBackoffOutputs, std::memory_order_relaxed);
 }
 
-void PrepareOutput(void* out, size_t bytes, bool aliases_input) {
+struct OutputFaults::Slot {
+  uintptr_t blocks_begin = 0;  // 2 MiB-aligned
+  size_t blocks = 0;
+  bool huge = false;
+  std::atomic<bool> published{false};
+  std::atomic<size_t> next{0};      // the next unclaimed block
+  std::atomic<int> active{0};       // helpers between claiming and finishing a block
+  std::atomic<size_t> finished{0};  // blocks done, for the governor's verdict on the whole output
+  std::atomic<uint64_t> huge_cpu_ns{0};
+};
+
+namespace {
+constexpr size_t kWithdrawn = SIZE_MAX / 2;  // `next` past every block, far from overflow
+
+// Faults the page at `a` in for writing without changing its bytes (see OutputFaults).
+inline void TouchPage(uintptr_t a) {
+  __atomic_fetch_or(reinterpret_cast<char*>(a), char{0}, __ATOMIC_RELAXED);
+}
+
+void TouchRange(uintptr_t begin, uintptr_t end) {
+  if (begin >= end) return;
+  TouchPage(begin);  // a partial first page
+  for (uintptr_t a = (begin + kPage) & ~(kPage - 1); a < end; a += kPage) TouchPage(a);
+}
+}  // namespace
+
+OutputFaults::OutputFaults(int ranks) : n_(ranks), slots_(new Slot[static_cast<size_t>(ranks)]) {}
+OutputFaults::~OutputFaults() = default;
+
+void OutputFaults::Publish(int rank, void* out, size_t bytes, bool aliases_input) {
   if (aliases_input) return;  // the input's pages are in place already
   if (bytes < kPrefaultMinBytes || AllResident(out, bytes)) return;
-  const bool huge = bytes >= kHugeMinBytes && HugePageOutputs() && g_huge_pages.Allow();
-  if (huge) AdviseHugePages(out, bytes);
-  const double t0 = huge ? ThreadCpuSeconds() : 0;
-  // MADV_POPULATE_WRITE also makes the partial pages at the ends resident.
-  if (!(PopulateOutputs() && PopulateWrite(out, bytes))) {
-    // One store per page; volatile so it is not elided. The value does not matter (see header).
-    volatile char* p = static_cast<char*>(out);
-    const size_t first = (kPage - reinterpret_cast<uintptr_t>(out) % kPage) % kPage;
-    for (size_t i = first; i < bytes; i += kPage) p[i] = 0;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(out), end = begin + bytes;
+  const uintptr_t blocks_begin = (begin + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t blocks_end = std::max(blocks_begin, end & ~(kHugePage - 1));
+  Slot& slot = slots_[rank];
+  slot.blocks_begin = blocks_begin;
+  slot.blocks = (blocks_end - blocks_begin) / kHugePage;
+  slot.huge =
+      slot.blocks > 0 && bytes >= kHugeMinBytes && HugePageOutputs() && g_huge_pages.Allow();
+  if (slot.huge) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    madvise(reinterpret_cast<void*>(blocks_begin), blocks_end - blocks_begin, MADV_HUGEPAGE);
+#endif
   }
-  if (huge) g_huge_pages.Record(bytes, ThreadCpuSeconds() - t0);
+  // MADV_POPULATE_WRITE also makes the partial pages at the ends resident.
+  if (PopulateOutputs() && PopulateWrite(out, bytes)) return;
+  TouchRange(begin, std::min(blocks_begin, end));
+  TouchRange(std::max(blocks_end, std::min(blocks_begin, end)), end);
+  if (slot.blocks > 0) slot.published.store(true, std::memory_order_release);
+}
+
+void OutputFaults::FaultBlock(Slot& slot, size_t block) {
+  const uintptr_t a = slot.blocks_begin + block * kHugePage;
+  if (!slot.huge) {
+    TouchRange(a, a + kHugePage);
+    return;
+  }
+  // One touch faults the whole huge page in; timed for the governor in thread CPU time.
+  const double t0 = ThreadCpuSeconds();
+  TouchPage(a);
+  const auto ns = static_cast<uint64_t>((ThreadCpuSeconds() - t0) * 1e9);
+  slot.huge_cpu_ns.fetch_add(ns, std::memory_order_relaxed);
+  if (slot.finished.fetch_add(1, std::memory_order_acq_rel) + 1 == slot.blocks) {
+    const double total = 1e-9 * static_cast<double>(slot.huge_cpu_ns.load(std::memory_order_relaxed));
+    g_huge_pages.Record(slot.blocks * kHugePage, total);
+  }
+}
+
+void OutputFaults::Help(int rank) {
+  for (int i = 0; i < n_; ++i) {
+    Slot& slot = slots_[(rank + i) % n_];
+    if (!slot.published.load(std::memory_order_acquire)) continue;
+    while (slot.next.load(std::memory_order_relaxed) < slot.blocks) {
+      // Registered as active before claiming: Withdraw (seq_cst on both) either sees this helper or
+      // makes the claim fail.
+      slot.active.fetch_add(1);
+      const size_t block = slot.next.fetch_add(1);
+      if (block < slot.blocks) FaultBlock(slot, block);
+      slot.active.fetch_sub(1);
+    }
+  }
+}
+
+void OutputFaults::Withdraw(int rank) {
+  Slot& slot = slots_[rank];
+  if (!slot.published.load(std::memory_order_acquire)) return;
+  slot.next.store(kWithdrawn);
+  // Bounded by one block's fault; yielding, since the helper may need this core to finish it.
+  while (slot.active.load() != 0) std::this_thread::yield();
 }
 
 }  // namespace flexlink

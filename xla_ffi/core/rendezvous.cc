@@ -19,7 +19,8 @@ CallContext::CallContext(Communicator* comm, int64_t run_id, uint64_t seq, std::
       present_(n_, 0),
       descs_(n_),
       lanes_(lanes),
-      dispatch_(n_) {
+      dispatch_(n_),
+      faults_(n_) {
   for (Lane& lane : lanes_) lane.entered.assign(n_, 0);
 }
 
@@ -109,6 +110,7 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
         descs_[r].Describe() + " (every device must call the collective with the same shape, dtype "
         "and reduction)");
   }
+  faults_.Help(rank);
   return Status::Ok();
 }
 

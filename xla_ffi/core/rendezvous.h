@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "xla_ffi/core/call.h"
+#include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/status.h"
 
 namespace flexlink {
@@ -35,7 +36,12 @@ class CallContext {
 
   // Publishes `desc` for `rank` and waits until all ranks did; then checks they describe the same
   // call (all ranks reach the same verdict, so a mismatch fails every rank and no buffer is touched).
+  // Then helps fault in the outputs published to output_faults() before the links write them.
   Status Arrive(int rank, const CallDesc& desc, std::string_view link);
+
+  // The call's outputs, faulted in by all ranks together (core/pages.h): a rank publishes its own
+  // (and helps) before Arrive when one link runs the whole call, and withdraws it before returning.
+  OutputFaults& output_faults() { return faults_; }
 
   // Waits until every rank reached this barrier on `lane`. `phase` names it in timeout messages.
   Status Barrier(int rank, int lane, std::string_view phase, std::string_view link);
@@ -98,7 +104,8 @@ class CallContext {
   std::shared_ptr<void> scratch_;
   std::shared_ptr<void> executor_state_;
   std::vector<TimePoint> dispatch_;
-  TimePoint arrived_at_{};  // per rank, written by that rank's own thread before it posts
+  TimePoint arrived_at_{};
+  OutputFaults faults_;  // per rank, written by that rank's own thread before it posts
 };
 
 }  // namespace flexlink
