@@ -606,24 +606,6 @@ void TestOutputFaultsShared() {
 #endif
 }
 
-// The huge-page governor: a slow huge-page prefault (the hypervisor backing reclaimed blocks) turns huge
-// pages off for the next kBackoffOutputs outputs, then they are tried again; fast ones change nothing.
-void TestHugePageGovernor() {
-  HugePageGovernor g;
-  const size_t mib16 = size_t{16} << 20;
-  Expect(g.Allow(), "huge pages allowed at first");
-  g.Record(mib16, mib16 / 7e9);  // ~7 GB/s: the usual speed here
-  Expect(g.Allow() && g.backoff() == 0, "a fast prefault keeps huge pages on");
-  g.Record(mib16, mib16 / 0.35e9);  // ~0.35 GB/s: the slow mode
-  int refused = 0;
-  while (!g.Allow()) ++refused;
-  Expect(refused == HugePageGovernor::kBackoffOutputs,
-         "a slow prefault turns huge pages off for kBackoffOutputs outputs (" + std::to_string(refused) + ")");
-  Expect(g.Allow(), "then huge pages are tried again");
-  g.Record(mib16, 0);  // no measurable CPU time (no clock): never a reason to back off
-  Expect(g.Allow(), "a zero-time report changes nothing");
-}
-
 void TestLarge() {
   Spec big;
   big.in_dims = {1100001};
@@ -642,7 +624,6 @@ void TestLarge() {
 }
 
 int main() {
-  TestHugePageGovernor();
   TestOutputFaultsTheMiddle();
   TestOutputFaultsShared();
   TestReduceToKernel();

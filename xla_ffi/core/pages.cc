@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <ctime>
 #include <thread>
 #include <vector>
 
@@ -21,8 +20,9 @@ constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
 // 4 MiB+ that is not fully resident (this), only nearly fresh mappings, only 32 MiB+ (always fresh
 // mmaps). This one gave the fastest typical call in full benchmark runs (lowest median speedup per
 // run 1.05-1.10 in three runs, but 0.41 in a fourth; the others 0.53-1.07 and 0.82-1.02). Its cost on
-// this VM: some processes get huge pages the hypervisor must back again (prefaults at ~0.35 GB/s of
-// thread CPU time instead of ~7 GB/s); HugePageGovernor (pages.h) backs off when that happens.
+// this VM: some huge pages must be backed by the hypervisor again (~6 ms per 2 MiB instead of ~0.2);
+// shared faulting (OutputFaults) spreads those over all ranks, and with it a governor that turned
+// huge pages off for a while after a slow output only cost speed (docs/engine.md).
 constexpr size_t kHugeMinBytes = size_t{4} << 20;
 // Below this the output is written before faults could matter (and staged calls never touch peers').
 constexpr size_t kPrefaultMinBytes = size_t{64} << 10;
@@ -67,41 +67,15 @@ bool PopulateWrite(void* p, size_t bytes) {
 #endif
 }
 
-double ThreadCpuSeconds() {
-#if defined(__linux__)
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
-#else
-  return 0;
-#endif
-}
-
-HugePageGovernor g_huge_pages;  // one per process: the hypervisor's state is the whole VM's
-
 }  // namespace
-
-bool HugePageGovernor::Allow() {
-  int b = backoff_.load(std::memory_order_relaxed);
-  while (b > 0 && !backoff_.compare_exchange_weak(b, b - 1, std::memory_order_relaxed)) {
-  }
-  return b <= 0;
-}
-
-void HugePageGovernor::Record(size_t bytes, double cpu_seconds) {
-  if (cpu_seconds > 0 && static_cast<double>(bytes) / cpu_seconds < kSlowBytesPerSecond)
-    backoff_.store(kBackoffOutputs, std::memory_order_relaxed);
-}
 
 struct OutputFaults::Slot {
   uintptr_t blocks_begin = 0;  // 2 MiB-aligned
   size_t blocks = 0;
   bool huge = false;
   std::atomic<bool> published{false};
-  std::atomic<size_t> next{0};      // the next unclaimed block
-  std::atomic<int> active{0};       // helpers between claiming and finishing a block
-  std::atomic<size_t> finished{0};  // blocks done, for the governor's verdict on the whole output
-  std::atomic<uint64_t> huge_cpu_ns{0};
+  std::atomic<size_t> next{0};  // the next unclaimed block
+  std::atomic<int> active{0};   // helpers between claiming and finishing a block
 };
 
 namespace {
@@ -131,8 +105,7 @@ void OutputFaults::Publish(int rank, void* out, size_t bytes, bool aliases_input
   Slot& slot = slots_[rank];
   slot.blocks_begin = blocks_begin;
   slot.blocks = (blocks_end - blocks_begin) / kHugePage;
-  slot.huge =
-      slot.blocks > 0 && bytes >= kHugeMinBytes && HugePageOutputs() && g_huge_pages.Allow();
+  slot.huge = slot.blocks > 0 && bytes >= kHugeMinBytes && HugePageOutputs();
   if (slot.huge) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     madvise(reinterpret_cast<void*>(blocks_begin), blocks_end - blocks_begin, MADV_HUGEPAGE);
@@ -147,19 +120,10 @@ void OutputFaults::Publish(int rank, void* out, size_t bytes, bool aliases_input
 
 void OutputFaults::FaultBlock(Slot& slot, size_t block) {
   const uintptr_t a = slot.blocks_begin + block * kHugePage;
-  if (!slot.huge) {
+  if (slot.huge)
+    TouchPage(a);  // faults the whole huge page in
+  else
     TouchRange(a, a + kHugePage);
-    return;
-  }
-  // One touch faults the whole huge page in; timed for the governor in thread CPU time.
-  const double t0 = ThreadCpuSeconds();
-  TouchPage(a);
-  const auto ns = static_cast<uint64_t>((ThreadCpuSeconds() - t0) * 1e9);
-  slot.huge_cpu_ns.fetch_add(ns, std::memory_order_relaxed);
-  if (slot.finished.fetch_add(1, std::memory_order_acq_rel) + 1 == slot.blocks) {
-    const double total = 1e-9 * static_cast<double>(slot.huge_cpu_ns.load(std::memory_order_relaxed));
-    g_huge_pages.Record(slot.blocks * kHugePage, total);
-  }
 }
 
 void OutputFaults::Help(int rank) {

@@ -52,27 +52,4 @@ class OutputFaults {
   std::unique_ptr<Slot[]> slots_;
 };
 
-// Whether an output may get huge pages now. A huge-page prefault far below memory speed, in CPU time
-// (of the threads that faulted its blocks, so preemption does not count), means the kernel handed out 2 MiB blocks that the
-// hypervisor must back again first (a VM with free page reporting, as here: ~0.35 GB/s instead of
-// ~7 GB/s, and whole processes then ran at 0.41-0.65x of native at 16 MiB). After such a prefault the
-// next kBackoffOutputs outputs (a few calls of every rank) get small pages, then huge pages are tried
-// again. 14 pairs of processes, 16 MiB all_reduce out of place, 12 calls each, ratio of means to
-// native: without 0.49-1.57 (geometric mean 0.94), with 1.02-2.35 (1.42), better in 11 of 14 pairs;
-// six more processes with it: 0.64-1.15. docs/engine.md.
-class HugePageGovernor {
- public:
-  static constexpr double kSlowBytesPerSecond = 0.8e9;
-  static constexpr int kBackoffOutputs = 128;
-
-  // Takes one output's turn; true when it may get huge pages.
-  bool Allow();
-  // Reports a huge-page prefault of `bytes` that took `cpu_seconds` of CPU time.
-  void Record(size_t bytes, double cpu_seconds);
-  int backoff() const { return backoff_.load(std::memory_order_relaxed); }
-
- private:
-  std::atomic<int> backoff_{0};
-};
-
 }  // namespace flexlink
