@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -606,6 +607,59 @@ void TestOutputFaultsShared() {
 #endif
 }
 
+// A rank waiting at the rendezvous helps fault in the output of a rank that starts later (the
+// last rank to start no longer faults alone), returns only once that rank arrives, and still times
+// out at the deadline, naming it, when the late rank publishes its output but never arrives.
+void TestArriveHelpsFault() {
+#if defined(__linux__)
+  const size_t bytes = size_t{64} << 20;
+  const bool saved_huge = HugePageOutputs();
+  SetHugePageOutputs(false);  // small pages: each 2 MiB block takes a while, so the waiter gets some
+  for (bool arrives : {true, false}) {
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    Expect(m != MAP_FAILED, "mmap for the arrive-helps test");
+    if (m == MAP_FAILED) break;
+    const double saved_timeout = TimeoutSeconds();
+    if (!arrives) SetTimeoutSeconds(0.5);
+    Communicator comm({30, 31});
+    const int64_t run = NextRunId();
+    std::shared_ptr<CallContext> call = comm.Join(0, run, "arrive-helps");
+    Expect(comm.Join(1, run, "arrive-helps") == call, "both ranks join the same call");
+    CallDesc desc;
+    desc.units = 4;
+    float in[4] = {}, out0[4] = {};
+    desc.in = in;
+    desc.out = out0;
+    Status waiter;
+    std::thread rank0([&] { waiter = call->Arrive(0, desc, "shm"); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0 is waiting by now
+    call->PublishOutput(1, m, bytes, /*aliases_input=*/false);
+    Status late;
+    if (arrives) late = call->Arrive(1, desc, "shm");
+    rank0.join();
+    call->WithdrawOutput(1);  // waits for blocks still being faulted
+    const size_t resident = ResidentPages(static_cast<char*>(m), bytes);
+    SetTimeoutSeconds(saved_timeout);
+    const size_t by0 = call->output_faults().blocks_faulted(0);
+    const size_t by1 = call->output_faults().blocks_faulted(1);
+    Expect(resident == bytes / 4096, "the late rank's output is resident");
+    Expect(by0 + by1 == bytes / (size_t{2} << 20), "every block faulted once (" + std::to_string(by0) + " + " +
+                                                   std::to_string(by1) + ")");
+    Expect(by0 > 0, "the waiting rank helped (" + std::to_string(by0) + " of " + std::to_string(by0 + by1) +
+                        " blocks)");
+    if (arrives) {
+      Expect(waiter.ok() && late.ok(), "both arrive: " + waiter.message() + late.message());
+    } else {
+      Expect(waiter.code() == StatusCode::kDeadlineExceeded &&
+                 waiter.message().find("rank 1 (device 31)") != std::string::npos,
+             "helping does not stop the deadline naming the missing rank: " + waiter.message());
+    }
+    munmap(m, bytes);
+  }
+  SetHugePageOutputs(saved_huge);
+#endif
+}
+
 void TestLarge() {
   Spec big;
   big.in_dims = {1100001};
@@ -626,6 +680,7 @@ void TestLarge() {
 int main() {
   TestOutputFaultsTheMiddle();
   TestOutputFaultsShared();
+  TestArriveHelpsFault();
   TestReduceToKernel();
   TestRanges();
   TestLarge();

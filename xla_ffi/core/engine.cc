@@ -191,13 +191,11 @@ Status RunCollective(const CollectiveArgs& args) {
   if (group->executor) return group->executor->Run(*call, rank, desc);
   // One link runs the whole call: the ranks fault the outputs in together, starting now, before
   // anyone writes them (core/pages.h). With several links the executor decides.
-  call->output_faults().Publish(rank, desc.out, desc.out_count(n) * desc.width(),
-                                desc.out == desc.in);
-  call->output_faults().Help(rank);
+  call->PublishOutput(rank, desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
   Channel& channel = comm->channel(0);
   const auto start = std::chrono::steady_clock::now();
   Status status = channel.RunAlone(*call, rank, desc);
-  call->output_faults().Withdraw(rank);
+  call->WithdrawOutput(rank);
   if (rank == 0 && status.ok()) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

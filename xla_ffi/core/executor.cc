@@ -120,11 +120,9 @@ Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
     if (used <= 1) {
       // One link: its own path (shm stages small calls: a single rendezvous), and the output pages
       // prepared as a group with one link prepares them.
-      ctx.output_faults().Publish(rank, desc.out, desc.out_count(n) * desc.width(),
-                                  desc.out == desc.in);
-      ctx.output_faults().Help(rank);
+      ctx.PublishOutput(rank, desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
       status = comm_->channel(only).RunAlone(ctx, rank, desc);
-      ctx.output_faults().Withdraw(rank);
+      ctx.WithdrawOutput(rank);
       (*seconds)[only] = Since(start);
     } else {
       status = ctx.Arrive(rank, desc, link_names_[0]);

@@ -93,12 +93,15 @@ void TouchRange(uintptr_t begin, uintptr_t end) {
 }
 }  // namespace
 
-OutputFaults::OutputFaults(int ranks) : n_(ranks), slots_(new Slot[static_cast<size_t>(ranks)]) {}
+OutputFaults::OutputFaults(int ranks)
+    : n_(ranks),
+      slots_(new Slot[static_cast<size_t>(ranks)]),
+      faulted_(new std::atomic<size_t>[static_cast<size_t>(ranks)]()) {}
 OutputFaults::~OutputFaults() = default;
 
-void OutputFaults::Publish(int rank, void* out, size_t bytes, bool aliases_input) {
-  if (aliases_input) return;  // the input's pages are in place already
-  if (bytes < kPrefaultMinBytes || AllResident(out, bytes)) return;
+bool OutputFaults::Publish(int rank, void* out, size_t bytes, bool aliases_input) {
+  if (aliases_input) return false;  // the input's pages are in place already
+  if (bytes < kPrefaultMinBytes || AllResident(out, bytes)) return false;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(out), end = begin + bytes;
   const uintptr_t blocks_begin = (begin + kHugePage - 1) & ~(kHugePage - 1);
   const uintptr_t blocks_end = std::max(blocks_begin, end & ~(kHugePage - 1));
@@ -112,10 +115,12 @@ void OutputFaults::Publish(int rank, void* out, size_t bytes, bool aliases_input
 #endif
   }
   // MADV_POPULATE_WRITE also makes the partial pages at the ends resident.
-  if (PopulateOutputs() && PopulateWrite(out, bytes)) return;
+  if (PopulateOutputs() && PopulateWrite(out, bytes)) return false;
   TouchRange(begin, std::min(blocks_begin, end));
   TouchRange(std::max(blocks_end, std::min(blocks_begin, end)), end);
-  if (slot.blocks > 0) slot.published.store(true, std::memory_order_release);
+  if (slot.blocks == 0) return false;
+  slot.published.store(true, std::memory_order_release);
+  return true;
 }
 
 void OutputFaults::FaultBlock(Slot& slot, size_t block) {
@@ -135,10 +140,23 @@ void OutputFaults::Help(int rank) {
       // makes the claim fail.
       slot.active.fetch_add(1);
       const size_t block = slot.next.fetch_add(1);
-      if (block < slot.blocks) FaultBlock(slot, block);
+      if (block < slot.blocks) {
+        FaultBlock(slot, block);
+        faulted_[rank].fetch_add(1, std::memory_order_relaxed);
+      }
       slot.active.fetch_sub(1);
     }
   }
+}
+
+bool OutputFaults::Unclaimed() const {
+  for (int r = 0; r < n_; ++r) {
+    const Slot& slot = slots_[r];
+    if (slot.published.load(std::memory_order_acquire) &&
+        slot.next.load(std::memory_order_relaxed) < slot.blocks)
+      return true;
+  }
+  return false;
 }
 
 void OutputFaults::Withdraw(int rank) {

@@ -20,12 +20,14 @@ namespace flexlink {
 // different times (8 threads on 2 cores here); when each rank faulted only its own output, the last
 // to start faulted alone while the others waited, and a rank that drew blocks the hypervisor must
 // back again (~6 ms per huge page instead of ~0.2) held up the whole call. So each rank publishes its
-// output as 2 MiB blocks, and every rank, before it arrives and again once all have, claims blocks
-// of any published output until none is left. FlexLink alone, 64 MiB all_reduce out of place,
-// 3 pairs of processes x 14 calls, mean per call shared vs own output only: 81 vs 120, 172 vs 188,
-// 181 vs 204 ms. Touching is a locked `or 0` on one byte per page: it faults the page in for writing
-// and cannot undo a value another rank's collective already stored there (after the rendezvous a
-// helper may still be faulting a block that a faster rank has started to write).
+// output as 2 MiB blocks, and every rank claims blocks of any published output until none is left:
+// right after publishing its own, while it waits at the rendezvous (a later rank's publication wakes
+// it, CallContext::Arrive) and once all have arrived. FlexLink alone, 64 MiB all_reduce out of place,
+// 3 pairs of processes x 14 calls, mean per call, ranks helping before arriving vs each rank faulting
+// its own: 81 vs 120, 172 vs 188, 181 vs 204 ms. Touching is a locked `or 0` on one byte per page: it
+// faults the page in for writing and cannot undo a value another rank's collective already stored
+// there (after the rendezvous a helper may still be faulting a block a faster rank has begun to
+// write).
 // `aliases_input`: the output is the (donated) input, so its pages are known to be present. Only
 // hints and writes that leave the bytes as they are; errors are ignored.
 class OutputFaults {
@@ -36,10 +38,15 @@ class OutputFaults {
   OutputFaults& operator=(const OutputFaults&) = delete;
 
   // By the owner, once per call, before anyone writes its output: checks residency, advises huge
-  // pages, touches the ends outside whole 2 MiB blocks, then offers the blocks.
-  void Publish(int rank, void* out, size_t bytes, bool aliases_input);
+  // pages, touches the ends outside whole 2 MiB blocks, then offers the blocks. True when it offered
+  // any.
+  bool Publish(int rank, void* out, size_t bytes, bool aliases_input);
   // Faults published blocks, `rank`'s own first, until every published block is claimed.
   void Help(int rank);
+  // Whether a published block is not claimed yet.
+  bool Unclaimed() const;
+  // Blocks `rank` has faulted in so far, of any output (for tests and diagnostics).
+  size_t blocks_faulted(int rank) const { return faulted_[rank].load(std::memory_order_relaxed); }
   // By the owner before its call returns (also on errors): stops new claims on its output and waits
   // for claimed blocks to finish (one block: well under a millisecond, ~6 ms at worst here), so no
   // helper touches a buffer XLA may free.
@@ -50,6 +57,7 @@ class OutputFaults {
   void FaultBlock(Slot& slot, size_t block);
   const int n_;
   std::unique_ptr<Slot[]> slots_;
+  std::unique_ptr<std::atomic<size_t>[]> faulted_;
 };
 
 }  // namespace flexlink

@@ -48,14 +48,17 @@ std::string CallContext::RankList(const std::vector<int>& ranks) const {
 
 // Waits for `done` up to the configured deadline. On timeout the call is abandoned for everyone:
 // waiting ranks wake up with the same error, and ranks that come later fail at once.
+CallContext::TimePoint CallContext::Deadline() {
+  // Clamped so that an "infinite" setting cannot overflow the clock's integer nanoseconds.
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+             std::chrono::duration<double>(std::min(TimeoutSeconds(), 1e9)));
+}
+
 template <class Done, class Missing>
 Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, Done done, Missing missing,
-                            std::string_view what, std::string_view link) {
+                            std::string_view what, std::string_view link, TimePoint deadline) {
   const double timeout = TimeoutSeconds();
-  // Clamped so that an "infinite" setting cannot overflow the clock's integer nanoseconds.
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::min(timeout, 1e9)));
   const bool ok = cv_.wait_until(lock, deadline, [&] { return done() || abandoned_; });
   if (ok && !abandoned_) return Status::Ok();
   if (!abandoned_) {
@@ -87,16 +90,25 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
       lock.unlock();  // waiters wake straight into a free mutex
       cv_.notify_all();
     } else {
-      Status s = WaitAll(
-          lock, [&] { return arrived_ == n_; },
-          [&] {
-            std::vector<int> m;
-            for (int r = 0; r < n_; ++r)
-              if (!present_[r]) m.push_back(r);
-            return m;
-          },
-          "arrive", link);
-      if (!s.ok()) return s;
+      // While waiting, help fault in outputs that later ranks publish: otherwise the last rank to
+      // start faults its whole output alone while the others sleep here.
+      const TimePoint deadline = Deadline();
+      for (;;) {
+        Status s = WaitAll(
+            lock, [&] { return arrived_ == n_ || faults_.Unclaimed(); },
+            [&] {
+              std::vector<int> m;
+              for (int r = 0; r < n_; ++r)
+                if (!present_[r]) m.push_back(r);
+              return m;
+            },
+            "arrive", link, deadline);
+        if (!s.ok()) return s;
+        if (arrived_ == n_) break;
+        lock.unlock();
+        faults_.Help(rank);
+        lock.lock();
+      }
     }
   }
   if (last) comm_->Retire(run_id_, seq_);  // outside mu_: Communicator locks its mutex first
@@ -113,6 +125,16 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
   faults_.Help(rank);
   return Status::Ok();
 }
+
+void CallContext::PublishOutput(int rank, void* out, size_t bytes, bool aliases_input) {
+  if (faults_.Publish(rank, out, bytes, aliases_input)) {
+    { std::lock_guard<std::mutex> lock(mu_); }  // a rank between its check and its wait sees it
+    cv_.notify_all();
+  }
+  faults_.Help(rank);
+}
+
+void CallContext::WithdrawOutput(int rank) { faults_.Withdraw(rank); }
 
 Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, std::string_view link) {
   std::unique_lock<std::mutex> lock(mu_);
@@ -135,7 +157,7 @@ Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, st
           if (lane.entered[r] != generation + 1) m.push_back(r);
         return m;
       },
-      "finish the " + std::string(phase) + " phase", link);
+      "finish the " + std::string(phase) + " phase", link, Deadline());
 }
 
 }  // namespace flexlink

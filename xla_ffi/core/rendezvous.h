@@ -36,12 +36,15 @@ class CallContext {
 
   // Publishes `desc` for `rank` and waits until all ranks did; then checks they describe the same
   // call (all ranks reach the same verdict, so a mismatch fails every rank and no buffer is touched).
-  // Then helps fault in the outputs published to output_faults() before the links write them.
+  // Then helps fault in the published outputs (PublishOutput) before the links write them.
   Status Arrive(int rank, const CallDesc& desc, std::string_view link);
 
-  // The call's outputs, faulted in by all ranks together (core/pages.h): a rank publishes its own
-  // (and helps) before Arrive when one link runs the whole call, and withdraws it before returning.
-  OutputFaults& output_faults() { return faults_; }
+  // The call's outputs, faulted in by all ranks together (core/pages.h). When one link runs the
+  // whole call, each rank publishes its output before Arrive and helps fault in every published
+  // output, also while it waits there; it withdraws its output before its call returns.
+  void PublishOutput(int rank, void* out, size_t bytes, bool aliases_input);
+  void WithdrawOutput(int rank);
+  const OutputFaults& output_faults() const { return faults_; }
 
   // Waits until every rank reached this barrier on `lane`. `phase` names it in timeout messages.
   Status Barrier(int rank, int lane, std::string_view phase, std::string_view link);
@@ -78,9 +81,10 @@ class CallContext {
   friend class Communicator;
   std::string Where(std::string_view link) const;  // label, kind, group, link, run and call number
   std::string RankList(const std::vector<int>& ranks) const;
+  static TimePoint Deadline();  // now + the configured timeout
   template <class Done, class Missing>
   Status WaitAll(std::unique_lock<std::mutex>& lock, Done done, Missing missing, std::string_view what,
-                 std::string_view link);
+                 std::string_view link, TimePoint deadline);
 
   Communicator* const comm_;
   const int64_t run_id_;
