@@ -46,8 +46,6 @@ std::string CallContext::RankList(const std::vector<int>& ranks) const {
   return s;
 }
 
-// Waits for `done` up to the configured deadline. On timeout the call is abandoned for everyone:
-// waiting ranks wake up with the same error, and ranks that come later fail at once.
 CallContext::TimePoint CallContext::Deadline() {
   // Clamped so that an "infinite" setting cannot overflow the clock's integer nanoseconds.
   return std::chrono::steady_clock::now() +
@@ -55,6 +53,8 @@ CallContext::TimePoint CallContext::Deadline() {
              std::chrono::duration<double>(std::min(TimeoutSeconds(), 1e9)));
 }
 
+// Waits for `done` up to `deadline`. On timeout the call is abandoned for everyone: waiting ranks
+// wake up with the same error, and ranks that come later fail at once.
 template <class Done, class Missing>
 Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, Done done, Missing missing,
                             std::string_view what, std::string_view link, TimePoint deadline) {
