@@ -76,6 +76,11 @@ struct OutputFaults::Slot {
   std::atomic<bool> published{false};
   std::atomic<size_t> next{0};  // the next unclaimed block
   std::atomic<int> active{0};   // helpers between claiming and finishing a block
+
+  // Published, with blocks nobody has claimed yet.
+  bool Open() const {
+    return published.load(std::memory_order_acquire) && next.load(std::memory_order_relaxed) < blocks;
+  }
 };
 
 namespace {
@@ -134,8 +139,7 @@ void OutputFaults::FaultBlock(Slot& slot, size_t block) {
 void OutputFaults::Help(int rank) {
   for (int i = 0; i < n_; ++i) {
     Slot& slot = slots_[(rank + i) % n_];
-    if (!slot.published.load(std::memory_order_acquire)) continue;
-    while (slot.next.load(std::memory_order_relaxed) < slot.blocks) {
+    while (slot.Open()) {
       // Registered as active before claiming: Withdraw (seq_cst on both) either sees this helper or
       // makes the claim fail.
       slot.active.fetch_add(1);
@@ -150,12 +154,8 @@ void OutputFaults::Help(int rank) {
 }
 
 bool OutputFaults::Unclaimed() const {
-  for (int r = 0; r < n_; ++r) {
-    const Slot& slot = slots_[r];
-    if (slot.published.load(std::memory_order_acquire) &&
-        slot.next.load(std::memory_order_relaxed) < slot.blocks)
-      return true;
-  }
+  for (int r = 0; r < n_; ++r)
+    if (slots_[r].Open()) return true;
   return false;
 }
 
