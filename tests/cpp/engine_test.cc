@@ -553,6 +553,87 @@ void TestOutputFaultsTheMiddle() {
 #endif
 }
 
+#if defined(__linux__)
+// Whether this kernel collapses an anonymous range into a huge page on request (MADV_COLLAPSE).
+bool KernelCollapses() {
+  const size_t huge = size_t{2} << 20;
+  void* m = mmap(nullptr, 2 * huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return false;
+  char* region = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(m) + huge - 1) & ~(huge - 1));
+  region[0] = 1;
+  const bool ok = madvise(region, huge, 25 /* MADV_COLLAPSE */) == 0;
+  munmap(m, 2 * huge);
+  return ok;
+}
+#endif
+
+// The partial huge pages at an output's ends (XLA's outputs start just past a 2 MiB boundary, a
+// malloc chunk header before them): with huge pages on, an end that is mostly missing becomes one
+// huge page (MADV_COLLAPSE, where the kernel has it) instead of hundreds of small faults; a nearly
+// resident end is touched; every byte already there, the output's and its neighbours', is kept; with
+// huge pages off nothing is collapsed.
+void TestOutputFaultsCollapseEnds() {
+#if defined(__linux__)
+  const size_t huge = size_t{2} << 20, page = 4096;
+  const bool collapses = KernelCollapses();
+  if (!collapses) std::printf("note: this kernel has no MADV_COLLAPSE; checking the fallback only\n");
+  const bool saved_huge = HugePageOutputs();
+  for (bool huge_on : {true, false}) {
+    SetHugePageOutputs(huge_on);
+    const size_t map_bytes = 12 * huge;
+    void* m = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    Expect(m != MAP_FAILED, "mmap for the collapse test");
+    if (m == MAP_FAILED) break;
+    char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(m) + huge - 1) & ~(huge - 1));
+    // base: [neighbour 320 B][head: rest of huge page 0][blocks 1-2][tail: half of huge page 3]
+    // [neighbour after it]; huge page 4 has one resident page only in its last 4 KiB.
+    char* out = base + 320;
+    const size_t bytes = 3 * huge + huge / 2 - 320;
+    std::memset(base, 0x11, 320);                         // the chunk before, and the header
+    std::memset(out + 10 * page, 0x22, page);             // the output's bytes already written
+    std::memset(out + bytes, 0x33, 100);                  // the chunk after
+    OutputFaults faults(1);
+    faults.Publish(0, out, bytes, /*aliases_input=*/false);
+    faults.Help(0);
+    faults.Withdraw(0);
+    const size_t out_pages = (320 + bytes + page - 1) / page;
+    Expect(ResidentPages(base, out_pages * page) == out_pages, "every page of the output is resident");
+    if (huge_on && collapses)
+      Expect(ResidentPages(base, 4 * huge) == 4 * huge / page, "the ends' huge pages are whole");
+    bool kept = true;
+    for (size_t i = 0; i < 320; ++i) kept &= base[i] == 0x11;
+    for (size_t i = 0; i < page; ++i) kept &= out[10 * page + i] == 0x22;
+    for (size_t i = 0; i < 100; ++i) kept &= out[bytes + i] == 0x33;
+    Expect(kept, "bytes already there (the output's, the neighbours') are unchanged");
+    const size_t expected = huge_on && collapses ? 2 : 0;
+    Expect(faults.ends_collapsed(0) == expected,
+           "ends collapsed into huge pages: " + std::to_string(faults.ends_collapsed(0)) + ", expected " +
+               std::to_string(expected) + (huge_on ? " (huge pages on)" : " (huge pages off)"));
+    munmap(m, map_bytes);
+  }
+  {
+    // A nearly resident head (fewer missing pages than a collapse is worth) is touched instead.
+    SetHugePageOutputs(true);
+    const size_t map_bytes = 8 * huge;
+    void* m = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    Expect(m != MAP_FAILED, "mmap for the collapse test");
+    if (m != MAP_FAILED) {
+      char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(m) + huge - 1) & ~(huge - 1));
+      char* out = base + huge - 16 * page;  // a 16-page head
+      const size_t bytes = 2 * huge + 16 * page;
+      OutputFaults faults(1);
+      faults.Publish(0, out, bytes, false);
+      faults.Help(0);
+      faults.Withdraw(0);
+      Expect(ResidentPages(out, bytes) == bytes / page, "a short head and tail are touched in");
+      Expect(faults.ends_collapsed(0) == 0, "short ends are not collapsed");
+      munmap(m, map_bytes);
+    }
+  }
+  SetHugePageOutputs(saved_huge);
+#endif
+}
+
 // Ranks fault each other's outputs: one rank publishes and never helps, another helps and faults
 // all of it; a rank that writes its output while a helper still faults it keeps every byte it wrote
 // (a plain store as the touch would zero some); after Withdraw nobody claims more of an output.
@@ -679,6 +760,7 @@ void TestLarge() {
 
 int main() {
   TestOutputFaultsTheMiddle();
+  TestOutputFaultsCollapseEnds();
   TestOutputFaultsShared();
   TestArriveHelpsFault();
   TestReduceToKernel();

@@ -38,8 +38,8 @@ class OutputFaults {
   OutputFaults& operator=(const OutputFaults&) = delete;
 
   // By the owner, once per call, before anyone writes its output: checks residency, advises huge
-  // pages, touches the ends outside whole 2 MiB blocks, then offers the blocks. True when it offered
-  // any.
+  // pages, faults in the ends outside whole 2 MiB blocks (collapsing them into huge pages when most
+  // of one is missing), then offers the blocks. True when it offered any.
   bool Publish(int rank, void* out, size_t bytes, bool aliases_input);
   // Faults published blocks, `rank`'s own first, until every published block is claimed.
   void Help(int rank);
@@ -47,6 +47,8 @@ class OutputFaults {
   bool Unclaimed() const;
   // Blocks `rank` has faulted in so far, of any output (for tests and diagnostics).
   size_t blocks_faulted(int rank) const { return faulted_[rank].load(std::memory_order_relaxed); }
+  // Ends of `rank`'s outputs made huge pages by MADV_COLLAPSE so far (for tests and diagnostics).
+  size_t ends_collapsed(int rank) const { return collapsed_[rank]; }
   // By the owner before its call returns (also on errors): stops new claims on its output and waits
   // for claimed blocks to finish (one block: well under a millisecond, ~6 ms at worst here), so no
   // helper touches a buffer XLA may free.
@@ -58,6 +60,7 @@ class OutputFaults {
   const int n_;
   std::unique_ptr<Slot[]> slots_;
   std::unique_ptr<std::atomic<size_t>[]> faulted_;
+  std::unique_ptr<size_t[]> collapsed_;  // written by the owner only
 };
 
 }  // namespace flexlink
