@@ -249,3 +249,31 @@ def test_out_specs_accepted_like_lax(case):
     want = np.asarray(_sm(body(lax), m_, in_specs=in_spec, out_specs=out_spec)(x))
     got = np.asarray(_sm(body(flx), m_, in_specs=in_spec, out_specs=out_spec)(x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_missing_compiled_module_says_why_and_what_to_do():
+    """Without its compiled module (the usual cause: `pip install .`, then Python started in the
+    repository root imports the source tree), importing jax_flexlink names the directory it came from
+    and both ways out, instead of a bare circular-import message."""
+    from helpers import run_python
+    res = run_python("""
+        import importlib.abc, sys
+        class NoExtension(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "jax_flexlink._flexlink":
+                    raise ImportError("No module named 'jax_flexlink._flexlink'")
+                return None
+        sys.meta_path.insert(0, NoExtension())
+        try:
+            import jax_flexlink
+        except ImportError as e:
+            print("ERROR:", e)
+        else:
+            print("IMPORTED")
+    """)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "ERROR:" in out, out
+    assert "compiled module _flexlink is missing" in out, out
+    assert "run from another directory or install in place with `pip install -e .`" in out, out
+    assert "jax_flexlink" in out.split("imported from ", 1)[1], out
