@@ -8,11 +8,9 @@ import jax
 try:
   from jax_flexlink import _flexlink  # the nanobind module built from xla_ffi/
 except ImportError as e:  # the usual cause: Python found the source tree before the installed package
-  import jax_flexlink as _pkg
-
   raise ImportError(
       "jax_flexlink's compiled module _flexlink is missing next to the jax_flexlink package imported "
-      f"from {os.path.dirname(_pkg.__file__)}. If that is the repository's source tree (Python puts "
+      f"from {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}. If that is the repository's source tree (Python puts "
       "the current directory first on its path, so running from the repository root after "
       "`pip install .` imports the sources, which have no compiled module), run from another "
       "directory or install in place with `pip install -e .`; otherwise rebuild with "

@@ -126,9 +126,10 @@ bool Collapse(uintptr_t region) {
 // outputs (512 faults, each rank alone, before its blocks were offered). The huge page cannot be
 // faulted in whole, because the chunk header's page already sits in it; one MADV_COLLAPSE makes it a
 // huge page (alone: 0.09-0.11 ms vs 0.6-0.9 ms for 511 touches; through XLA median 0.2-0.3 ms, a
-// tenth 4-5 ms, as block faults that draw a cold huge page take). All_gather out of place, 10 alternating pairs of processes, median
-// of the per-run FlexLink medians with vs without: 8 MiB 3.5 vs 4.3 ms, 16 MiB 7.3 vs 8.6 ms. Below
-// kCollapseMinPages missing pages touching is cheaper. True when collapsed.
+// tenth 4-5 ms, as block faults that draw a cold huge page take). All_gather out of place, 10
+// alternating pairs of processes, median of the per-run FlexLink medians with vs without: 8 MiB 3.5
+// vs 4.3 ms, 16 MiB 7.3 vs 8.6 ms. Below kCollapseMinPages missing pages touching is cheaper. True
+// when collapsed.
 constexpr size_t kCollapseMinPages = 64;
 
 bool FaultEnd(uintptr_t a, uintptr_t b, size_t missing_pages, bool huge) {
