@@ -8,9 +8,11 @@ from jax_flexlink._src import native as _native
 
 _native.register_targets()
 
-# Importing the collective modules defines their primitives and routes lax's binds to them.
+# Importing the collective modules defines their primitives and routes lax's binds to them;
+# importing combine hooks shard_map's lowering (token chains, merged calls).
 from jax_flexlink._src import all_gather as _all_gather  # noqa: E402,F401
 from jax_flexlink._src import all_reduce as _all_reduce  # noqa: E402,F401
+from jax_flexlink._src import combine as _combine  # noqa: E402,F401
 from jax_flexlink._src import reduce_scatter as _reduce_scatter  # noqa: E402,F401
 from jax_flexlink._src.api import (  # noqa: E402
     all_gather, pmax, pmean, pmin, psum, psum_scatter)

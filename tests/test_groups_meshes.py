@@ -186,34 +186,40 @@ def test_two_meshes_in_one_program():
 
 
 def test_partial_auto_shard_map():
-    """shard_map over a subset of the mesh axes (the others left to the compiler) is not supported
-    (a token through a partially manual computation aborts XLA's shardy export, see
-    docs/jax_notes.md): the explicit API says so at trace time; replacement mode leaves such
-    collectives to lax, with lax's results. In a subprocess, since the failure mode to guard against
-    is an XLA CHECK failure that aborts the process."""
+    """shard_map over a subset of the mesh axes (the others left to the compiler), the shape of
+    pipeline and expert parallelism: FlexLink runs its collectives in a nested fully manual region
+    (docs/jax_notes.md), explicit API and replacement alike, with lax's results, and the compiled
+    program holds FlexLink's custom calls. In a subprocess: the failure mode to guard against is an
+    XLA CHECK failure that aborts the process."""
     res = run_python("""
         import numpy as np, jax
+        from jax import lax
         import jax_flexlink as flx
         from jax.sharding import Mesh, PartitionSpec as P
         m = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
-        x = np.arange(64, dtype=np.int32).reshape(8, 8) * 7919 - 1000
+        x = np.arange(256, dtype=np.int32).reshape(32, 8) * 7919 - 1000
         for axis in ("a", "b"):
             spec = P(axis)
             def make(mod):
-                return jax.jit(jax.shard_map(
-                    lambda v: (mod.psum(v, axis), mod.all_gather(v, axis, tiled=True)), mesh=m,
-                    in_specs=spec, out_specs=(P(), spec), axis_names={axis}))
-            try:
-                make(flx)(x)
-                raise SystemExit("explicit API accepted a partially automatic shard_map")
-            except NotImplementedError as e:
-                assert "automatic" in str(e), e
-            want = [np.asarray(a) for a in make(jax.lax)(x)]
+                def body(v):
+                    s = mod.psum(v, axis)
+                    return (s, mod.all_gather(v * 3, axis, tiled=True), mod.pmax(s - v, axis),
+                            mod.psum_scatter(v, axis, tiled=True))
+                return jax.jit(jax.shard_map(body, mesh=m, in_specs=spec,
+                                             out_specs=(P(), spec, P(), spec), axis_names={axis}))
+            want = [np.asarray(a) for a in make(lax)(x)]
             with flx.replace_collectives():
-                f = make(jax.lax)
-                got = [np.asarray(a) for a in f(x)]
-            for g, w in zip(got, want):
+                replaced = make(lax)
+                got_replaced = [np.asarray(a) for a in replaced(x)]
+                text = replaced.lower(x).compile().as_text()
+            explicit = make(flx)
+            got = [np.asarray(a) for a in explicit(x)]
+            for g, r, w in zip(got, got_replaced, want):
                 assert g.shape == w.shape and np.array_equal(g, w), axis
+                assert r.shape == w.shape and np.array_equal(r, w), axis
+            for t in (text, explicit.lower(x).compile().as_text()):
+                for target in ("all_reduce", "all_gather", "reduce_scatter"):
+                    assert f'custom_call_target="flexlink_{target}"' in t, (axis, target)
         print("OK")
     """)
     assert res.returncode == 0 and "OK" in res.stdout, (

@@ -1,4 +1,4 @@
-"""AllReduce: the FlexLink primitive behind psum, pmean, pmax and pmin."""
+"""AllReduce: the FlexLink primitives behind psum, pmean, pmax and pmin."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,15 +8,6 @@ from jax_flexlink._src import collective
 from jax_flexlink._src import compat
 from jax_flexlink._src import native
 from jax_flexlink._src.groups import device_groups
-
-# lax primitive -> (reduction the engine applies, the lax API name used in messages, positional reducer)
-_LAX = {
-    compat.psum_p: ("sum", "psum", lax.reduce_sum),
-    compat.psum_invariant_p: ("sum", "psum", lax.reduce_sum),
-    compat.pmax_p: ("max", "pmax", lax.reduce_max),
-    compat.pmin_p: ("min", "pmin", lax.reduce_min),
-}
-
 
 
 def _reduce_in_place(x) -> bool:
@@ -30,29 +21,39 @@ def _reduce_in_place(x) -> bool:
   return compat.operand_origin(x) != "parameter"
 
 
-def _reduce_positional(ctx, x, positional, reducer):
-  aval, = ctx.avals_in
+def _reduce_positional(ctx, x, aval, positional, reducer):
   aval_out = aval.update(shape=tuple(np.delete(np.array(aval.shape, dtype=np.int64), positional)))
   lowered = compat.lower_fun(lambda v: reducer(v, tuple(positional)), multiple_results=False)
   out, = lowered(ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval_out]), x)
   return out, aval_out
 
 
-def _lowering(ctx, x, *, lax_prim, axes, axis_index_groups=None):
-  reduction, api_name, reducer = _LAX[lax_prim]
-  named = tuple(a for a in axes if not isinstance(a, int))
-  positional = [a for a in axes if isinstance(a, int)]
-  aval_in = ctx.avals_in[0]
-  if positional:
-    x, aval_in = _reduce_positional(ctx, x, positional, reducer)
-  if not named:
-    return [x]
-  groups, sizes = device_groups(ctx.module_context.axis_context, named, axis_index_groups,
-                                api_name)
-  return [collective.emit_custom_call(
-      ctx, native.ALL_REDUCE, x, aval_in=aval_in, alias_input=_reduce_in_place(x),
-      groups=groups, group_sizes=sizes, reduction=reduction, label=f"{api_name} over axes {named}")]
+def _make(lax_prim, reduction: str, api_name: str, reducer) -> collective.Collective:
+  def lower(ctx, operands, *, axes, axis_index_groups=None):
+    named = tuple(a for a in axes if not isinstance(a, int))
+    positional = [a for a in axes if isinstance(a, int)]
+    avals_in = list(ctx.avals_in)
+    operands = list(operands)
+    if positional:
+      for i, (x, aval) in enumerate(zip(operands, avals_in)):
+        operands[i], avals_in[i] = _reduce_positional(ctx, x, aval, positional, reducer)
+    if not named:
+      return operands
+    groups, sizes = device_groups(ctx.module_context.axis_context, named, axis_index_groups,
+                                  api_name)
+    return collective.emit_custom_call(
+        ctx, native.ALL_REDUCE, operands, avals_in=avals_in,
+        aliases=[i for i, x in enumerate(operands) if _reduce_in_place(x)],
+        groups=groups, group_sizes=sizes, reduction=reduction,
+        label=f"{api_name} over axes {named}")
+
+  return collective.Collective(
+      lax_prim=lax_prim, kind="all_reduce", api_name=api_name,
+      axis_names=lambda params: tuple(params["axes"]), reduction=lambda params: reduction,
+      lower=lower)
 
 
-all_reduce_p = collective.define_primitive(
-    "flexlink_all_reduce", lambda p: _LAX[p][1], lambda p: _LAX[p][0], _lowering, tuple(_LAX))
+psum_p = collective.define(_make(compat.psum_p, "sum", "psum", lax.reduce_sum))
+psum_invariant_p = collective.define(_make(compat.psum_invariant_p, "sum", "psum", lax.reduce_sum))
+pmax_p = collective.define(_make(compat.pmax_p, "max", "pmax", lax.reduce_max))
+pmin_p = collective.define(_make(compat.pmin_p, "min", "pmin", lax.reduce_min))

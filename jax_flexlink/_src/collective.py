@@ -1,15 +1,21 @@
-"""What the three FlexLink collective primitives share: the ordering effect, rules borrowed from lax,
-dtype checks and the emission of the custom call.
+"""What every FlexLink collective primitive shares: the ordering effect, rules borrowed from lax,
+dtype checks, lowering (with its fallback to lax) and the emission of the custom call.
 
-A FlexLink primitive stands in for one or more lax primitives and carries the lax primitive it replaces
-as its `lax_prim` parameter, with that primitive's own parameters beside it. Typing (shape, varying
-axes, named-axis effects, axis-name checks), batching and transposition are lax's rules for `lax_prim`;
-FlexLink adds an ordered effect, so every device runs its FlexLink calls in program order, and its own
-lowering to a custom call.
+A FlexLink primitive stands in for exactly one lax primitive and has its name (`psum`,
+`all_gather`, ...), so that what looks at primitives by name — `jax.checkpoint` policies such as
+`lambda prim, *_, **__: str(prim) != "all_gather"`, jaxpr printouts — sees what it would see with lax.
+It takes that primitive's parameters plus `flexlink` ("explicit" or "replace", routing.py), and any
+number of operands: lax binds one per pytree leaf, and FlexLink merges independent calls of one
+shard_map body into one (combine.py), so that a pytree costs one rendezvous, not one per leaf.
+Typing (shapes, varying axes, named-axis effects, axis-name checks), batching and transposition are
+lax's rules applied operand by operand; FlexLink adds an ordered effect, so every device runs its
+FlexLink calls in program order, and its own lowering to a custom call.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from typing import Callable
 
 import numpy as np
@@ -42,19 +48,34 @@ class FlexLinkOrdering(compat.NamedAxisEffect):
 
 compat.register_ordered_effect_type(FlexLinkOrdering)
 
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def ordering_effect_forced(effect: FlexLinkOrdering):
+  """Collectives traced in this block take `effect` (lowering a nested region: its calls must join
+  the chain of the region around it, whatever the axis environment is there)."""
+  previous = getattr(_forced, "effect", None)
+  _forced.effect = effect
+  try:
+    yield
+  finally:
+    _forced.effect = previous
+
 
 def _ordering_effect(axis_names) -> FlexLinkOrdering:
+  forced = getattr(_forced, "effect", None)
+  if forced is not None:
+    return forced
   outermost = compat.outermost_axis_name()
   return FlexLinkOrdering(outermost if outermost is not None else axis_names[0])
 
 
-def _tokens_started_by_shard_map(ctx, jaxpr):
+def tokens_started_by_shard_map(ctx, jaxpr):
+  """The FlexLink token chains a shard_map body starts (see compat.wrap_shard_map_lowering)."""
   present = ctx.tokens_in.effects()
   return [e for e in compat.ordered_effects.filter_in(jaxpr.effects)
           if isinstance(e, FlexLinkOrdering) and e not in present]
-
-
-compat.wrap_shard_map_lowering(_tokens_started_by_shard_map)
 
 
 # What the engine reduces and moves (xla_ffi/core): every dtype lax's collectives accept on CPU.
@@ -73,8 +94,7 @@ def _dtype_of(x) -> np.dtype | None:
 def runnable(x, *_, **__) -> bool:
   """Whether FlexLink can run this bind; replacement mode leaves the others to lax."""
   dtype = _dtype_of(x)
-  return (dtype is not None and dtype in SUPPORTED_DTYPES
-          and not compat.partially_automatic_axes())
+  return dtype is not None and dtype in SUPPORTED_DTYPES
 
 
 def check_dtype(api_name: str, aval, reduction: str | None) -> None:
@@ -91,78 +111,128 @@ def check_dtype(api_name: str, aval, reduction: str | None) -> None:
                     f"{reduction} is not defined for them.")
 
 
-def check_partially_automatic(api_name: str) -> None:
-  auto = compat.partially_automatic_axes()
-  if auto:
-    raise NotImplementedError(
-        f"{api_name}: FlexLink collectives need every mesh axis of size > 1 manual; this shard_map "
-        f"leaves {auto} automatic (axis_names= a subset of the mesh). Use a fully manual "
-        "shard_map, or jax.lax's collective here.")
+class NotLowerable(Exception):
+  """FlexLink cannot run this equation where it is being lowered (the message says why): in
+  replacement mode it runs as lax's collective instead, an explicit call fails with the reason."""
 
 
-def define_primitive(name: str, api_name: Callable[[compat.Primitive], str],
-                     reduction: Callable[[compat.Primitive], str | None],
-                     lowering: Callable, lax_prims) -> compat.Primitive:
-  """Creates a FlexLink primitive standing in for `lax_prims`, with all its rules."""
-  prim = compat.Primitive(name)
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """How one lax collective primitive maps onto the engine.
 
-  def abstract_eval(aval, *, lax_prim, **params):
-    check_dtype(api_name(lax_prim), aval, reduction(lax_prim))
-    out_aval, effects = compat.abstract_eval_of(lax_prim, aval, **params)
-    names = [e.name for e in effects if isinstance(e, compat.NamedAxisEffect)]
-    if not names:
-      # Only positional axes left (vmap reduced its own axis locally): no cross-device call.
-      return out_aval, effects
-    check_partially_automatic(api_name(lax_prim))
-    return out_aval, {*effects, _ordering_effect(names)}
+  `lower(ctx, operands, **params)` emits the custom call(s) for a fully manual region and returns
+  the results; it raises NotLowerable where FlexLink cannot run the call.
+  """
+  lax_prim: compat.Primitive
+  kind: str                                # the engine's collective: all_reduce, all_gather, ...
+  api_name: str                            # lax's function, for messages: psum, all_gather, ...
+  axis_names: Callable[[dict], tuple]      # the bind's axis names, from its parameters
+  reduction: Callable[[dict], str | None]  # what the engine reduces with (None: moves only)
+  lower: Callable
 
-  def impl(*args, **params):
-    # Reached only outside shard_map/pmap, where lax's abstract evaluation rejects the axis name.
-    raise NotImplementedError(f"{name} runs only under jax.shard_map or jax.pmap")
 
-  def transpose(ct, x, *, lax_prim, **params):
+def define(spec: Collective) -> compat.Primitive:
+  """The FlexLink primitive standing in for `spec.lax_prim`, with all its rules, routed from lax."""
+  lax_prim = spec.lax_prim
+  prim = compat.Primitive(lax_prim.name)
+  prim.multiple_results = True
+  prim.flexlink = spec
+
+  def abstract_eval(*avals, flexlink, **params):
+    outs, effects = [], set()
+    for aval in avals:
+      check_dtype(spec.api_name, aval, spec.reduction(params))
+      out, eff = compat.abstract_eval_of(lax_prim, aval, **params)
+      outs.append(out)
+      effects |= set(eff)
+    names = tuple(a for a in spec.axis_names(params) if not isinstance(a, int))
+    if names:
+      effects.add(_ordering_effect(names))
+    return outs, effects
+
+  def impl(*args, flexlink, **params):
+    # Reached when vmap has computed every named axis locally: what remains is lax's to do.
+    return [routing.native_bind(lax_prim)(x, **params) for x in args]
+
+  def batch(axis_data, vals_in, dims_in, *, flexlink, **params):
+    rule = compat.fancy_primitive_batchers[lax_prim]
+    outs, dims = [], []
+    with routing.scope(flexlink):  # what lax's rule binds stays FlexLink's, in the same mode
+      for v, d in zip(vals_in, dims_in):
+        out, dim = rule(axis_data, [v], [d], **params)
+        outs.append(out)
+        dims.append(dim)
+    return outs, dims
+
+  def jvp(primals, tangents, *, flexlink, **params):
+    # Linear for the collectives lax differentiates; lax has no rule for pmax/pmin, and neither has
+    # FlexLink: the same error, never a wrong derivative.
+    if lax_prim not in compat.primitive_jvps:
+      raise NotImplementedError(f"Differentiation rule for '{lax_prim}' not implemented")
+    outs = prim.bind(*primals, flexlink=flexlink, **params)
+    # Zero tangents stay symbolic zeros, as with lax's per-leaf binds (no bytes moved for them).
+    live = [i for i, t in enumerate(tangents) if type(t) is not compat.Zero]
+    tangents_out = [compat.zero_tangent_like(o) for o in outs]
+    if live:
+      for i, t in zip(live, prim.bind(*(tangents[i] for i in live), flexlink=flexlink, **params)):
+        tangents_out[i] = t
+    return outs, tangents_out
+
+  def transpose(cts, *args, flexlink, **params):
     # lax's rule emits the dual collective (psum_scatter for all_gather, ...) through lax's API;
     # routing sends it back to FlexLink.
-    with routing.explicit_scope():
-      return compat.primitive_transposes[lax_prim](ct, x, **params)
-
-  def batch(axis_data, vals_in, dims_in, *, lax_prim, **params):
-    with routing.explicit_scope():
-      return compat.fancy_primitive_batchers[lax_prim](axis_data, vals_in, dims_in, **params)
+    rule = compat.primitive_transposes[lax_prim]
+    out = []
+    with routing.scope(flexlink):
+      for ct, x in zip(cts, args):
+        out.extend(rule(ct, x, **params))
+    return out
 
   prim.def_effectful_abstract_eval(abstract_eval)
   prim.def_impl(impl)
-  def jvp(primals, tangents, *, lax_prim, **params):
-    # Linear for the collectives lax differentiates (psum, all_gather, psum_scatter); lax has no
-    # rule for pmax/pmin, and neither has FlexLink: the same error, never a wrong derivative.
-    if lax_prim not in compat.primitive_jvps:
-      raise NotImplementedError(f"Differentiation rule for '{lax_prim}' not implemented")
-    return compat.linear_jvp(prim, primals, tangents, lax_prim=lax_prim, **params)
-
   compat.primitive_jvps[prim] = jvp
   compat.primitive_transposes[prim] = transpose
   compat.fancy_primitive_batchers[prim] = batch
   # Not cacheable: the rule bakes in device ids from the enclosing mesh, which JAX's lowering cache
   # key does not include (two shard_maps over different meshes would share one lowering).
-  compat.register_lowering(prim, lowering, platform="cpu", cacheable=False)
-  for lax_prim in lax_prims:
-    routing.install(lax_prim, prim, runnable)
+  from jax_flexlink._src import lowering  # noqa: PLC0415 - lowering imports this module
+  compat.register_lowering(prim, lowering.rule(prim, spec, platform="cpu"), platform="cpu",
+                           cacheable=False)
+  # Any other platform (this build has no CUDA module): lax's lowering, or the reason for an
+  # explicit call.
+  compat.register_lowering(prim, lowering.rule(prim, spec, platform=None), cacheable=False)
+  routing.install(lax_prim, prim, spec.axis_names, runnable)
   return prim
 
 
-def emit_custom_call(ctx, target: str, x, *, aval_in=None, alias_input: bool = False, **attrs):
-  """Emits `target(x, token) -> (y, token)` and threads the FlexLink ordering token.
+# Whether the engine takes k operands per custom call (xla_ffi/ffi/handlers.cc); without it, a
+# k-operand equation becomes k chained calls.
+MULTI_OPERAND_CALLS = False
 
-  `aval_in`: x's aval when the rule has already transformed the primitive's operand.
+
+def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, **attrs):
+  """Emits `target(x_1, ..., x_k, token) -> (y_1, ..., y_k, token)` and threads the FlexLink
+  ordering token.
+
+  `aliases`: indices i whose result y_i may reuse x_i's buffer. `avals_in`: the operands' avals when
+  the rule has already transformed them.
   """
   ordering, = (e for e in ctx.tokens_in.effects() if isinstance(e, FlexLinkOrdering))
   token = ctx.tokens_in.get(ordering)
-  call_ctx = ctx.replace(avals_in=[aval_in or ctx.avals_in[0], compat.abstract_token],
-                         avals_out=[*ctx.avals_out, compat.abstract_token])
-  op = compat.build_ffi_lowering_function(
-      target, has_side_effect=True,
-      operand_output_aliases={0: 0} if alias_input else None,
-  )(call_ctx, x, token, **attrs)
-  y, token_out = op.results
-  ctx.set_tokens_out(ctx.tokens_in.update_tokens(compat.TokenSet({ordering: token_out})))
-  return y
+  avals_in = list(avals_in or ctx.avals_in)
+  avals_out = list(ctx.avals_out)
+  calls = ([list(range(len(operands)))] if MULTI_OPERAND_CALLS
+           else [[i] for i in range(len(operands))])
+  results = [None] * len(operands)
+  for members in calls:
+    call_ctx = ctx.replace(avals_in=[*(avals_in[i] for i in members), compat.abstract_token],
+                           avals_out=[*(avals_out[i] for i in members), compat.abstract_token])
+    alias = {j: j for j, i in enumerate(members) if i in aliases}
+    op = compat.build_ffi_lowering_function(
+        target, has_side_effect=True, operand_output_aliases=alias or None,
+    )(call_ctx, *(operands[i] for i in members), token, **attrs)
+    *ys, token = op.results
+    for i, y in zip(members, ys):
+      results[i] = y
+  ctx.set_tokens_out(ctx.tokens_in.update_tokens(compat.TokenSet({ordering: token})))
+  return results

@@ -6,6 +6,10 @@ autodiff semantics). Those rules are not public API, hence this module.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
+from jax._src import ad_util
 from jax._src import config as jax_config
 from jax._src import core
 from jax._src import effects
@@ -17,7 +21,8 @@ from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 from jax._src.lax import parallel as lax_parallel
 from jax._src.lib.mlir import ir
-from jax._src.sharding_impls import SPMDAxisContext
+import numpy as np
+from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 
 psum_p = lax_parallel.psum_p
 psum_invariant_p = lax_parallel.psum_invariant_p
@@ -26,13 +31,17 @@ pmin_p = lax_parallel.pmin_p
 all_gather_p = lax_parallel.all_gather_p
 all_gather_invariant_p = lax_parallel.all_gather_invariant_p
 reduce_scatter_p = lax_parallel.reduce_scatter_p
+ppermute_p = lax_parallel.ppermute_p
+all_to_all_p = lax_parallel.all_to_all_p
 
 Primitive = core.Primitive
 NamedAxisEffect = core.NamedAxisEffect
 ordered_effects = effects.ordered_effects
 abstract_token = core.abstract_token
 primitive_jvps = ad.primitive_jvps
-linear_jvp = ad.linear_jvp
+Zero = ad.Zero
+UndefinedPrimal = ad.UndefinedPrimal
+zero_tangent_like = ad_util.p2tz
 primitive_transposes = ad.primitive_transposes
 fancy_primitive_batchers = batching.fancy_primitive_batchers
 register_lowering = mlir.register_lowering
@@ -57,12 +66,60 @@ def bound_axis_sizes() -> dict:
   return dict(core.get_axis_env().axis_sizes)
 
 
-def partially_automatic_axes() -> tuple:
-  """Mesh axes of size > 1 left automatic by the enclosing shard_map (`axis_names=` a subset)."""
+def manual_axes() -> frozenset:
+  """Axes of the enclosing shard_map/pmap mesh that are manual here (devices behind each name)."""
   mesh = mesh_lib.get_abstract_mesh()
-  if mesh.empty or not mesh._any_axis_manual:
-    return ()
-  return tuple(a for a in mesh.auto_axes if mesh.shape[a] > 1)
+  if mesh.empty:
+    return frozenset()
+  return frozenset(mesh.manual_axes)
+
+
+def check_vma_enabled() -> bool:
+  return bool(jax_config._check_vma.value)
+
+
+def lowering_manual_axes(axis_context) -> tuple[frozenset, tuple]:
+  """(manual axes, axes of size > 1 that are not manual) of the computation being lowered.
+
+  Non-empty second element: a partially manual region (shard_map with `axis_names=` a subset, or a
+  vmap of a shard_map whose vmapped axis is sharded over an Explicit mesh axis): XLA partitions
+  what it holds over those axes automatically, and a FlexLink custom call cannot sit there directly.
+  """
+  mesh = axis_context.mesh
+  manual = frozenset(axis_context.manual_axes)
+  others = tuple(a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1)
+  return manual, others
+
+
+# The device assignment of the computation being lowered (partition i runs on device [i]), taken from
+# the top-level lowering context as shard_map's lowering enters its body: inside, the axis context's
+# mesh may be abstract (a shard_map under jax.set_mesh or nested in another), without devices.
+_lowering_devices = threading.local()
+
+
+@contextlib.contextmanager
+def _entered_devices(axis_context):
+  stack = _lowering_devices.__dict__.setdefault("stack", [])
+  devices = None
+  if isinstance(axis_context, ShardingContext):
+    devices = axis_context.device_assignment
+  elif isinstance(axis_context, SPMDAxisContext) and isinstance(axis_context.mesh, mesh_lib.Mesh):
+    devices = tuple(np.asarray(axis_context.mesh.devices).flat)
+  stack.append(devices if devices is not None else (stack[-1] if stack else None))
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def partition_devices(axis_context):
+  """The devices of the partitions of the computation being lowered, in partition order, or None
+  where they are not known (an abstract mesh with no enclosing device assignment, e.g. jax.export)."""
+  mesh = axis_context.mesh
+  if isinstance(mesh, mesh_lib.Mesh):
+    return tuple(np.asarray(mesh.devices).flat)
+  stack = getattr(_lowering_devices, "stack", None)
+  return stack[-1] if stack else None
 
 
 def outermost_axis_name():
@@ -71,12 +128,15 @@ def outermost_axis_name():
   return names[0] if names else None
 
 
-def wrap_shard_map_lowering(make_tokens_for) -> None:
+def wrap_shard_map_lowering(make_tokens_for, rewrite_body=lambda jaxpr: jaxpr) -> None:
   """Lets shard_map's lowering start token chains for effects that stop at its boundary.
 
-  `make_tokens_for(ctx, jaxpr)` lists the ordered effects of the body for which the body needs a
-  fresh token; they get one, created just outside the manual computation, and their final tokens
-  are dropped on the way out (the enclosing jit never sees them).
+  `make_tokens_for(ctx, jaxpr)` lists the ordered effects of the body whose chains start in the
+  body; they get a token created inside the manual computation, and their final tokens are dropped
+  at its end (the enclosing jit never sees them). Inside, not passed in: a token operand of a
+  partially manual computation (axis_names= a subset of the mesh) aborts shardy's export.
+  `rewrite_body(jaxpr)` may replace the body before it is lowered (FlexLink merges collectives
+  there). While the body is lowered, `partition_devices` knows the computation's devices.
   """
   prim = jax_shard_map.shard_map_p
   entry = mlir._lowerings[prim]
@@ -85,21 +145,48 @@ def wrap_shard_map_lowering(make_tokens_for) -> None:
   native_rule = entry.rule
 
   def rule(ctx, *in_nodes, jaxpr, **params):
-    fresh = make_tokens_for(ctx, jaxpr)
-    if not fresh:
+    jaxpr = rewrite_body(jaxpr)
+    started = make_tokens_for(ctx, jaxpr)
+    if started:
+      jaxpr = _in_token_region(jaxpr, started)
+    with _entered_devices(ctx.module_context.axis_context):
       return native_rule(ctx, *in_nodes, jaxpr=jaxpr, **params)
-    inner = ctx.replace(tokens_in=mlir.TokenSet(
-        {**dict(ctx.tokens_in.items()), **dict(mlir.TokenSet.create(fresh).items())}))
-    out = native_rule(inner, *in_nodes, jaxpr=jaxpr, **params)
-    if inner.tokens_out is not None:
-      ctx.set_tokens_out(mlir.TokenSet(
-          {e: t for e, t in inner.tokens_out.items() if e not in fresh}))
-    return out
 
   rule._flexlink_wrapped = True
   # Not cacheable, so the body is lowered inline in its caller: FlexLink's rules can then see
   # whether an operand is a donated argument of the jitted function (see donated_argument).
   mlir.register_lowering(prim, rule, inline=entry.inline, cacheable=False)
+
+
+# One equation holding a whole shard_map body, whose lowering creates the tokens of the chains that
+# start in the body and lowers the body with them.
+_token_region_p = core.Primitive("flexlink_token_region")
+_token_region_p.multiple_results = True
+_token_region_p.def_effectful_abstract_eval(
+    lambda *avals, jaxpr, started: ([v.aval for v in jaxpr.outvars],
+                                    set(jaxpr.effects) - set(started)))
+
+
+def _token_region_lowering(ctx, *args, jaxpr, started):
+  tokens = mlir.TokenSet({**dict(ctx.tokens_in.items()),
+                          **dict(mlir.TokenSet.create(list(started)).items())})
+  outs, tokens_out = mlir.jaxpr_subcomp(
+      ctx.module_context, jaxpr, ctx.name_stack, tokens, (), *args,
+      dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering, outer_traceback=None)
+  ctx.set_tokens_out(mlir.TokenSet({e: t for e, t in tokens_out.items() if e not in started}))
+  return outs
+
+
+mlir.register_lowering(_token_region_p, _token_region_lowering, cacheable=False)
+
+
+def _in_token_region(jaxpr, started):
+  invars = [core.Var(v.aval) for v in jaxpr.invars]
+  outvars = [core.Var(v.aval) for v in jaxpr.outvars]
+  effects = set(jaxpr.effects) - set(started)
+  eqn = core.new_jaxpr_eqn(invars, outvars, _token_region_p,
+                           {"jaxpr": jaxpr, "started": tuple(started)}, effects)
+  return core.Jaxpr((), invars, outvars, [eqn], effects, jaxpr.debug_info)
 
 
 _DONATION_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
@@ -152,3 +239,31 @@ def spmd_mesh(axis_context):
 def abstract_eval_of(prim: Primitive, aval, **params):
   """(out_aval, effects) from lax's own abstract evaluation rule for `prim`."""
   return prim.abstract_eval(aval, **params)
+
+
+def shard_map(f, **kwargs):
+  import jax  # noqa: PLC0415 - jax's public shard_map; compat is imported while jax initialises too
+  return jax.shard_map(f, **kwargs)
+
+
+def set_frontend_attribute(value, name: str, text: str) -> None:
+  """Sets an XLA frontend attribute on the op that defines `value` (XLA keeps these in the HLO)."""
+  op = value.owner
+  op = getattr(op, "operation", op)
+  attrs = {}
+  if "mhlo.frontend_attributes" in op.attributes:
+    existing = ir.DictAttr(op.attributes["mhlo.frontend_attributes"])
+    attrs = {existing[i].name: existing[i].attr for i in range(len(existing))}
+  attrs[name] = ir.StringAttr.get(text)
+  op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(attrs)
+
+
+def lowering_for_export(ctx) -> bool:
+  """Whether the module being lowered is for jax.export (serialized, run elsewhere)."""
+  return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
+
+
+def native_lowering(prim: Primitive, platform: str):
+  """lax's lowering rule for `prim` on `platform` (platform-specific first, then the default)."""
+  entry = mlir._platform_specific_lowerings[platform].get(prim) or mlir._lowerings.get(prim)
+  return None if entry is None else entry.rule

@@ -10,33 +10,37 @@ from __future__ import annotations
 import numpy as np
 
 from jax_flexlink._src import compat
+from jax_flexlink._src.collective import NotLowerable
 
 
 def device_groups(axis_context, axis_names, axis_index_groups, api_name: str,
                   group_size: int | None = None):
   """Returns (flat device ids of all groups, size of each group) as int64 arrays.
 
-  `group_size`: the size every group must have (gather and scatter layouts depend on it).
+  `group_size`: the size every group must have (gather and scatter layouts depend on it). Raises
+  NotLowerable where the devices behind the partitions are unknown.
   """
-  mesh = compat.spmd_mesh(axis_context)
-  if mesh is None:
-    raise NotImplementedError(
-        f"{api_name}: FlexLink collectives lower only inside jax.shard_map or jax.pmap "
-        f"(got axis context {type(axis_context).__name__}).")
-  devices = getattr(mesh, "devices", None)
+  partitions = partition_groups(axis_context, axis_names, axis_index_groups, api_name)
+  devices = compat.partition_devices(axis_context)
   if devices is None:
-    raise NotImplementedError(
-        f"{api_name}: FlexLink needs a concrete mesh (jax.sharding.Mesh with devices) to know "
-        f"which devices form each group; got an abstract mesh {mesh}.")
-  device_ids = np.array([d.id for d in np.asarray(devices).flat], dtype=np.int64)
-  partition_groups = compat.replica_groups(axis_context, tuple(axis_names), axis_index_groups)
-  _check_partition(partition_groups, len(device_ids), axis_index_groups, api_name)
-  flat = np.concatenate([device_ids[list(g)] for g in partition_groups]).astype(np.int64)
-  sizes = np.array([len(g) for g in partition_groups], dtype=np.int64)
+    raise NotLowerable(
+        "the devices of this computation are not known where it is lowered (an abstract mesh "
+        "with no device assignment, e.g. under jax.export), and FlexLink groups devices by id")
+  device_ids = np.array([d.id for d in devices], dtype=np.int64)
+  flat = np.concatenate([device_ids[list(g)] for g in partitions]).astype(np.int64)
+  sizes = np.array([len(g) for g in partitions], dtype=np.int64)
   if group_size is not None and np.any(sizes != group_size):
     raise ValueError(f"{api_name}: every group must have axis_size={group_size} members, "
                      f"got group sizes {sizes.tolist()}")
   return flat, sizes
+
+
+def partition_groups(axis_context, axis_names, axis_index_groups, api_name: str):
+  """lax's groups of partition indices (into `mesh.devices.flat`), checked to cover the mesh."""
+  mesh_size = int(np.prod(list(axis_context.mesh.shape.values()), dtype=np.int64))
+  groups = compat.replica_groups(axis_context, tuple(axis_names), axis_index_groups)
+  _check_partition(groups, mesh_size, axis_index_groups, api_name)
+  return groups
 
 
 def _check_partition(partition_groups, mesh_size: int, axis_index_groups, api_name: str) -> None:
