@@ -258,6 +258,15 @@ def set_frontend_attribute(value, name: str, text: str) -> None:
   op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(attrs)
 
 
+def vars_of(atoms):
+  """The variables among a jaxpr equation's operands or results (not literals, not dropped)."""
+  return [a for a in atoms if isinstance(a, core.Var) and not isinstance(a, core.DropVar)]
+
+
+def new_eqn(invars, outvars, prim, params, effects, source_info, ctx):
+  return core.new_jaxpr_eqn(invars, outvars, prim, params, effects, source_info, ctx)
+
+
 def lowering_for_export(ctx) -> bool:
   """Whether the module being lowered is for jax.export (serialized, run elsewhere)."""
   return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))

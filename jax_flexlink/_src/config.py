@@ -88,6 +88,7 @@ class EnvConfig:
   tune_cache: str
   autotune_min_bytes: int
   tune_max_bytes: int
+  combine_bytes: int
 
 
 def from_environment() -> EnvConfig:
@@ -101,6 +102,9 @@ def from_environment() -> EnvConfig:
       autotune_min_bytes=_env_bytes("FLEXLINK_AUTOTUNE_MIN_BYTES", 1 << 20),
       # ... profiling sizes up to that call's, at most this.
       tune_max_bytes=_env_bytes("FLEXLINK_TUNE_MAX_BYTES", 16 << 20),
+      # Independent collectives of a shard_map body merge into one call up to this many operand
+      # bytes (0: never merge).
+      combine_bytes=_env_bytes("FLEXLINK_COMBINE_BYTES", 64 << 20),
   )
 
 
