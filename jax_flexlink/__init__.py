@@ -12,10 +12,12 @@ _native.register_targets()
 # importing combine hooks shard_map's lowering (token chains, merged calls).
 from jax_flexlink._src import all_gather as _all_gather  # noqa: E402,F401
 from jax_flexlink._src import all_reduce as _all_reduce  # noqa: E402,F401
+from jax_flexlink._src import all_to_all as _all_to_all  # noqa: E402,F401
 from jax_flexlink._src import combine as _combine  # noqa: E402,F401
+from jax_flexlink._src import ppermute as _ppermute  # noqa: E402,F401
 from jax_flexlink._src import reduce_scatter as _reduce_scatter  # noqa: E402,F401
 from jax_flexlink._src.api import (  # noqa: E402
-    all_gather, pmax, pmean, pmin, psum, psum_scatter)
+    all_gather, all_to_all, pmax, pmean, pmin, ppermute, psum, psum_scatter)
 from jax_flexlink._src.replace import replace_collectives, replacing_collectives  # noqa: E402
 from jax_flexlink._src.runtime import configure, links, reset_stats, stats  # noqa: E402
 from jax_flexlink._src.runtime import load_cached_model as _runtime_load_cached_model  # noqa: E402
@@ -26,7 +28,7 @@ _runtime_load_cached_model()
 __version__ = "0.1.0"
 
 __all__ = [
-    "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter",
+    "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "replace_collectives", "replacing_collectives", "configure", "links", "tune", "stats", "reset_stats",
     "__version__",
 ]

@@ -66,3 +66,19 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
   with routing.explicit_scope():
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                             axis_index_groups=axis_index_groups, tiled=tiled)
+
+
+def ppermute(x, axis_name, perm):
+  """`jax.lax.ppermute` over FlexLink: rank `d` receives rank `s`'s `x` for each `(s, d)` in `perm`
+  (ranks that receive nothing get zeros)."""
+  _check_axis_names(axis_name, "ppermute")
+  with routing.explicit_scope():
+    return lax.ppermute(x, axis_name, perm)
+
+
+def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
+  """`jax.lax.all_to_all` over FlexLink."""
+  _check_axis_names(axis_name, "all_to_all")
+  with routing.explicit_scope():
+    return lax.all_to_all(x, axis_name, split_axis, concat_axis,
+                          axis_index_groups=axis_index_groups, tiled=tiled)

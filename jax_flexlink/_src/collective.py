@@ -210,17 +210,18 @@ def define(spec: Collective) -> compat.Primitive:
 MULTI_OPERAND_CALLS = False
 
 
-def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, **attrs):
+def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, avals_out=None,
+                     **attrs):
   """Emits `target(x_1, ..., x_k, token) -> (y_1, ..., y_k, token)` and threads the FlexLink
   ordering token.
 
-  `aliases`: indices i whose result y_i may reuse x_i's buffer. `avals_in`: the operands' avals when
-  the rule has already transformed them.
+  `aliases`: indices i whose result y_i may reuse x_i's buffer. `avals_in` / `avals_out`: the
+  operands' and results' avals when the rule transforms them around the call.
   """
   ordering, = (e for e in ctx.tokens_in.effects() if isinstance(e, FlexLinkOrdering))
   token = ctx.tokens_in.get(ordering)
   avals_in = list(avals_in or ctx.avals_in)
-  avals_out = list(ctx.avals_out)
+  avals_out = list(avals_out or ctx.avals_out)
   calls = ([list(range(len(operands)))] if MULTI_OPERAND_CALLS
            else [[i] for i in range(len(operands))])
   results = [None] * len(operands)

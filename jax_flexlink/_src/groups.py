@@ -15,23 +15,30 @@ from jax_flexlink._src.collective import NotLowerable
 
 def device_groups(axis_context, axis_names, axis_index_groups, api_name: str,
                   group_size: int | None = None):
-  """Returns (flat device ids of all groups, size of each group) as int64 arrays.
+  """Returns (flat device ids of all groups, size of each group) as int64 arrays, lax's groups in
+  lax's rank order.
 
   `group_size`: the size every group must have (gather and scatter layouts depend on it). Raises
   NotLowerable where the devices behind the partitions are unknown.
   """
   partitions = partition_groups(axis_context, axis_names, axis_index_groups, api_name)
+  flat, sizes = to_device_ids(axis_context, partitions)
+  if group_size is not None and np.any(sizes != group_size):
+    raise ValueError(f"{api_name}: every group must have axis_size={group_size} members, "
+                     f"got group sizes {sizes.tolist()}")
+  return flat, sizes
+
+
+def to_device_ids(axis_context, partitions):
+  """Groups of partition indices -> (flat device ids, group sizes) as int64 arrays."""
   devices = compat.partition_devices(axis_context)
   if devices is None:
     raise NotLowerable(
         "the devices of this computation are not known where it is lowered (an abstract mesh "
-        "with no device assignment, e.g. under jax.export), and FlexLink groups devices by id")
+        "with no device assignment), and FlexLink groups devices by id")
   device_ids = np.array([d.id for d in devices], dtype=np.int64)
   flat = np.concatenate([device_ids[list(g)] for g in partitions]).astype(np.int64)
   sizes = np.array([len(g) for g in partitions], dtype=np.int64)
-  if group_size is not None and np.any(sizes != group_size):
-    raise ValueError(f"{api_name}: every group must have axis_size={group_size} members, "
-                     f"got group sizes {sizes.tolist()}")
   return flat, sizes
 
 

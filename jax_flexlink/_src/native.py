@@ -20,12 +20,20 @@ from jax_flexlink._src.config import ENV
 ALL_REDUCE = "flexlink_all_reduce"
 ALL_GATHER = "flexlink_all_gather"
 REDUCE_SCATTER = "flexlink_reduce_scatter"
+PPERMUTE = "flexlink_ppermute"
+ALL_TO_ALL = "flexlink_all_to_all"
+TARGETS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, PPERMUTE, ALL_TO_ALL)
 
 _registered = False
+_targets: set = set()
 
 
 def tune_cache_path() -> str:
   return _flexlink.tune_cache_path(ENV.tune_cache, os.environ.get("HOME", ""))
+
+
+def registered(target: str) -> bool:
+  return target in _targets
 
 
 def register_targets() -> None:
@@ -39,6 +47,7 @@ def register_targets() -> None:
                       "rebuild it (pip install .)")
   for name, capsule in targets.items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    _targets.add(name)
   _flexlink.set_timeout(ENV.timeout_s)
   _flexlink.set_debug_level(ENV.debug_level)
   _flexlink.set_autotune_min_bytes(ENV.autotune_min_bytes)

@@ -1,0 +1,72 @@
+"""AllToAll: the FlexLink primitive behind all_to_all (mixture-of-experts dispatch, pswapaxes).
+
+The engine exchanges blocks along one axis: with the operand viewed as [outer, n, inner] about
+`axis`, rank r's block j comes from rank j's block r. lax's all_to_all splits `split_axis` into n
+chunks and stacks the chunks it receives along `concat_axis`; the lowering maps that onto the
+engine's layout: split_axis's dimension n*s becomes (n, s), the n moves to just before concat_axis
+(a transpose, only when the two axes differ), the engine exchanges along it, and n merges with
+concat_axis's dimension (a reshape, rank-major as lax stacks).
+"""
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+
+from jax_flexlink._src import collective
+from jax_flexlink._src import compat
+from jax_flexlink._src import native
+from jax_flexlink._src.all_gather import axis_names
+from jax_flexlink._src.groups import device_groups
+
+
+def engine_layout(shape, split_axis: int, concat_axis: int, n: int):
+  """(shape the engine exchanges, position of its n-axis, permutation from the split shape).
+
+  The split shape is `shape` with split_axis's dimension written as (n, s); the permutation takes
+  it to the engine's shape, where n sits right before concat_axis's dimension."""
+  s = shape[split_axis] // n
+  split = [*shape[:split_axis], n, s, *shape[split_axis + 1:]]
+  # concat_axis's dimension in the split shape (the s half when the two axes coincide)
+  concat = concat_axis + (concat_axis >= split_axis)
+  order = [i for i in range(len(split)) if i != split_axis]
+  axis = order.index(concat)
+  order.insert(axis, split_axis)
+  return [split[i] for i in order], axis, order, split
+
+
+def _lower(ctx, operands, *, axis_name, split_axis, concat_axis, axis_index_groups, tiled):
+  if not native.registered(native.ALL_TO_ALL):
+    raise collective.NotLowerable("this build of jax_flexlink's engine has no all_to_all (rebuild it)")
+  del tiled  # lax's all_to_all reshapes the untiled form before it binds
+  names = axis_names({"axis_name": axis_name})
+  groups, sizes = device_groups(ctx.module_context.axis_context, names, axis_index_groups,
+                                "all_to_all")
+  n = int(sizes[0])
+  if np.any(sizes != n):
+    raise ValueError("Replica groups must be equally sized")
+  prepared, prepared_avals, axis = [], [], 0
+  for x, aval in zip(operands, ctx.avals_in):
+    shape, axis, order, split = engine_layout(aval.shape, split_axis, concat_axis, n)
+    prepared_aval = aval.update(shape=tuple(shape))
+    to_engine = compat.lower_fun(
+        lambda v, split=split, order=order: lax.transpose(lax.reshape(v, split), order),
+        multiple_results=False)
+    y, = to_engine(ctx.replace(primitive=None, avals_in=[aval], avals_out=[prepared_aval]), x)
+    prepared.append(y)
+    prepared_avals.append(prepared_aval)
+  exchanged = collective.emit_custom_call(
+      ctx, native.ALL_TO_ALL, prepared, avals_in=prepared_avals, avals_out=prepared_avals, groups=groups, group_sizes=sizes, axis=np.int64(axis),
+      label=f"all_to_all over axes {names}")
+  outs = []
+  for y, prepared_aval, aval_out in zip(exchanged, prepared_avals, ctx.avals_out):
+    from_engine = compat.lower_fun(lambda v, shape=aval_out.shape: lax.reshape(v, shape),
+                                   multiple_results=False)
+    out, = from_engine(ctx.replace(primitive=None, avals_in=[prepared_aval],
+                                   avals_out=[aval_out]), y)
+    outs.append(out)
+  return outs
+
+
+all_to_all_p = collective.define(collective.Collective(
+    lax_prim=compat.all_to_all_p, kind="all_to_all", api_name="all_to_all", axis_names=axis_names,
+    reduction=lambda params: None, lower=_lower))
