@@ -84,21 +84,8 @@ SUPPORTED_DTYPES = frozenset(np.dtype(d) for d in (
     "uint16", "uint32", "uint64", "bool", "complex64", "complex128"))
 
 
-def _dtype_of(x) -> np.dtype | None:
-  dtype = getattr(getattr(x, "aval", None), "dtype", None)
-  if dtype is None:
-    dtype = getattr(x, "dtype", None)
-  return None if dtype is None else np.dtype(dtype)
-
-
-def runnable(x, *_, **__) -> bool:
-  """Whether FlexLink can run this bind; replacement mode leaves the others to lax."""
-  dtype = _dtype_of(x)
-  return dtype is not None and dtype in SUPPORTED_DTYPES
-
-
 def check_dtype(api_name: str, aval, reduction: str | None) -> None:
-  """Trace-time dtype errors, in lax's words where lax has them."""
+  """Trace-time dtype errors of the explicit API, in lax's words where lax has them."""
   dtype = np.dtype(aval.dtype)
   if dtype not in SUPPORTED_DTYPES:
     accepted = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
@@ -109,6 +96,16 @@ def check_dtype(api_name: str, aval, reduction: str | None) -> None:
   if reduction in ("max", "min") and np.issubdtype(dtype, np.complexfloating):
     raise TypeError(f"{api_name} does not accept dtype {dtype}: complex numbers have no order, so "
                     f"{reduction} is not defined for them.")
+
+
+def unsupported_dtype(aval, reduction: str | None) -> str | None:
+  """Why the engine cannot run this operand (replacement mode leaves it to lax), or None."""
+  dtype = np.dtype(aval.dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    return f"FlexLink's engine does not move {dtype}"
+  if reduction in ("max", "min") and np.issubdtype(dtype, np.complexfloating):
+    return f"FlexLink does not {reduction}-reduce {dtype}"
+  return None
 
 
 class NotLowerable(Exception):
@@ -141,7 +138,8 @@ def define(spec: Collective) -> compat.Primitive:
   def abstract_eval(*avals, flexlink, **params):
     outs, effects = [], set()
     for aval in avals:
-      check_dtype(spec.api_name, aval, spec.reduction(params))
+      if flexlink == routing.EXPLICIT:  # replacement: lax's typing alone (dtypes: lowering.py)
+        check_dtype(spec.api_name, aval, spec.reduction(params))
       out, eff = compat.abstract_eval_of(lax_prim, aval, **params)
       outs.append(out)
       effects |= set(eff)
@@ -201,7 +199,7 @@ def define(spec: Collective) -> compat.Primitive:
   # Any other platform (this build has no CUDA module): lax's lowering, or the reason for an
   # explicit call.
   compat.register_lowering(prim, lowering.rule(prim, spec, platform=None), cacheable=False)
-  routing.install(lax_prim, prim, spec.axis_names, runnable)
+  routing.install(lax_prim, prim, spec.axis_names)
   return prim
 
 

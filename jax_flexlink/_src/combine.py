@@ -25,7 +25,9 @@ from jax_flexlink._src.config import ENV
 
 def _key(eqn):
   """What equations must share to merge, or None for an equation that never merges."""
-  if getattr(eqn.primitive, "flexlink", None) is None:
+  spec = getattr(eqn.primitive, "flexlink", None)
+  if spec is None or any(collective.unsupported_dtype(v.aval, spec.reduction(eqn.params))
+                         for v in eqn.invars):
     return None
   try:
     params = tuple(sorted(eqn.params.items()))

@@ -52,6 +52,10 @@ def _lower(ctx, operands, prim, spec, flexlink, params):
   if compat.spmd_mesh(axis_context) is None:
     raise NotLowerable("FlexLink collectives lower only inside jax.shard_map or jax.pmap "
                        f"(got axis context {type(axis_context).__name__})")
+  for aval in ctx.avals_in:
+    problem = collective.unsupported_dtype(aval, spec.reduction(params))
+    if problem:
+      raise NotLowerable(problem)
   _, others = compat.lowering_manual_axes(axis_context)
   if others:
     return _lower_in_manual_region(ctx, operands, prim, flexlink, params, others)

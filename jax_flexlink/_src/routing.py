@@ -65,13 +65,12 @@ def device_axes(axis_names) -> tuple:
   return tuple(a for a in axis_names if not isinstance(a, int) and a in manual)
 
 
-def install(lax_prim, flexlink_prim, axis_names_of, supports) -> None:
+def install(lax_prim, flexlink_prim, axis_names_of) -> None:
   """Redirects `lax_prim.bind` to `flexlink_prim` while routing is on.
 
-  `axis_names_of(params)`: the bind's axis names. `supports(*args, **params)`: whether FlexLink can
-  run this bind; in replacement mode an unsupported one (say, a float8 psum) keeps lax's primitive,
-  while an explicit FlexLink call goes on to FlexLink's abstract evaluation, which raises the
-  trace-time error.
+  `axis_names_of(params)`: the bind's axis names. What FlexLink cannot run (say, a float8 psum) is
+  decided where the equation is lowered: an explicit call fails at trace time already, replacement
+  mode lowers it as lax would and marks it with the reason (lowering.py).
   """
   if lax_prim in _native_binds:
     return
@@ -80,8 +79,7 @@ def install(lax_prim, flexlink_prim, axis_names_of, supports) -> None:
 
   def bind(*args, **params):
     mode = current_mode()
-    if (mode is not None and device_axes(axis_names_of(params))
-        and (mode == EXPLICIT or supports(*args, **params))):
+    if mode is not None and device_axes(axis_names_of(params)):
       out, = flexlink_prim.bind(*args, flexlink=mode, **params)  # one operand, one result
       return out
     return native(*args, **params)
