@@ -316,3 +316,160 @@ def test_stats_count_calls_and_reset(mesh1d):
     assert set(s) >= set(fl.stats()) | {"plans", "offload_fraction"}
     flx.reset_stats()
     assert all(link["calls"] == 0 for link in flx.stats()["links"].values())
+
+
+# ---- k-operand calls, on every link set ---------------------------------------------------------
+
+_AUTOTUNE_DEFAULT = fl.autotune_min_bytes()
+# Link sets an engine_run call can run on; "shm;tcp" splits every call 60/40 (pinned shares).
+LINK_SETS = ["shm", "tcp", "emulated:e@gbps=2", "shm;tcp"]
+
+
+@pytest.fixture(params=LINK_SETS)
+def links(request):
+    flx.configure(links=request.param, autotune_min_bytes=0)
+    yield request.param
+    flx.configure(links="shm", autotune_min_bytes=_AUTOTUNE_DEFAULT)
+
+
+def _bucket(nbytes):
+    return 1 << (int(nbytes).bit_length() - 1)
+
+
+def pin_split(links, kind, message_bytes):
+    """With two links, pins this call's bucket to 60/40 so the ranges cut through the parts."""
+    if ";" in links:
+        fl.set_shares(kind, _bucket(message_bytes), [0.6, 0.4], pinned=True)
+
+
+def message_bytes(kind, xs_of_rank):
+    total = sum(x.nbytes for x in xs_of_rank)
+    return total * (N if kind == "all_gather" else 1)
+
+
+# 13 gradient-like leaves: float32 matrices, bfloat16 vectors, an int32 counter, ...; some far above
+# the staging size (16 KiB per rank), most below.
+LEAVES = [("float32", (64, 33)), ("bfloat16", (7,)), ("int32", ()), ("float16", (5, 3)),
+          ("float64", (1000,)), ("uint8", (17,)), ("float32", (70001,)), ("complex64", (9,)),
+          ("int64", (2, 2)), ("bfloat16", (40003,)), ("float32", (1,)), ("uint16", (129,)),
+          ("int8", (31,))]
+
+
+def leaves(seed, specs=LEAVES):
+    return {d: [make_data(dt, shape, seed=seed + 13 * d + i) for i, (dt, shape) in enumerate(specs)]
+            for d in range(N)}
+
+
+def separate_calls(kind, op, xs, make_out, axis=0):
+    """Each operand in a call of its own: what a k-operand call must equal bitwise."""
+    k = len(xs[0])
+    want = {d: [None] * k for d in range(N)}
+    for i in range(k):
+        outs = {d: make_out(xs[d][i]) for d in range(N)}
+        errors = run_ranks(kind, op, range(N), [N], {d: xs[d][i] for d in range(N)}, outs, axis=axis)
+        assert not errors, errors
+        for d in range(N):
+            want[d][i] = outs[d]
+    return want
+
+
+def test_multi_operand_all_reduce_equals_separate_calls(links):
+    xs = leaves(500)
+    pin_split(links, "all_reduce", message_bytes("all_reduce", xs[0]))
+    outs = {d: [np.empty_like(x) for x in xs[d]] for d in range(N)}
+    fl.reset_stats()
+    errors = run_ranks("all_reduce", "sum", range(N), [N], xs, outs)
+    assert not errors, errors
+    if ";" in links:  # the split ran: both links carried bytes of this one call
+        stats = fl.stats()["links"]
+        assert stats["shm"]["calls"] == 1 and stats["tcp"]["calls"] == 1, stats
+        assert stats["shm"]["bytes"] + stats["tcp"]["bytes"] == sum(x.nbytes for x in xs[0]), stats
+    want = separate_calls("all_reduce", "sum", xs, np.empty_like)
+    for d in range(N):
+        for i, (got, ref) in enumerate(zip(outs[d], want[d])):
+            assert got.dtype == ref.dtype and got.tobytes() == ref.tobytes(), f"device {d} operand {i}"
+    # Integers against numpy (integer sums wrap there too).
+    for i, (dt, _) in enumerate(LEAVES):
+        if np.issubdtype(np.dtype(dt), np.integer):
+            expected = np.sum([xs[d][i] for d in range(N)], axis=0, dtype=dt)
+            assert np.array_equal(outs[0][i], expected), f"operand {i}"
+
+
+def test_multi_operand_in_place_subset(links):
+    """Results 0, 3 and 9 alias their operands (output_operand_aliases of a subset)."""
+    xs = leaves(520, [(dt if dt != "complex64" else "float64", s) for dt, s in LEAVES])
+    pin_split(links, "all_reduce", message_bytes("all_reduce", xs[0]))
+    want = separate_calls("all_reduce", "max", {d: [x.copy() for x in xs[d]] for d in range(N)},
+                          np.empty_like)
+    bufs = {d: [x.copy() for x in xs[d]] for d in range(N)}
+    outs = {d: [b if i in (0, 3, 9) else np.empty_like(b) for i, b in enumerate(bufs[d])]
+            for d in range(N)}
+    errors = run_ranks("all_reduce", "max", range(N), [N], bufs, outs)
+    assert not errors, errors
+    for d in range(N):
+        for i in range(len(LEAVES)):
+            assert outs[d][i].tobytes() == want[d][i].tobytes(), f"device {d} operand {i}"
+        assert outs[d][3] is bufs[d][3]
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_multi_operand_gather_and_scatter(links, axis):
+    specs = [("float32", (3, 37)), ("bfloat16", (1, 5)), ("int32", (4, 20001)), ("uint8", (2, 1)),
+             ("float16", (1000, 3))]
+    xs = leaves(540, specs)
+    pin_split(links, "all_gather", message_bytes("all_gather", xs[0]))
+
+    def gathered(x):
+        shape = list(x.shape)
+        shape[axis] *= N
+        return np.empty(shape, x.dtype)
+
+    outs = {d: [gathered(x) for x in xs[d]] for d in range(N)}
+    assert not run_ranks("all_gather", "sum", range(N), [N], xs, outs, axis=axis)
+    for i in range(len(specs)):
+        want = np.concatenate([xs[d][i] for d in range(N)], axis=axis)
+        for d in range(N):
+            assert outs[d][i].tobytes() == want.tobytes(), f"all_gather device {d} operand {i}"
+    # reduce_scatter of the gathered arrays back: rank r gets the sum of block r.
+    ins = {d: [np.ascontiguousarray(o) for o in outs[d]] for d in range(N)}
+    pin_split(links, "reduce_scatter", message_bytes("reduce_scatter", ins[0]))
+    scattered = {d: [np.empty_like(x) for x in xs[d]] for d in range(N)}
+    assert not run_ranks("reduce_scatter", "sum", range(N), [N], ins, scattered, axis=axis)
+    want = separate_calls("reduce_scatter", "sum", ins,
+                          lambda x: np.empty(x.shape[:axis] + (x.shape[axis] // N,) + x.shape[axis + 1:], x.dtype),
+                          axis=axis)
+    for d in range(N):
+        for i in range(len(specs)):
+            assert scattered[d][i].tobytes() == want[d][i].tobytes(), f"reduce_scatter device {d} operand {i}"
+
+
+def test_multi_operand_mismatched_count_fails_every_rank():
+    xs = {d: [np.ones(10, np.float32), np.ones(3, np.int32)] for d in range(N)}
+    xs[5] = xs[5][:1]
+    outs = {d: [np.empty_like(x) for x in xs[d]] for d in range(N)}
+    errors = run_ranks("all_reduce", "sum", range(N), [N], xs, outs)
+    assert sorted(errors) == list(range(N)), errors
+    for e in errors.values():
+        assert "disagree" in str(e) and "rank 5" in str(e) and "of 2 operands" in str(e), str(e)
+
+
+def test_multi_operand_counts_once_in_stats():
+    xs = leaves(560)
+    outs = {d: [np.empty_like(x) for x in xs[d]] for d in range(N)}
+    fl.reset_stats()
+    assert not run_ranks("all_reduce", "sum", range(N), [N], xs, outs)
+    shm = fl.stats()["links"]["shm"]
+    assert shm["calls"] == 1, shm
+    assert shm["bytes"] == sum(x.nbytes for x in xs[0]), shm
+
+
+def test_engine_run_operand_lists_must_match():
+    with pytest.raises(ValueError, match="same non-zero length"):
+        fl.engine_run("all_reduce", "sum", [0], [1], 0, next(_run_ids), [np.ones(3)], [])
+    with pytest.raises(ValueError, match="same non-zero length"):
+        fl.engine_run("all_reduce", "sum", [0], [1], 0, next(_run_ids), [np.ones(3)],
+                      [np.ones(3), np.ones(3)])
+    # A list of one is the same call as the bare arrays.
+    x, out = np.arange(4.0), np.empty(4)
+    fl.engine_run("all_reduce", "sum", [0], [1], 0, next(_run_ids), (x,), [out])
+    assert np.array_equal(out, x)

@@ -46,10 +46,12 @@ int main(int argc, char** argv) {
             a.run_id = run;
             a.request.kind = kind;
             a.request.reduction = "sum";
-            a.request.in_dims = in_dims;
-            a.request.out_dims = out_dims;
-            a.request.in = x[d].data();
-            a.request.out = in_place ? x[d].data() : y[d].data();
+            OperandRequest op;
+            op.in_dims = in_dims;
+            op.out_dims = out_dims;
+            op.in = x[d].data();
+            op.out = in_place ? x[d].data() : y[d].data();
+            a.request.operands = {&op, 1};
             for (int w = 0; w < 3; ++w) (void)RunCollective(a);  // warm-up
             const auto t0 = std::chrono::steady_clock::now();
             for (int i = 0; i < iters; ++i) {

@@ -22,6 +22,8 @@
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/link_set.h"
 #include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/reduce.h"
 #include "xla_ffi/links/shm.h"
@@ -67,7 +69,7 @@ std::vector<std::vector<uint8_t>> RunSpec(const Spec& s, const std::vector<std::
     flat.insert(flat.end(), g.begin(), g.end());
     sizes.push_back(static_cast<int64_t>(g.size()));
   }
-  const size_t devices = flat.size();
+  const size_t devices = static_cast<size_t>(*std::max_element(flat.begin(), flat.end())) + 1;
   std::vector<std::vector<uint8_t>> outs(devices);
   std::vector<std::vector<uint8_t>> ins = inputs;
   statuses->assign(devices, Status());
@@ -88,12 +90,14 @@ std::vector<std::vector<uint8_t>> RunSpec(const Spec& s, const std::vector<std::
         a.label = "engine_test";
         a.request.kind = s.kind;
         a.request.reduction = Name(s.op);
-        a.request.in_dtype = a.request.out_dtype = s.dtype;
-        a.request.in_dims = s.in_dims;
-        a.request.out_dims = out_dims;
         a.request.axis = s.axis;
-        a.request.in = ins[dev].data();
-        a.request.out = s.in_place ? ins[dev].data() : outs[dev].data();
+        OperandRequest x;
+        x.in_dtype = x.out_dtype = s.dtype;
+        x.in_dims = s.in_dims;
+        x.out_dims = out_dims;
+        x.in = ins[dev].data();
+        x.out = s.in_place ? ins[dev].data() : outs[dev].data();
+        a.request.operands = {&x, 1};
         (*statuses)[dev] = RunCollective(a);
       });
     }
@@ -181,10 +185,12 @@ Status AllReduceF32(std::span<const int64_t> group, int64_t device, int64_t run,
   a.run_id = run;
   a.label = label;
   a.request.reduction = "sum";
-  a.request.in_dims = dims;
-  a.request.out_dims = odims;
-  a.request.in = x.data();
-  a.request.out = y.data();
+  OperandRequest op;
+  op.in_dims = dims;
+  op.out_dims = odims;
+  op.in = x.data();
+  op.out = y.data();
+  a.request.operands = {&op, 1};
   return RunCollective(a);
 }
 
@@ -351,18 +357,20 @@ void TestValidation() {
   a.groups = ids;
   a.group_sizes = sizes;
   a.request.reduction = "sum";
-  a.request.in_dims = a.request.out_dims = dims;
-  a.request.in = x.data();
-  a.request.out = y.data();
+  OperandRequest op;
+  op.in_dims = op.out_dims = dims;
+  op.in = x.data();
+  op.out = y.data();
+  a.request.operands = {&op, 1};
   s = RunCollective(a);
   Expect(!s.ok() && s.message().find("add up to 4") != std::string::npos, "bad group sizes: " + s.message());
   sizes = {3};
   a.group_sizes = sizes;  // the vector was reassigned: refresh the view
-  a.request.in_dtype = a.request.out_dtype = DType::kC64;
+  op.in_dtype = op.out_dtype = DType::kC64;
   a.request.reduction = "max";
   s = RunCollective(a);
   Expect(!s.ok() && s.message().find("complex") != std::string::npos, "complex max: " + s.message());
-  a.request.in_dtype = a.request.out_dtype = DType::kF32;
+  op.in_dtype = op.out_dtype = DType::kF32;
   a.request.reduction = "mean";
   s = RunCollective(a);
   Expect(!s.ok() && s.message().find("unknown reduction 'mean'") != std::string::npos,
@@ -370,13 +378,13 @@ void TestValidation() {
   a.request.reduction = "sum";
   a.request.kind = Kind::kReduceScatter;
   std::vector<int64_t> odims = {3};
-  a.request.out_dims = odims;
+  op.out_dims = odims;
   s = RunCollective(a);
   Expect(!s.ok() && s.message().find("split evenly") != std::string::npos, "bad scatter: " + s.message());
   // Zero-size: returns at once with no rendezvous even though the other ranks never come.
   std::vector<int64_t> zero = {0, 4};
   a.request.kind = Kind::kAllReduce;
-  a.request.in_dims = a.request.out_dims = zero;
+  op.in_dims = op.out_dims = zero;
   s = RunCollective(a);
   Expect(s.ok(), "zero-size call returns at once: " + s.message());
 }
@@ -436,18 +444,22 @@ void TestRanges() {
     auto st = OnThreads(n, [&](int d) {
       CallDesc desc;
       desc.kind = kind;
-      desc.dtype = DType::kF32;
-      desc.in = in[d].data();
-      desc.out = out[d].data();
-      desc.units = kind == Kind::kReduceScatter ? out_count : count;
-      desc.outer = kind == Kind::kAllReduce ? 1 : static_cast<size_t>(outer);
-      desc.inner = desc.units / desc.outer;
+      Part p;
+      p.dtype = DType::kF32;
+      p.in = in[d].data();
+      p.out = out[d].data();
+      p.units = kind == Kind::kReduceScatter ? out_count : count;
+      p.outer = kind == Kind::kAllReduce ? 1 : static_cast<size_t>(outer);
+      p.inner = p.units / p.outer;
+      desc.AddPart(p);
       auto call = comm.Join(d, run, "ranges");
       FLEXLINK_RETURN_IF_ERROR(call->Arrive(d, desc, "shm"));
-      const size_t u = desc.units;
+      const size_t u = p.units;
       const size_t cuts[] = {0, 13, 13, u / 3 + 5, u - 1, u};  // includes an empty range
-      for (size_t c = 0; c + 1 < std::size(cuts); ++c)
-        FLEXLINK_RETURN_IF_ERROR(comm.channel(0).Run(*call, d, 0, UnitRange{cuts[c], cuts[c + 1]}));
+      for (size_t c = 0; c + 1 < std::size(cuts); ++c) {
+        const Piece piece{0, UnitRange{cuts[c], cuts[c + 1]}};
+        FLEXLINK_RETURN_IF_ERROR(comm.channel(0).Run(*call, d, 0, {&piece, 1}));
+      }
       return Status();
     });
     bool ok = true;
@@ -707,18 +719,21 @@ void TestArriveHelpsFault() {
     std::shared_ptr<CallContext> call = comm.Join(0, run, "arrive-helps");
     Expect(comm.Join(1, run, "arrive-helps") == call, "both ranks join the same call");
     CallDesc desc;
-    desc.units = 4;
     float in[4] = {}, out0[4] = {};
-    desc.in = in;
-    desc.out = out0;
+    Part part;
+    part.units = part.inner = 4;
+    part.in = in;
+    part.out = out0;
+    desc.AddPart(part);
     Status waiter;
     std::thread rank0([&] { waiter = call->Arrive(0, desc, "shm"); });
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0 is waiting by now
-    call->PublishOutput(1, m, bytes, /*aliases_input=*/false);
+    const OutputRegion late_output{m, bytes, /*aliases_input=*/false};
+    call->PublishOutputs(1, {&late_output, 1});
     Status late;
     if (arrives) late = call->Arrive(1, desc, "shm");
     rank0.join();
-    call->WithdrawOutput(1);  // waits for blocks still being faulted
+    call->WithdrawOutputs(1);  // waits for blocks still being faulted
     const size_t resident = ResidentPages(static_cast<char*>(m), bytes);
     SetTimeoutSeconds(saved_timeout);
     const size_t by0 = call->output_faults().blocks_faulted(0);
@@ -758,6 +773,350 @@ void TestLarge() {
   CheckSpec(gather);
 }
 
+// ---- k-operand calls: one rendezvous, one plan over the total bytes, results of k separate calls.
+
+struct Operand {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> in_dims;
+  bool in_place = false;
+};
+
+struct MultiSpec {
+  Kind kind = Kind::kAllReduce;
+  ReduceOp op = ReduceOp::kSum;
+  std::vector<int64_t> group = {0, 1, 2, 3, 4, 5, 6, 7};
+  int64_t axis = 0;
+  std::vector<Operand> operands;
+  std::string what;  // names the case in failures
+};
+
+// What the engine is asked to write for one operand: all_gather's output is flat (only its size is
+// checked), reduce_scatter's has dimension `axis` divided by n.
+std::vector<int64_t> OutDims(Kind kind, const std::vector<int64_t>& in, int64_t axis, int64_t n) {
+  if (kind == Kind::kAllGather) return {static_cast<int64_t>(Prod(in)) * n};
+  std::vector<int64_t> out = in;
+  if (kind == Kind::kReduceScatter) out[axis] /= n;
+  return out;
+}
+
+// The single-operand spec of operand i (for the reference and the separate calls).
+Spec OperandSpec(const MultiSpec& m, size_t i) {
+  Spec s;
+  s.kind = m.kind;
+  s.op = m.op;
+  s.dtype = m.operands[i].dtype;
+  s.groups = {m.group};
+  s.in_dims = m.operands[i].in_dims;
+  s.axis = m.axis;
+  s.in_place = m.operands[i].in_place;
+  s.with_nan = m.op == ReduceOp::kMax || m.op == ReduceOp::kMin;
+  return s;
+}
+
+// inputs[i][device]: operand i's input on `device` (device ids 0..7).
+using Inputs = std::vector<std::vector<std::vector<uint8_t>>>;
+
+Inputs MultiInputs(const MultiSpec& m, uint32_t seed) {
+  Inputs in(m.operands.size(), std::vector<std::vector<uint8_t>>(8));
+  for (size_t i = 0; i < m.operands.size(); ++i)
+    for (int64_t d : m.group)
+      in[i][d] = RandomData(m.operands[i].dtype, Prod(m.operands[i].in_dims),
+                            static_cast<uint32_t>(seed + 131 * i + 7919 * d), OperandSpec(m, i).with_nan);
+  return in;
+}
+
+// One call of all operands, a thread per device; returns outs[i][device] and every device's status.
+Inputs RunMulti(const MultiSpec& m, const Inputs& inputs, std::vector<Status>* st, int64_t run_id,
+                const std::vector<size_t>* operand_count = nullptr) {
+  const int64_t n = static_cast<int64_t>(m.group.size());
+  const std::vector<int64_t> sizes = {n};
+  const size_t k = m.operands.size();
+  Inputs ins = inputs, outs(k, std::vector<std::vector<uint8_t>>(8));
+  std::vector<std::vector<std::vector<int64_t>>> out_dims(8, std::vector<std::vector<int64_t>>(k));
+  for (size_t i = 0; i < k; ++i)
+    for (int64_t d : m.group) {
+      out_dims[d][i] = OutDims(m.kind, m.operands[i].in_dims, m.axis, n);
+      outs[i][d].assign(Prod(out_dims[d][i]) * ByteWidth(m.operands[i].dtype), 0xAB);
+    }
+  st->assign(8, Status());
+  std::vector<std::thread> threads;
+  for (int64_t dev : m.group)
+    threads.emplace_back([&, dev] {
+      std::vector<OperandRequest> ops(k);
+      for (size_t i = 0; i < k; ++i) {
+        const Operand& o = m.operands[i];
+        ops[i].in_dtype = ops[i].out_dtype = o.dtype;
+        ops[i].in_dims = o.in_dims;
+        ops[i].out_dims = out_dims[dev][i];
+        ops[i].in = ins[i][dev].data();
+        ops[i].out = o.in_place ? ins[i][dev].data() : outs[i][dev].data();
+      }
+      CollectiveArgs a;
+      a.groups = m.group;
+      a.group_sizes = sizes;
+      a.device = dev;
+      a.run_id = run_id;
+      a.label = "engine_test";
+      a.request.kind = m.kind;
+      a.request.reduction = Name(m.op);
+      a.request.axis = m.axis;
+      const size_t mine = operand_count ? (*operand_count)[dev] : k;
+      a.request.operands = std::span<const OperandRequest>(ops).first(mine);
+      (*st)[dev] = RunCollective(a);
+    });
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < k; ++i)
+    if (m.operands[i].in_place) outs[i] = ins[i];
+  return outs;
+}
+
+// The call's results against the independent reference and against k separate calls, bitwise.
+void CheckMulti(const MultiSpec& m, uint32_t seed = 17) {
+  const Inputs inputs = MultiInputs(m, seed);
+  std::vector<Status> st;
+  const Inputs outs = RunMulti(m, inputs, &st, NextRunId());
+  std::string why;
+  for (int64_t d : m.group)
+    if (why.empty() && !st[d].ok()) why = "device " + std::to_string(d) + ": " + st[d].message();
+  for (size_t i = 0; i < m.operands.size() && why.empty(); ++i) {
+    const Spec one = OperandSpec(m, i);
+    std::vector<Status> st1;
+    const auto separate = RunSpec(one, inputs[i], &st1, NextRunId());
+    for (size_t r = 0; r < m.group.size() && why.empty(); ++r) {
+      const int64_t d = m.group[r];
+      const size_t wrong = CountWrong(one.dtype, outs[i][d], Reference(one, inputs[i], m.group, static_cast<int>(r)));
+      if (wrong) why = "operand " + std::to_string(i) + " device " + std::to_string(d) + ": " + std::to_string(wrong) + " wrong elements";
+      else if (!st1[d].ok()) why = "separate call of operand " + std::to_string(i) + ": " + st1[d].message();
+      else if (CountWrong(one.dtype, outs[i][d], separate[d]) != 0)
+        why = "operand " + std::to_string(i) + " device " + std::to_string(d) + " differs from its separate call";
+    }
+  }
+  Expect(why.empty(), std::string(Name(m.kind)) + "(" + std::string(Name(m.op)) + ") of " +
+                          std::to_string(m.operands.size()) + " operands, " + m.what + ": " + why);
+}
+
+// Gradient-like leaves: matrices, vectors, a 0-d counter, several dtypes. kSmall: all 13 together
+// below the staging size (16 KiB); kMedium: above it in sum, every part small; kBig: a third of the
+// parts far above it.
+enum class LeafSize { kSmall, kMedium, kBig };
+
+std::vector<Operand> Leaves(size_t k, LeafSize size, bool complex_ok) {
+  const std::vector<Operand> pool = {
+      {DType::kF32, {64, 33}},   {DType::kBF16, {7}},      {DType::kS32, {}},        {DType::kF16, {5, 3}},
+      {DType::kF64, {1000}},     {DType::kU8, {17}},       {DType::kPred, {3}},      {DType::kC64, {9}},
+      {DType::kS64, {2, 2}},     {DType::kBF16, {4099}},   {DType::kF32, {1}},       {DType::kU16, {129}},
+      {DType::kS8, {31}},
+  };
+  std::vector<Operand> out;
+  for (size_t i = 0; i < k; ++i) {
+    Operand o = pool[i % pool.size()];
+    if (!complex_ok && o.dtype == DType::kC64) o.dtype = DType::kF32;
+    if (size == LeafSize::kSmall && Prod(o.in_dims) > 64) o.in_dims = {static_cast<int64_t>(33 + i)};
+    if (size == LeafSize::kBig && i % 3 == 1) o.in_dims = {70001 + static_cast<int64_t>(i)};
+    out.push_back(o);
+  }
+  return out;
+}
+
+std::string SizeName(LeafSize s) {
+  return s == LeafSize::kSmall ? "staged" : s == LeafSize::kMedium ? "small parts, direct" : "some large parts";
+}
+
+void TestMultiOperandAllReduce() {
+  for (size_t k = 1; k <= 13; ++k)
+    for (LeafSize size : {LeafSize::kSmall, LeafSize::kMedium, LeafSize::kBig}) {
+      MultiSpec m;
+      m.operands = Leaves(k, size, true);
+      m.what = "mixed dtypes and shapes, " + SizeName(size);
+      CheckMulti(m, static_cast<uint32_t>(k));
+    }
+  // In-place subsets (result i aliases operand i for some i), every op, NaNs for max/min.
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMax, ReduceOp::kMin})
+    for (LeafSize size : {LeafSize::kSmall, LeafSize::kMedium, LeafSize::kBig}) {
+      MultiSpec m;
+      m.op = op;
+      m.operands = Leaves(13, size, op == ReduceOp::kSum || op == ReduceOp::kProd);
+      for (size_t i : {0, 2, 3, 7, 10}) m.operands[i].in_place = true;
+      m.what = "in-place subset, " + SizeName(size);
+      CheckMulti(m, 40 + static_cast<uint32_t>(op));
+    }
+  // Many small parts that together exceed the staging size: the direct path over many tiny pieces.
+  MultiSpec many;
+  for (int i = 0; i < 13; ++i) many.operands.push_back({i % 2 ? DType::kF32 : DType::kBF16, {513 + i}});
+  many.what = "13 parts of ~2 KiB (direct path)";
+  CheckMulti(many);
+  // Zero-size parts among others; an uneven group.
+  MultiSpec zeros;
+  zeros.operands = {{DType::kF32, {0}}, {DType::kS32, {5}}, {DType::kF64, {3, 0}}, {DType::kU8, {70001}}};
+  zeros.what = "with zero-size parts";
+  CheckMulti(zeros);
+  MultiSpec three;
+  three.group = {5, 2, 7};
+  three.operands = Leaves(6, LeafSize::kBig, true);
+  three.what = "group of 3";
+  CheckMulti(three);
+}
+
+void TestMultiOperandGatherScatter() {
+  for (int64_t axis : {0, 1}) {
+    MultiSpec g;
+    g.kind = Kind::kAllGather;
+    g.axis = axis;
+    g.operands = {{DType::kF32, {3, 37}}, {DType::kBF16, {1, 5}}, {DType::kS32, {4, 20001}},
+                  {DType::kU8, {2, 1}},   {DType::kC128, {7, 3}}, {DType::kF16, {1000, 3}}};
+    g.what = "axis " + std::to_string(axis);
+    CheckMulti(g);
+    MultiSpec r;
+    r.kind = Kind::kReduceScatter;
+    r.axis = axis;
+    r.op = axis ? ReduceOp::kMax : ReduceOp::kSum;
+    r.operands = {{DType::kF32, {8, 8 * 5}}, {DType::kBF16, {16, 8}}, {DType::kS64, {8, 8 * 3001}},
+                  {DType::kU16, {24, 8}},    {DType::kF64, {8, 8}}};
+    r.what = "axis " + std::to_string(axis);
+    CheckMulti(r);
+  }
+}
+
+// The staged path stages all parts of a small call together: the arrival is its only rendezvous
+// (no barrier at all), and the direct path has one barrier for all parts, not one per part.
+void TestMultiOperandRendezvous() {
+  const int n = 8;
+  std::vector<int64_t> ids = {0, 1, 2, 3, 4, 5, 6, 7};
+  Communicator comm(ids);
+  comm.AddChannel(std::make_unique<ShmChannel>(n, "shm"));
+  const size_t saved = ShmStagingBytes();
+  for (bool staged : {true, false}) {
+    SetShmStagingBytes(staged ? 16 << 10 : 0);
+    std::vector<std::vector<std::vector<float>>> in(n, std::vector<std::vector<float>>(13)), out = in;
+    for (int d = 0; d < n; ++d)
+      for (int i = 0; i < 13; ++i) {
+        in[d][i].assign(17 + i, static_cast<float>(d + i));
+        out[d][i].assign(17 + i, -1.f);
+      }
+    const int64_t run = NextRunId();
+    std::shared_ptr<CallContext> ctx;
+    auto st = OnThreads(n, [&](int d) {
+      CallDesc desc;
+      for (int i = 0; i < 13; ++i) {
+        Part p;
+        p.in = in[d][i].data();
+        p.out = out[d][i].data();
+        p.units = p.inner = in[d][i].size();
+        desc.AddPart(p);
+      }
+      auto call = comm.Join(d, run, "rendezvous");
+      if (d == 0) ctx = call;
+      return comm.channel(0).RunAlone(*call, d, desc);
+    });
+    bool ok = true;
+    for (int d = 0; d < n; ++d) {
+      ok &= st[d].ok();
+      for (int i = 0; i < 13; ++i)
+        for (float v : out[d][i]) ok &= v == static_cast<float>(28 + 8 * i);
+    }
+    Expect(ok, std::string("13 small parts ") + (staged ? "staged" : "direct") + ": correct");
+    Expect(ctx && ctx->barriers_passed(0) == (staged ? 0u : 1u),
+           std::string("13 small parts ") + (staged ? "staged: no barrier after the arrival"
+                                                    : "direct: one barrier for all parts") +
+               " (barriers passed: " + std::to_string(ctx ? ctx->barriers_passed(0) : 99) + ")");
+  }
+  SetShmStagingBytes(saved);
+}
+
+// Ranks that disagree on the number of operands (or on one operand's shape) all fail, before any
+// buffer is read, naming the call on both sides.
+void TestMultiOperandMismatch() {
+  MultiSpec m;
+  m.group = {0, 1, 2, 3};
+  m.operands = {{DType::kF32, {100}}, {DType::kS32, {7}}, {DType::kF16, {3}}};
+  const Inputs inputs = MultiInputs(m, 3);
+  std::vector<Status> st;
+  const std::vector<size_t> counts = {3, 3, 2, 3, 0, 0, 0, 0};
+  RunMulti(m, inputs, &st, NextRunId(), &counts);
+  bool all = true;
+  for (int d = 0; d < 4; ++d)
+    all &= !st[d].ok() && st[d].message().find("disagree") != std::string::npos &&
+           st[d].message().find("of 2 operands") != std::string::npos &&
+           st[d].message().find("of 3 operands") != std::string::npos;
+  Expect(all, "a different operand count on one rank fails every rank: " + st[0].message());
+  // Rank 3 passes a 6-element second operand.
+  std::vector<Status> st2;
+  std::vector<std::thread> threads;
+  const int64_t run = NextRunId();
+  st2.assign(4, Status());
+  for (int d = 0; d < 4; ++d)
+    threads.emplace_back([&, d] {
+      std::vector<std::vector<uint8_t>> bufs(3);
+      std::vector<OperandRequest> ops(3);
+      std::vector<std::vector<int64_t>> dims(3);
+      for (int i = 0; i < 3; ++i) {
+        dims[i] = (d == 3 && i == 1) ? std::vector<int64_t>{6} : m.operands[i].in_dims;
+        bufs[i].assign(Prod(dims[i]) * ByteWidth(m.operands[i].dtype), 1);
+        ops[i].in_dtype = ops[i].out_dtype = m.operands[i].dtype;
+        ops[i].in_dims = ops[i].out_dims = dims[i];
+        ops[i].in = ops[i].out = bufs[i].data();
+      }
+      const std::vector<int64_t> sizes = {4};
+      CollectiveArgs a;
+      a.groups = m.group;
+      a.group_sizes = sizes;
+      a.device = d;
+      a.run_id = run;
+      a.request.reduction = "sum";
+      a.request.operands = ops;
+      st2[d] = RunCollective(a);
+    });
+  for (auto& t : threads) t.join();
+  all = true;
+  for (int d = 0; d < 4; ++d) all &= !st2[d].ok() && st2[d].message().find("rank 3") != std::string::npos;
+  Expect(all, "one operand of another shape on one rank fails every rank: " + st2[0].message());
+}
+
+// With several links the executor cuts one set of ranges over all parts (boundaries inside parts) and
+// each link runs the pieces of its range; the results stay bitwise those of separate calls.
+void TestMultiOperandAcrossLinks() {
+  Expect(ConfigureLinks("shm;tcp;shm:b").ok(), "configure shm;tcp;shm:b");
+  SetAutotune(0);
+  SetRecordSplits(true);
+  for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter}) {
+    MultiSpec m;
+    m.kind = kind;
+    m.axis = kind == Kind::kAllReduce ? 0 : 1;
+    if (kind == Kind::kAllReduce) m.operands = Leaves(13, LeafSize::kBig, true);
+    else if (kind == Kind::kAllGather)
+      m.operands = {{DType::kF32, {3, 7001}}, {DType::kBF16, {2, 5}}, {DType::kS32, {1, 30001}}, {DType::kU8, {5, 999}}};
+    else
+      m.operands = {{DType::kF32, {3, 8 * 7001}}, {DType::kBF16, {2, 8 * 5}}, {DType::kS32, {1, 8 * 30001}},
+                    {DType::kU8, {5, 8 * 999}}};
+    // The plan of this call's bucket: pinned shares that put boundaries inside parts.
+    CallDesc probe;
+    probe.kind = kind;
+    for (const Operand& o : m.operands) {
+      Part p;
+      p.dtype = o.dtype;
+      p.units = Prod(o.in_dims) / (kind == Kind::kReduceScatter ? 8 : 1);
+      probe.AddPart(p);
+    }
+    uint64_t bytes = 0;
+    for (const Part& p : probe.parts) bytes += p.bytes() * (kind == Kind::kAllReduce ? 1 : 8);
+    uint64_t bucket = 1;
+    while (bucket * 2 <= bytes) bucket *= 2;
+    Expect(SetShares(kind, bucket, {0.37, 0.21, 0.42}, true).ok(), "pinned shares");
+    m.what = "split 37/21/42 over shm, tcp, shm:b";
+    (void)TakeSplitRecords();
+    CheckMulti(m);
+    // Some boundary between links falls strictly inside a part (else the test would not test it).
+    bool inside = false;
+    for (const SplitRecord& r : TakeSplitRecords())
+      for (const auto& [begin, end] : r.ranges)
+        for (const Part& p : probe.parts)
+          inside |= begin > p.offset && begin < p.offset + p.bytes();
+    Expect(inside, std::string(Name(kind)) + ": a range boundary falls inside a part");
+  }
+  SetRecordSplits(false);
+  Expect(ConfigureLinks("shm").ok(), "configure shm");
+}
+
 int main() {
   TestOutputFaultsTheMiddle();
   TestOutputFaultsCollapseEnds();
@@ -773,5 +1132,10 @@ int main() {
   TestMismatch();
   TestManyCalls();
   TestDeadline();
+  TestMultiOperandAllReduce();
+  TestMultiOperandGatherScatter();
+  TestMultiOperandRendezvous();
+  TestMultiOperandMismatch();
+  TestMultiOperandAcrossLinks();
   return Summary();
 }

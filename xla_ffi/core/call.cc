@@ -1,6 +1,8 @@
 #include "xla_ffi/core/call.h"
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "xla_ffi/core/reduce.h"
 
@@ -38,6 +40,59 @@ std::string ErrorPrefix(std::string_view label) {
   return label.empty() ? std::string("flexlink: ") : "flexlink: " + std::string(label) + ": ";
 }
 
+void CallDesc::AddPart(Part p) {
+  const uint64_t end = virtual_bytes();
+  p.offset = (end + kPartAlignBytes - 1) / kPartAlignBytes * kPartAlignBytes;
+  parts.push_back(p);
+}
+
+size_t CallDesc::total_units() const {
+  size_t u = 0;
+  for (const Part& p : parts) u += p.units;
+  return u;
+}
+
+uint64_t CallDesc::InputBytes(int n) const {
+  uint64_t b = 0;
+  for (const Part& p : parts) b += static_cast<uint64_t>(in_count(p, n)) * p.width();
+  return b;
+}
+
+uint64_t CallDesc::InputBytes(UnitRange virtual_range, int n) const {
+  thread_local std::vector<Piece> pieces;
+  PiecesOf(virtual_range, &pieces);
+  uint64_t b = 0;
+  for (const Piece& piece : pieces)
+    b += static_cast<uint64_t>(piece.units.size()) * in_per_unit(n) * parts[piece.part].width();
+  return b;
+}
+
+void CallDesc::PiecesOf(UnitRange range, std::vector<Piece>* out) const {
+  out->clear();
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Part& p = parts[i];
+    if (p.offset >= range.end) break;
+    const uint64_t end = p.offset + p.bytes();
+    if (end <= range.begin || p.units == 0) continue;
+    const uint64_t b0 = std::max<uint64_t>(range.begin, p.offset) - p.offset;
+    const uint64_t b1 = std::min<uint64_t>(range.end, end) - p.offset;
+    const size_t w = p.width();
+    // A unit belongs to the range holding its first byte (ceil on both ends).
+    const UnitRange units{static_cast<size_t>((b0 + w - 1) / w), static_cast<size_t>((b1 + w - 1) / w)};
+    if (!units.empty()) out->push_back({i, units});
+  }
+}
+
+bool CallDesc::SameCall(const CallDesc& o) const {
+  if (kind != o.kind || parts.size() != o.parts.size()) return false;
+  if (kind != Kind::kAllGather && op != o.op) return false;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Part &a = parts[i], &b = o.parts[i];
+    if (a.dtype != b.dtype || a.units != b.units || a.outer != b.outer || a.inner != b.inner) return false;
+  }
+  return true;
+}
+
 std::string CallDesc::Describe() const {
   // Appends one piece at a time (GCC 12 warns falsely on "literal" + std::string chains).
   std::string s(Name(kind));
@@ -46,40 +101,56 @@ std::string CallDesc::Describe() const {
     s += Name(op);
     s += ")";
   }
-  s += " ";
-  s += Name(dtype);
-  s += "[";
-  s += std::to_string(units);
-  s += " per rank";
-  if (kind != Kind::kAllReduce) {
-    s += ", outer ";
-    s += std::to_string(outer);
+  auto part = [&](const Part& p, bool alone) {
+    s += Name(p.dtype);
+    s += "[";
+    s += std::to_string(p.units);
+    if (alone) s += " per rank";
+    if (kind != Kind::kAllReduce) {
+      s += alone ? ", outer " : " outer ";
+      s += std::to_string(p.outer);
+    }
+    s += "]";
+  };
+  if (parts.size() == 1) {
+    s += " ";
+    part(parts[0], true);
+    return s;
   }
-  return s + "]";
+  s += " of ";
+  s += std::to_string(parts.size());
+  s += " operands per rank:";
+  constexpr size_t kShown = 6;  // a long list of leaves would drown the message
+  for (size_t i = 0; i < parts.size() && i < kShown; ++i) {
+    s += i ? ", " : " ";
+    part(parts[i], false);
+  }
+  if (parts.size() > kShown) {
+    s += ", ... (";
+    s += std::to_string(parts.size() - kShown);
+    s += " more)";
+  }
+  return s;
 }
 
-Status DescribeCall(const CallRequest& req, int n, std::string_view label, CallDesc* desc) {
-  const std::string where = ErrorPrefix(label) + std::string(Name(req.kind)) + ": ";
-  const size_t in_count = Product(req.in_dims), out_count = Product(req.out_dims);
+namespace {
+
+Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest& x, int n,
+                       const std::string& where, Part* part) {
+  const size_t in_count = Product(x.in_dims), out_count = Product(x.out_dims);
   const std::string shapes =
-      "input " + Shape(req.in_dtype, req.in_dims) + ", output " + Shape(req.out_dtype, req.out_dims);
-  if (req.in_dtype != req.out_dtype)
+      "input " + Shape(x.in_dtype, x.in_dims) + ", output " + Shape(x.out_dtype, x.out_dims);
+  if (x.in_dtype != x.out_dtype)
     return Status::InvalidArgument(where + "input and output dtypes differ (" + shapes + ")");
-  CallDesc d;
-  d.kind = req.kind;
-  d.dtype = req.in_dtype;
-  d.in = req.in;
-  d.out = req.out;
   if (req.kind != Kind::kAllGather) {
-    auto op = ParseReduceOp(req.reduction);
-    if (!op)
-      return Status::InvalidArgument(where + "unknown reduction '" + std::string(req.reduction) +
-                                     "' (expected sum, prod, max or min)");
-    d.op = *op;
-    Status s = CheckReduction(d.dtype, d.op);
+    Status s = CheckReduction(x.in_dtype, op);
     if (!s.ok()) return Status::InvalidArgument(where + s.message());
   }
-  const int64_t rank = static_cast<int64_t>(req.in_dims.size());
+  Part d;
+  d.dtype = x.in_dtype;
+  d.in = x.in;
+  d.out = x.out;
+  const int64_t rank = static_cast<int64_t>(x.in_dims.size());
   switch (req.kind) {
     case Kind::kAllReduce:
       if (in_count != out_count)
@@ -96,23 +167,49 @@ Status DescribeCall(const CallRequest& req, int n, std::string_view label, CallD
                                        " x the input elements for a group of " + std::to_string(n) +
                                        " (" + shapes + ")");
       d.units = in_count;
-      d.outer = Product(req.in_dims.first(req.axis));
+      d.outer = Product(x.in_dims.first(req.axis));
       d.inner = d.outer ? in_count / d.outer : 0;
       break;
     case Kind::kReduceScatter:
       if (req.axis < 0 || req.axis >= rank)
         return Status::InvalidArgument(where + "scatter axis " + std::to_string(req.axis) +
                                        " out of range for " + shapes);
-      if (req.in_dims[req.axis] % n != 0 || in_count != out_count * n)
+      if (x.in_dims[req.axis] % n != 0 || in_count != out_count * n)
         return Status::InvalidArgument(where + "input dimension " + std::to_string(req.axis) +
                                        " must be split evenly over the group of " + std::to_string(n) +
                                        " with the output holding one block (" + shapes + ")");
       d.units = out_count;
-      d.outer = Product(req.in_dims.first(req.axis));
+      d.outer = Product(x.in_dims.first(req.axis));
       d.inner = d.outer ? out_count / d.outer : 0;
       break;
   }
-  *desc = d;
+  *part = d;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status DescribeCall(const CallRequest& req, int n, std::string_view label, CallDesc* desc) {
+  const std::string where = ErrorPrefix(label) + std::string(Name(req.kind)) + ": ";
+  if (req.operands.empty())
+    return Status::InvalidArgument(where + "no operands (a call takes x_1, ..., x_k and the token, k >= 1)");
+  desc->kind = req.kind;
+  desc->op = ReduceOp::kSum;
+  desc->parts.clear();
+  if (req.kind != Kind::kAllGather) {
+    auto op = ParseReduceOp(req.reduction);
+    if (!op)
+      return Status::InvalidArgument(where + "unknown reduction '" + std::string(req.reduction) +
+                                     "' (expected sum, prod, max or min)");
+    desc->op = *op;
+  }
+  const bool several = req.operands.size() > 1;
+  for (size_t i = 0; i < req.operands.size(); ++i) {
+    const std::string at = several ? where + "operand " + std::to_string(i) + ": " : where;
+    Part part;
+    FLEXLINK_RETURN_IF_ERROR(DescribeOperand(req, desc->op, req.operands[i], n, at, &part));
+    desc->AddPart(part);
+  }
   return Status::Ok();
 }
 

@@ -175,13 +175,15 @@ Status RunCollective(const CollectiveArgs& args) {
   FLEXLINK_RETURN_IF_ERROR(
       ResolveGroup(args.groups, args.group_sizes, args.device, args.label, &members, &rank));
   const int n = static_cast<int>(members.size());
-  CallDesc desc;
+  // Reused per device thread: a call's parts are copied once more at the arrival, not here.
+  thread_local CallDesc desc;
   FLEXLINK_RETURN_IF_ERROR(DescribeCall(args.request, n, args.label, &desc));
   // Zero-size calls return at once on every rank (all ranks see the same shapes, so none waits).
-  if (desc.units == 0) return Status::Ok();
+  if (desc.total_units() == 0) return Status::Ok();
   if (n == 1) {
     // A group of one: the collective is the identity (the [outer, 1, inner] layout is the input's).
-    if (desc.out != desc.in) std::memcpy(desc.out, desc.in, desc.units * desc.width());
+    for (const Part& p : desc.parts)
+      if (p.out != p.in) std::memcpy(p.out, p.in, p.bytes());
     return Status::Ok();
   }
   Group* group = nullptr;
@@ -191,15 +193,15 @@ Status RunCollective(const CollectiveArgs& args) {
   if (group->executor) return group->executor->Run(*call, rank, desc);
   // One link runs the whole call: the ranks fault the outputs in together, starting now, before
   // anyone writes them (core/pages.h). With several links the executor decides.
-  call->PublishOutput(rank, desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
+  call->PublishOutputs(rank, desc);
   Channel& channel = comm->channel(0);
   const auto start = std::chrono::steady_clock::now();
   Status status = channel.RunAlone(*call, rank, desc);
-  call->WithdrawOutput(rank);
+  call->WithdrawOutputs(rank);
   if (rank == 0 && status.ok()) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    RecordLinkCall(channel.link_name(), desc.in_count(n) * desc.width(), seconds);
+    RecordLinkCall(channel.link_name(), desc.InputBytes(n), seconds);
   }
   return status;
 }

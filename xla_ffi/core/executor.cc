@@ -109,20 +109,20 @@ Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
       std::lock_guard<std::mutex> lock(state->mu);
       plan = state->plan;
     }
-    ranges = plan::CutRanges(desc.units, desc.width(), plan->shares);
+    ranges = plan::CutRanges(desc.virtual_bytes(), 1, plan->shares);
     start = Clock::now();  // the call's own time, not the profiling's, goes to stage 2
     if (status.ok()) status = RunRanges(ctx, rank, ranges, seconds);
   } else {
-    ranges = plan::CutRanges(desc.units, desc.width(), state->plan->shares);
+    ranges = plan::CutRanges(desc.virtual_bytes(), 1, state->plan->shares);
     size_t used = 0, only = 0;
     for (size_t i = 0; i < ranges.size(); ++i)
       if (!ranges[i].empty()) ++used, only = i;
     if (used <= 1) {
       // One link: its own path (shm stages small calls: a single rendezvous), and the output pages
       // prepared as a group with one link prepares them.
-      ctx.PublishOutput(rank, desc.out, desc.out_count(n) * desc.width(), desc.out == desc.in);
+      ctx.PublishOutputs(rank, desc);
       status = comm_->channel(only).RunAlone(ctx, rank, desc);
-      ctx.WithdrawOutput(rank);
+      ctx.WithdrawOutputs(rank);
       (*seconds)[only] = Since(start);
     } else {
       status = ctx.Arrive(rank, desc, link_names_[0]);
@@ -142,18 +142,25 @@ Status Executor::RunRanges(CallContext& ctx, int rank, const std::vector<plan::U
   if (used.empty()) return Status::Ok();
   const auto t0 = Clock::now();
   ctx.SetDispatchTime(rank, ctx.ArrivedTime());
-  auto range_of = [&](size_t i) { return UnitRange{ranges[i].begin, ranges[i].end}; };
+  // Every rank cuts the same pieces: the parts' shapes agree (checked at the arrival).
+  const CallDesc& desc = ctx.desc(rank);
+  auto pieces_of = [&](size_t i) {
+    std::vector<Piece> pieces;
+    desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
+    return pieces;
+  };
   for (size_t k = 1; k < used.size(); ++k) {
     const size_t i = used[k];
     Channel* channel = &comm_->channel(i);
-    const UnitRange range = range_of(i);
-    workers_[i][rank]->Post([&ctx, channel, rank, i, range, t0, seconds] {
-      Status s = channel->Run(ctx, rank, static_cast<int>(i), range);
+    // Owned by the task: a worker this rank gave up waiting for may still be running it.
+    workers_[i][rank]->Post([&ctx, channel, rank, i, pieces = pieces_of(i), t0, seconds] {
+      Status s = channel->Run(ctx, rank, static_cast<int>(i), pieces);
       (*seconds)[i] = Since(t0);
       return s;
     });
   }
-  Status status = comm_->channel(used[0]).Run(ctx, rank, static_cast<int>(used[0]), range_of(used[0]));
+  const std::vector<Piece> first = pieces_of(used[0]);
+  Status status = comm_->channel(used[0]).Run(ctx, rank, static_cast<int>(used[0]), first);
   (*seconds)[used[0]] = Since(t0);
   // A link's own waits are bounded by the timeout; this one only guards against a stuck worker.
   const double worker_timeout = 2 * TimeoutSeconds() + 5;
@@ -184,9 +191,10 @@ void Executor::Finish(CallState& state, int n, const CallDesc& desc,
   // The last rank of a successful call: every rank's times are in; nobody else touches `state`.
   const plan::Balancer::Outcome outcome =
       balancer_->Report(*state.plan, MessageBytes(desc, n), state.link_seconds, state.call_seconds);
-  const size_t per_unit = desc.width() * (desc.kind == Kind::kReduceScatter ? n : 1);
   for (size_t i = 0; i < ranges.size(); ++i)
-    if (!ranges[i].empty()) RecordLinkCall(link_names_[i], ranges[i].size() * per_unit, state.link_seconds[i]);
+    if (!ranges[i].empty())
+      RecordLinkCall(link_names_[i], desc.InputBytes(UnitRange{ranges[i].begin, ranges[i].end}, n),
+                     state.link_seconds[i]);
   if (outcome.changed) LogInfo("group " + FormatIds(comm_->devices()) + ": " + outcome.reason);
 }
 

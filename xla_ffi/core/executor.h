@@ -2,8 +2,9 @@
 //
 // The balancer's plan for the call (fetched once, by the first rank that joins, and shared by all
 // ranks through the call's context, so every rank cuts identical ranges) gives each link a share;
-// the call's units are cut into one contiguous range per link (plan/ranges.h). After one arrival,
-// each link runs its range concurrently: the device thread runs the first, long-lived per-(link, rank)
+// the call's virtual byte space (all its parts, core/call.h) is cut into one contiguous range per
+// link at 64-byte multiples (plan/ranges.h), and each link runs the pieces (part, unit range) its range
+// covers, part by part. After one arrival, each link runs its range concurrently: the device thread runs the first, long-lived per-(link, rank)
 // workers run the others (no thread is created per call). Each link's time for its range is
 // measured on every rank; the last rank to finish reports the slowest rank's time per link to the
 // balancer (stage 2) and to the link statistics. A plan with one link runs that link alone, which
@@ -102,7 +103,7 @@ struct SplitRecord {
   int64_t run_id = 0;
   uint64_t call = 0;
   int rank = 0;
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // per link: [begin, end) in units
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // per link: [begin, end) of the virtual bytes
 };
 void SetRecordSplits(bool on);
 std::vector<SplitRecord> TakeSplitRecords();

@@ -59,13 +59,15 @@ CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
   CallDesc d;
   d.kind = kind;
   d.op = ReduceOp::kSum;
-  d.dtype = DType::kF32;
-  d.in = in;
-  d.out = out;
+  Part p;
+  p.dtype = DType::kF32;
+  p.in = in;
+  p.out = out;
   const size_t elems = message / sizeof(float);
-  d.units = kind == Kind::kAllReduce ? elems : std::max<size_t>(1, elems / n);
-  d.outer = 1;
-  d.inner = d.units;
+  p.units = kind == Kind::kAllReduce ? elems : std::max<size_t>(1, elems / n);
+  p.outer = 1;
+  p.inner = p.units;
+  d.AddPart(p);
   return d;
 }
 
@@ -132,7 +134,8 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
 
   // This rank's scratch, sized for the largest profiled call.
   const CallDesc largest = ProfileDesc(p->kind, p->sizes.back(), n, nullptr, nullptr);
-  Buffer in(largest.in_count(n) * sizeof(float)), out(largest.out_count(n) * sizeof(float));
+  Buffer in(largest.in_count(largest.parts[0], n) * sizeof(float)),
+      out(largest.out_count(largest.parts[0], n) * sizeof(float));
   if (!in.ptr || !out.ptr)
     return Status::Internal("flexlink: stage 1: out of memory for the profiling buffers");
 
@@ -147,7 +150,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
       s = comm_->channel(only).RunAlone(*sub, rank, d);
     } else {
       s = sub->Arrive(rank, d, link_names_[0]);
-      if (s.ok()) s = RunRanges(*sub, rank, plan::CutRanges(d.units, d.width(), *shares), seconds);
+      if (s.ok()) s = RunRanges(*sub, rank, plan::CutRanges(d.virtual_bytes(), 1, *shares), seconds);
     }
     const double t = Since(t0);
     std::lock_guard<std::mutex> lock(state.mu);

@@ -21,9 +21,11 @@ inline double Since(Clock::time_point t0) {
 }
 
 // nccl-tests' "size" of a call: AllReduce the buffer, AllGather the gathered output, ReduceScatter
-// the input. Plans are bucketed by it.
+// the input; summed over the call's parts. Plans are bucketed by it.
 inline uint64_t MessageBytes(const CallDesc& d, int n) {
-  return static_cast<uint64_t>(d.units) * d.width() * (d.kind == Kind::kAllReduce ? 1 : n);
+  uint64_t bytes = 0;
+  for (const Part& p : d.parts) bytes += p.bytes();
+  return bytes * (d.kind == Kind::kAllReduce ? 1 : n);
 }
 
 // Stage 1 run by the ranks of one call (executor_profile.cc). Every rank runs the same steps in the

@@ -142,20 +142,35 @@ bool FaultEnd(uintptr_t a, uintptr_t b, size_t missing_pages, bool huge) {
 
 OutputFaults::OutputFaults(int ranks)
     : n_(ranks),
-      slots_(new Slot[static_cast<size_t>(ranks)]),
+      ranks_(new RankSlots[static_cast<size_t>(ranks)]),
       faulted_(new std::atomic<size_t>[static_cast<size_t>(ranks)]()),
       collapsed_(new size_t[static_cast<size_t>(ranks)]()) {}
 OutputFaults::~OutputFaults() = default;
 
-bool OutputFaults::Publish(int rank, void* out, size_t bytes, bool aliases_input) {
-  if (aliases_input) return false;  // the input's pages are in place already
-  if (bytes < kPrefaultMinBytes) return false;
+bool OutputFaults::Publish(int rank, std::span<const OutputRegion> outputs) {
+  size_t candidates = 0;
+  for (const OutputRegion& r : outputs) candidates += !r.aliases_input && r.bytes >= kPrefaultMinBytes;
+  if (candidates == 0) return false;
+  RankSlots& mine = ranks_[rank];
+  mine.slots.reset(new Slot[candidates]);
+  // Counted before they are prepared: helpers may start on the first while the owner prepares the
+  // next (each slot opens on its own `published`).
+  mine.count.store(candidates, std::memory_order_release);
+  bool offered = false;
+  size_t i = 0;
+  for (const OutputRegion& r : outputs)
+    if (!r.aliases_input && r.bytes >= kPrefaultMinBytes) offered |= Prepare(rank, mine.slots[i++], r);
+  return offered;
+}
+
+bool OutputFaults::Prepare(int rank, Slot& slot, const OutputRegion& region) {
+  void* const out = region.out;
+  const size_t bytes = region.bytes;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(out), end = begin + bytes;
   const Residency resident(out, bytes);
   if (resident.Missing(begin, end) == 0) return false;
   const uintptr_t blocks_begin = (begin + kHugePage - 1) & ~(kHugePage - 1);
   const uintptr_t blocks_end = std::max(blocks_begin, end & ~(kHugePage - 1));
-  Slot& slot = slots_[rank];
   slot.blocks_begin = blocks_begin;
   slot.blocks = (blocks_end - blocks_begin) / kHugePage;
   slot.huge = slot.blocks > 0 && bytes >= kHugeMinBytes && HugePageOutputs();
@@ -185,33 +200,43 @@ void OutputFaults::FaultBlock(Slot& slot, size_t block) {
 
 void OutputFaults::Help(int rank) {
   for (int i = 0; i < n_; ++i) {
-    Slot& slot = slots_[(rank + i) % n_];
-    while (slot.Open()) {
-      // Registered as active before claiming: Withdraw (seq_cst on both) either sees this helper or
-      // makes the claim fail.
-      slot.active.fetch_add(1);
-      const size_t block = slot.next.fetch_add(1);
-      if (block < slot.blocks) {
-        FaultBlock(slot, block);
-        faulted_[rank].fetch_add(1, std::memory_order_relaxed);
+    RankSlots& owner = ranks_[(rank + i) % n_];
+    const size_t count = owner.count.load(std::memory_order_acquire);
+    for (size_t j = 0; j < count; ++j) {
+      Slot& slot = owner.slots[j];
+      while (slot.Open()) {
+        // Registered as active before claiming: Withdraw (seq_cst on both) either sees this helper or
+        // makes the claim fail.
+        slot.active.fetch_add(1);
+        const size_t block = slot.next.fetch_add(1);
+        if (block < slot.blocks) {
+          FaultBlock(slot, block);
+          faulted_[rank].fetch_add(1, std::memory_order_relaxed);
+        }
+        slot.active.fetch_sub(1);
       }
-      slot.active.fetch_sub(1);
     }
   }
 }
 
 bool OutputFaults::Unclaimed() const {
-  for (int r = 0; r < n_; ++r)
-    if (slots_[r].Open()) return true;
+  for (int r = 0; r < n_; ++r) {
+    const size_t count = ranks_[r].count.load(std::memory_order_acquire);
+    for (size_t j = 0; j < count; ++j)
+      if (ranks_[r].slots[j].Open()) return true;
+  }
   return false;
 }
 
 void OutputFaults::Withdraw(int rank) {
-  Slot& slot = slots_[rank];
-  if (!slot.published.load(std::memory_order_acquire)) return;
-  slot.next.store(kWithdrawn);
-  // Bounded by one block's fault; yielding, since the helper may need this core to finish it.
-  while (slot.active.load() != 0) std::this_thread::yield();
+  RankSlots& mine = ranks_[rank];
+  const size_t count = mine.count.load(std::memory_order_relaxed);  // the owner's own store
+  for (size_t j = 0; j < count; ++j) {
+    Slot& slot = mine.slots[j];
+    slot.next.store(kWithdrawn);
+    // Bounded by one block's fault; yielding, since the helper may need this core to finish it.
+    while (slot.active.load() != 0) std::this_thread::yield();
+  }
 }
 
 }  // namespace flexlink

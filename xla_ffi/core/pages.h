@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 namespace flexlink {
 
@@ -30,6 +31,13 @@ namespace flexlink {
 // write).
 // `aliases_input`: the output is the (donated) input, so its pages are known to be present. Only
 // hints and writes that leave the bytes as they are; errors are ignored.
+// One output buffer of a call (a call of k operands has k of them per rank).
+struct OutputRegion {
+  void* out = nullptr;
+  size_t bytes = 0;
+  bool aliases_input = false;
+};
+
 class OutputFaults {
  public:
   explicit OutputFaults(int ranks);
@@ -37,10 +45,14 @@ class OutputFaults {
   OutputFaults(const OutputFaults&) = delete;
   OutputFaults& operator=(const OutputFaults&) = delete;
 
-  // By the owner, once per call, before anyone writes its output: checks residency, advises huge
-  // pages, faults in the ends outside whole 2 MiB blocks (collapsing them into huge pages when most
-  // of one is missing), then offers the blocks. True when it offered any.
-  bool Publish(int rank, void* out, size_t bytes, bool aliases_input);
+  // By the owner, once per call, before anyone writes its outputs: for each output, checks
+  // residency, advises huge pages, faults in the ends outside whole 2 MiB blocks (collapsing them
+  // into huge pages when most of one is missing), then offers its blocks. True when it offered any.
+  bool Publish(int rank, std::span<const OutputRegion> outputs);
+  bool Publish(int rank, void* out, size_t bytes, bool aliases_input) {
+    const OutputRegion one{out, bytes, aliases_input};
+    return Publish(rank, std::span<const OutputRegion>(&one, 1));
+  }
   // Faults published blocks, `rank`'s own first, until every published block is claimed.
   void Help(int rank);
   // Whether a published block is not claimed yet.
@@ -49,16 +61,23 @@ class OutputFaults {
   size_t blocks_faulted(int rank) const { return faulted_[rank].load(std::memory_order_relaxed); }
   // Ends of `rank`'s outputs made huge pages by MADV_COLLAPSE so far (for tests and diagnostics).
   size_t ends_collapsed(int rank) const { return collapsed_[rank]; }
-  // By the owner before its call returns (also on errors): stops new claims on its output and waits
+  // By the owner before its call returns (also on errors): stops new claims on its outputs and waits
   // for claimed blocks to finish (one block: well under a millisecond, ~6 ms at worst here), so no
   // helper touches a buffer XLA may free.
   void Withdraw(int rank);
 
  private:
   struct Slot;
+  // One rank's published outputs: `slots` is written by the owner before it stores `count` (release),
+  // and read by helpers only below the count they loaded (acquire).
+  struct RankSlots {
+    std::unique_ptr<Slot[]> slots;
+    std::atomic<size_t> count{0};
+  };
+  bool Prepare(int rank, Slot& slot, const OutputRegion& region);
   void FaultBlock(Slot& slot, size_t block);
   const int n_;
-  std::unique_ptr<Slot[]> slots_;
+  std::unique_ptr<RankSlots[]> ranks_;
   std::unique_ptr<std::atomic<size_t>[]> faulted_;
   std::unique_ptr<size_t[]> collapsed_;  // written by the owner only
 };

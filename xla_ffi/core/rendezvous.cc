@@ -126,15 +126,28 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
   return Status::Ok();
 }
 
-void CallContext::PublishOutput(int rank, void* out, size_t bytes, bool aliases_input) {
-  if (faults_.Publish(rank, out, bytes, aliases_input)) {
+void CallContext::PublishOutputs(int rank, const CallDesc& desc) {
+  thread_local std::vector<OutputRegion> regions;
+  regions.clear();
+  for (const Part& p : desc.parts)
+    regions.push_back({p.out, desc.out_count(p, n_) * p.width(), p.out == p.in});
+  PublishOutputs(rank, regions);
+}
+
+void CallContext::PublishOutputs(int rank, std::span<const OutputRegion> outputs) {
+  if (faults_.Publish(rank, outputs)) {
     { std::lock_guard<std::mutex> lock(mu_); }  // a rank between its check and its wait sees it
     cv_.notify_all();
   }
   faults_.Help(rank);
 }
 
-void CallContext::WithdrawOutput(int rank) { faults_.Withdraw(rank); }
+void CallContext::WithdrawOutputs(int rank) { faults_.Withdraw(rank); }
+
+uint64_t CallContext::barriers_passed(int lane) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lanes_[lane].generation;
+}
 
 Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, std::string_view link) {
   std::unique_lock<std::mutex> lock(mu_);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -40,14 +41,18 @@ class CallContext {
   Status Arrive(int rank, const CallDesc& desc, std::string_view link);
 
   // The call's outputs, faulted in by all ranks together (core/pages.h). When one link runs the
-  // whole call, each rank publishes its output before Arrive and helps fault in every published
-  // output, also while it waits there; it withdraws its output before its call returns.
-  void PublishOutput(int rank, void* out, size_t bytes, bool aliases_input);
-  void WithdrawOutput(int rank);
+  // whole call, each rank publishes its outputs (every part's) before Arrive and helps fault in
+  // every published output, also while it waits there; it withdraws them before its call returns.
+  void PublishOutputs(int rank, const CallDesc& desc);
+  void PublishOutputs(int rank, std::span<const OutputRegion> outputs);
+  void WithdrawOutputs(int rank);
   const OutputFaults& output_faults() const { return faults_; }
 
   // Waits until every rank reached this barrier on `lane`. `phase` names it in timeout messages.
   Status Barrier(int rank, int lane, std::string_view phase, std::string_view link);
+  // Barriers all ranks have passed on `lane` so far (tests: a staged call has none, a direct one of
+  // any number of parts has one per link).
+  uint64_t barriers_passed(int lane);
 
   // When the executor handed this rank's ranges to the links: the moment the last rank arrived, the
   // same for every rank. A paced (emulated) link starts its clock there, like copy engines that all

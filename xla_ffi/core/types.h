@@ -16,6 +16,8 @@ enum class DType : uint8_t {
 enum class ReduceOp : uint8_t { kSum, kProd, kMax, kMin };
 
 enum class Kind : uint8_t { kAllReduce, kAllGather, kReduceScatter };
+inline constexpr size_t kNumKinds = 3;
+inline constexpr Kind kAllKinds[kNumKinds] = {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter};
 
 size_t ByteWidth(DType t);
 // numpy-style names ("float32", "bfloat16", "bool", ...), used in messages and by engine_run.

@@ -1,11 +1,13 @@
 // FFI boundary: decode the call frame, map types, hand over to the engine, map the status back.
-// Operands (x, token), results (y, token), attributes as in docs/interfaces.md. The token carries no
-// data; it only chains FlexLink calls so that every device runs them in program order.
+// Operands (x_1, ..., x_k, token), results (y_1, ..., y_k, token), k >= 1, attributes as in
+// docs/interfaces.md. The token carries no data; it only chains FlexLink calls so that every device
+// runs them in program order.
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 // XLA's FFI headers are not -Wall -Wextra clean; keep our own warnings meaningful.
 #pragma GCC diagnostic push
@@ -59,64 +61,92 @@ ffi::Error ToFfi(const Status& s) {
 
 std::span<const int64_t> AsSpan(ffi::Span<const int64_t> s) { return {s.begin(), s.size()}; }
 
-ffi::Error Run(Kind kind, int32_t device, ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer y,
+std::string Unsupported(std::string_view where, ffi::DataType t) {
+  return std::string(where) + "unsupported element type (XLA type " + std::to_string(static_cast<int>(t)) +
+         "); supported: bool, int8-64, uint8-64, float16, bfloat16, float32, float64, complex64, complex128";
+}
+
+// Operands (x_1, ..., x_k, token) and results (y_1, ..., y_k, token), k >= 1: decodes the k pairs into
+// `operands` (thread_local storage, so a call allocates nothing once a device thread has seen its
+// widest call) or says what is wrong with the call frame.
+ffi::Error DecodeOperands(Kind kind, std::string_view label, const ffi::RemainingArgs& args,
+                          const ffi::RemainingRets& rets, std::span<const OperandRequest>* operands) {
+  const std::string where = ErrorPrefix(label) + std::string(Name(kind)) + ": ";
+  const size_t nargs = args.size(), nrets = rets.size();
+  if (nargs < 2 || nrets != nargs)
+    return ffi::Error::InvalidArgument(
+        where + "expected operands (x_1, ..., x_k, token) and results (y_1, ..., y_k, token) with k >= 1, got " +
+        std::to_string(nargs) + " operands and " + std::to_string(nrets) + " results");
+  const size_t k = nargs - 1;
+  auto token = args.get<ffi::AnyBuffer>(k);
+  auto token_out = rets.get<ffi::AnyBuffer>(k);
+  if (!token || token->element_type() != ffi::DataType::TOKEN || !token_out ||
+      (*token_out)->element_type() != ffi::DataType::TOKEN)
+    return ffi::Error::InvalidArgument(where + "the last operand and the last result must be the ordering token");
+  thread_local std::vector<OperandRequest> storage;
+  storage.resize(k);
+  for (size_t i = 0; i < k; ++i) {
+    const std::string at = k > 1 ? where + "operand " + std::to_string(i) + ": " : where;
+    auto x = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (!x || !y) return ffi::Error::InvalidArgument(at + "operand and result must be buffers");
+    const auto in_type = FromFfi(x->element_type()), out_type = FromFfi((*y)->element_type());
+    if (!in_type) return ffi::Error::InvalidArgument(Unsupported(at, x->element_type()));
+    if (!out_type) return ffi::Error::InvalidArgument(Unsupported(at, (*y)->element_type()));
+    OperandRequest& op = storage[i];
+    op.in_dtype = *in_type;
+    op.out_dtype = *out_type;
+    op.in_dims = AsSpan(x->dimensions());
+    op.out_dims = AsSpan((*y)->dimensions());
+    op.in = x->untyped_data();
+    op.out = (*y)->untyped_data();
+  }
+  *operands = storage;
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(Kind kind, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
                ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
                std::string_view reduction, int64_t axis, std::string_view label) {
-  const auto in_type = FromFfi(x.element_type()), out_type = FromFfi(y.element_type());
-  if (!in_type || !out_type)
-    return ffi::Error::InvalidArgument(
-        ErrorPrefix(label) + std::string(Name(kind)) + ": unsupported element type (XLA type " +
-        std::to_string(static_cast<int>(x.element_type())) +
-        "); supported: bool, int8-64, uint8-64, float16, bfloat16, float32, float64, complex64, "
-        "complex128");
-  CollectiveArgs args;
-  args.groups = AsSpan(groups);
-  args.group_sizes = AsSpan(group_sizes);
-  args.device = device;
-  args.run_id = run_id.run_id;
-  args.label = label;
-  args.request.kind = kind;
-  args.request.reduction = reduction;
-  args.request.in_dtype = *in_type;
-  args.request.out_dtype = *out_type;
-  args.request.in_dims = AsSpan(x.dimensions());
-  args.request.out_dims = AsSpan(y.dimensions());
-  args.request.axis = axis;
-  args.request.in = x.untyped_data();
-  args.request.out = y.untyped_data();
-  return ToFfi(RunCollective(args));
+  CollectiveArgs a;
+  ffi::Error decoded = DecodeOperands(kind, label, args, rets, &a.request.operands);
+  if (decoded.failure()) return decoded;
+  a.groups = AsSpan(groups);
+  a.group_sizes = AsSpan(group_sizes);
+  a.device = device;
+  a.run_id = run_id.run_id;
+  a.label = label;
+  a.request.kind = kind;
+  a.request.reduction = reduction;
+  a.request.axis = axis;
+  return ToFfi(RunCollective(a));
 }
 
-ffi::Error AllReduceImpl(int32_t device, ffi::RunId run_id, ffi::AnyBuffer x, ffi::Token,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+ffi::Error AllReduceImpl(int32_t device, ffi::RunId run_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
                          std::string_view reduction, std::string_view label) {
-  return Run(Kind::kAllReduce, device, run_id, x, *y, groups, group_sizes, reduction, 0, label);
+  return Run(Kind::kAllReduce, device, run_id, args, rets, groups, group_sizes, reduction, 0, label);
 }
 
-ffi::Error AllGatherImpl(int32_t device, ffi::RunId run_id, ffi::AnyBuffer x, ffi::Token,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+ffi::Error AllGatherImpl(int32_t device, ffi::RunId run_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
                          int64_t axis, std::string_view label) {
-  return Run(Kind::kAllGather, device, run_id, x, *y, groups, group_sizes, "", axis, label);
+  return Run(Kind::kAllGather, device, run_id, args, rets, groups, group_sizes, "", axis, label);
 }
 
-ffi::Error ReduceScatterImpl(int32_t device, ffi::RunId run_id, ffi::AnyBuffer x, ffi::Token,
-                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+ffi::Error ReduceScatterImpl(int32_t device, ffi::RunId run_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
                              ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
                              std::string_view reduction, int64_t axis, std::string_view label) {
-  return Run(Kind::kReduceScatter, device, run_id, x, *y, groups, group_sizes, reduction, axis, label);
+  return Run(Kind::kReduceScatter, device, run_id, args, rets, groups, group_sizes, reduction, axis, label);
 }
 
-// The common prefix of every binding: context, (x, token) -> (y, token), group table.
+// The common prefix of every binding: context, (x_1..x_k, token) -> (y_1..y_k, token), group table.
 auto Bind() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::DeviceOrdinal>()
       .Ctx<ffi::RunId>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Token>()
-      .Ret<ffi::AnyBuffer>()
-      .Ret<ffi::Token>()
+      .RemainingArgs()
+      .RemainingRets()
       .Attr<ffi::Span<const int64_t>>("groups")
       .Attr<ffi::Span<const int64_t>>("group_sizes");
 }

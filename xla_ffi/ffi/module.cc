@@ -81,6 +81,17 @@ TypedArray<Array> AsArray(nb::handle obj, const char* which, const char* require
   return t;
 }
 
+// One array or a list/tuple of arrays (the k operands of one call).
+std::vector<nb::handle> ArrayList(nb::handle obj) {
+  std::vector<nb::handle> items;
+  if (nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj)) {
+    for (nb::handle h : obj) items.push_back(h);
+  } else {
+    items.push_back(obj);
+  }
+  return items;
+}
+
 void EngineRun(const std::string& kind, const std::string& op, const std::vector<int64_t>& groups,
                const std::vector<int64_t>& group_sizes, int64_t device, int64_t run_id,
                nb::handle x_obj, nb::handle out_obj, int64_t axis, const std::string& label) {
@@ -88,13 +99,34 @@ void EngineRun(const std::string& kind, const std::string& op, const std::vector
   if (!k)
     throw nb::value_error(("engine_run: unknown kind '" + kind +
                            "' (expected all_reduce, all_gather or reduce_scatter)").c_str());
-  const auto xt = AsArray<InArray>(x_obj, "x", "C-contiguous");
-  const auto ot = AsArray<OutArray>(out_obj, "out", "writable, C-contiguous");
-  const auto &x = xt.array;
-  const auto &out = ot.array;
-  std::vector<int64_t> in_dims(x.ndim()), out_dims(out.ndim());
-  for (size_t i = 0; i < x.ndim(); ++i) in_dims[i] = static_cast<int64_t>(x.shape(i));
-  for (size_t i = 0; i < out.ndim(); ++i) out_dims[i] = static_cast<int64_t>(out.shape(i));
+  const std::vector<nb::handle> x_items = ArrayList(x_obj), out_items = ArrayList(out_obj);
+  if (x_items.empty() || x_items.size() != out_items.size())
+    throw nb::value_error(("engine_run: x and out must be one array each or lists of the same non-zero "
+                           "length (got " + std::to_string(x_items.size()) + " and " +
+                           std::to_string(out_items.size()) + ")").c_str());
+  const size_t count = x_items.size();
+  std::vector<TypedArray<InArray>> xs;
+  std::vector<TypedArray<OutArray>> outs;
+  xs.reserve(count);
+  outs.reserve(count);
+  std::vector<std::vector<int64_t>> in_dims(count), out_dims(count);
+  std::vector<OperandRequest> operands(count);
+  for (size_t i = 0; i < count; ++i) {
+    const std::string which = count > 1 ? "[" + std::to_string(i) + "]" : "";
+    xs.push_back(AsArray<InArray>(x_items[i], ("x" + which).c_str(), "C-contiguous"));
+    outs.push_back(AsArray<OutArray>(out_items[i], ("out" + which).c_str(), "writable, C-contiguous"));
+    const auto& x = xs.back().array;
+    const auto& out = outs.back().array;
+    for (size_t d = 0; d < x.ndim(); ++d) in_dims[i].push_back(static_cast<int64_t>(x.shape(d)));
+    for (size_t d = 0; d < out.ndim(); ++d) out_dims[i].push_back(static_cast<int64_t>(out.shape(d)));
+    OperandRequest& o = operands[i];
+    o.in_dtype = xs.back().dtype;
+    o.out_dtype = outs.back().dtype;
+    o.in_dims = in_dims[i];
+    o.out_dims = out_dims[i];
+    o.in = x.data();
+    o.out = out.data();
+  }
   CollectiveArgs args;
   args.groups = groups;
   args.group_sizes = group_sizes;
@@ -103,13 +135,8 @@ void EngineRun(const std::string& kind, const std::string& op, const std::vector
   args.label = label;
   args.request.kind = *k;
   args.request.reduction = op;
-  args.request.in_dtype = xt.dtype;
-  args.request.out_dtype = ot.dtype;
-  args.request.in_dims = in_dims;
-  args.request.out_dims = out_dims;
   args.request.axis = axis;
-  args.request.in = x.data();
-  args.request.out = out.data();
+  args.request.operands = operands;
   Status status;
   {
     nb::gil_scoped_release release;  // other "devices" are Python threads blocked in here too
@@ -162,7 +189,8 @@ NB_MODULE(_flexlink, m) {
         nb::arg("group_sizes"), nb::arg("device"), nb::arg("run_id"), nb::arg("x"),
         nb::arg("out"), nb::arg("axis") = 0, nb::arg("label") = "",
         "Runs one rank's part of a collective exactly as the FFI handler would, on C-contiguous "
-        "numpy arrays (out may be x: in place), with the GIL released. Raises RuntimeError with "
+        "numpy arrays, with the GIL released: x and out are one array each, or lists of k arrays "
+        "(one call of k operands). all_reduce's out may be x (in place). Raises RuntimeError with "
         "the handler's message.");
   m.def("stats", &Stats);
   m.def("reset_stats", &ResetLinkStats);

@@ -2,14 +2,16 @@
 
 #include <chrono>
 #include <thread>
+#include <vector>
 
 #include "xla_ffi/links/shm.h"
 #include "xla_ffi/links/tcp.h"
 
 namespace flexlink {
 
-double EmulatedPace::Seconds(const CallDesc& desc, size_t units, int n) const {
-  const double bytes = static_cast<double>(units * desc.width());
+double EmulatedPace::Seconds(const CallDesc& desc, std::span<const Piece> pieces, int n) const {
+  double bytes = 0;
+  for (const Piece& piece : pieces) bytes += static_cast<double>(piece.units.size() * desc.parts[piece.part].width());
   const double ranks = n;
   // Bytes the nccl-tests formula credits per second of link time, per byte of busbw.
   double moved = 0;
@@ -21,14 +23,14 @@ double EmulatedPace::Seconds(const CallDesc& desc, size_t units, int n) const {
   return latency_us.load() * 1e-6 + moved / (gbps.load() * 1e9);
 }
 
-Status EmulatedChannel::Run(CallContext& ctx, int rank, int lane, UnitRange range) {
+Status EmulatedChannel::Run(CallContext& ctx, int rank, int lane, std::span<const Piece> pieces) {
   // Under the executor the clock starts when the range was posted (see CallContext::DispatchTime).
   const auto dispatched = ctx.DispatchTime(rank);
   const auto start = dispatched.time_since_epoch().count() != 0 ? dispatched
                                                                  : std::chrono::steady_clock::now();
-  FLEXLINK_RETURN_IF_ERROR(base_->Run(ctx, rank, lane, range));
-  if (range.size() == 0) return Status::Ok();
-  const double seconds = pace_->Seconds(ctx.desc(rank), range.size(), ctx.size());
+  FLEXLINK_RETURN_IF_ERROR(base_->Run(ctx, rank, lane, pieces));
+  if (pieces.empty()) return Status::Ok();
+  const double seconds = pace_->Seconds(ctx.desc(rank), pieces, ctx.size());
   std::this_thread::sleep_until(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                             std::chrono::duration<double>(seconds)));
   return Status::Ok();
@@ -37,7 +39,9 @@ Status EmulatedChannel::Run(CallContext& ctx, int rank, int lane, UnitRange rang
 Status EmulatedChannel::RunAlone(CallContext& ctx, int rank, const CallDesc& desc) {
   FLEXLINK_RETURN_IF_ERROR(ctx.Arrive(rank, desc, link_name()));
   ctx.SetDispatchTime(rank, ctx.ArrivedTime());
-  return Run(ctx, rank, /*lane=*/0, UnitRange{0, desc.units});
+  thread_local std::vector<Piece> pieces;
+  desc.AllPieces(&pieces);
+  return Run(ctx, rank, /*lane=*/0, pieces);
 }
 
 EmulatedLink::EmulatedLink(std::string name, std::unique_ptr<Link> base, double gbps, double latency_us)

@@ -5,7 +5,7 @@
 //
 // A range runs on the base channel, then the rank sleeps (sleep_until: no CPU burnt, this machine has
 // two cores) until start + latency + time, where `time` makes the nccl-tests bus bandwidth of the
-// range equal gbps (GB/s, 1e9 bytes/s):
+// range equal gbps (GB/s, 1e9 bytes/s), with `range bytes` summed over the range's pieces of every part:
 //   all_reduce      algbw = range bytes / time,            busbw = algbw * 2(n-1)/n
 //   all_gather      algbw = range bytes * n / time,        busbw = algbw * (n-1)/n   (gathered output)
 //   reduce_scatter  algbw = range bytes * n / time,        busbw = algbw * (n-1)/n   (input of the range)
@@ -27,8 +27,9 @@ namespace flexlink {
 struct EmulatedPace {
   std::atomic<double> gbps{1.0};
   std::atomic<double> latency_us{0.0};
-  // Seconds a range of `desc` with `units` units on `n` ranks takes at this pace.
-  double Seconds(const CallDesc& desc, size_t units, int n) const;
+  // Seconds the pieces of `desc` on `n` ranks take at this pace (a piece of u units counts u
+  // elements of its part, as bytes in the formulas above).
+  double Seconds(const CallDesc& desc, std::span<const Piece> pieces, int n) const;
 };
 
 class EmulatedChannel final : public Channel {
@@ -36,7 +37,7 @@ class EmulatedChannel final : public Channel {
   EmulatedChannel(std::string name, std::unique_ptr<Channel> base, std::shared_ptr<const EmulatedPace> pace)
       : name_(std::move(name)), base_(std::move(base)), pace_(std::move(pace)) {}
   std::string_view link_name() const override { return name_; }
-  Status Run(CallContext& ctx, int rank, int lane, UnitRange range) override;
+  Status Run(CallContext& ctx, int rank, int lane, std::span<const Piece> pieces) override;
   // Alone, too, the pace starts when the last rank arrived (as under the executor), so one link alone
   // and a split are timed alike.
   Status RunAlone(CallContext& ctx, int rank, const CallDesc& desc) override;

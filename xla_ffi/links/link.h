@@ -10,18 +10,13 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/rendezvous.h"
 #include "xla_ffi/core/status.h"
 
 namespace flexlink {
-
-struct UnitRange {
-  size_t begin = 0;
-  size_t end = 0;
-  size_t size() const { return end - begin; }
-};
 
 class Channel {
  public:
@@ -30,20 +25,23 @@ class Channel {
   // The name of the link this channel belongs to (stats and error messages use it).
   virtual std::string_view link_name() const = 0;
 
-  // Runs units [range.begin, range.end) of `ctx`'s call for `rank`. Called by every rank of the call,
-  // each on its own thread, after ctx.Arrive returned OK, so every rank's buffers are in
-  // ctx.desc(r). `lane` is this channel's private barrier sequence in ctx (ranges of one call may run
-  // on several channels concurrently). Touches the call's buffers only within the range (a channel
-  // may write peers' outputs there, as shm does), and must not return while a peer may still read or
-  // write this rank's buffers within the range.
-  virtual Status Run(CallContext& ctx, int rank, int lane, UnitRange range) = 0;
+  // Runs `pieces` of `ctx`'s call for `rank`: each a part and a unit range of it (core/call.h), in
+  // order, part by part. Called by every rank of the call with the same pieces, each rank on its own
+  // thread, after ctx.Arrive returned OK, so every rank's buffers are in ctx.desc(r). `lane` is this
+  // channel's private barrier sequence in ctx (ranges of one call may run on several channels
+  // concurrently). Touches the call's buffers only within the pieces (a channel may write peers'
+  // outputs there, as shm does), and must not return while a peer may still read or write this
+  // rank's buffers within them.
+  virtual Status Run(CallContext& ctx, int rank, int lane, std::span<const Piece> pieces) = 0;
 
   // Runs the whole call on this channel alone, the arrival included. The default arrives and runs
-  // every unit; a channel may do work before arriving (shm stages small inputs so that the arrival
-  // is the only rendezvous of the call).
+  // every part whole; a channel may do work before arriving (shm stages small inputs, all parts of
+  // the call together, so that the arrival is the only rendezvous of the call).
   virtual Status RunAlone(CallContext& ctx, int rank, const CallDesc& desc) {
     FLEXLINK_RETURN_IF_ERROR(ctx.Arrive(rank, desc, link_name()));
-    return Run(ctx, rank, /*lane=*/0, UnitRange{0, desc.units});
+    thread_local std::vector<Piece> pieces;
+    desc.AllPieces(&pieces);
+    return Run(ctx, rank, /*lane=*/0, pieces);
   }
 };
 

@@ -26,7 +26,7 @@ constexpr uint32_t kMagic = 0x544c4646;  // "FFLT"
 struct Header {
   uint32_t magic = kMagic;
   uint32_t kind = 0;
-  uint64_t run = 0, begin = 0, end = 0;
+  uint64_t run = 0, part = 0, begin = 0, end = 0;
 };
 
 // Calls f(unit offset from a, element offset in the buffer, count) for the row pieces of units
@@ -50,9 +50,10 @@ struct Wire {
   size_t w, ww;         // storage and wire width
   bool half() const { return dtype == DType::kF16 || dtype == DType::kBF16; }
 
-  explicit Wire(const CallDesc& d) : dtype(d.dtype), w(d.width()) {
+  Wire(DType t, ReduceOp op) : dtype(t), w(ByteWidth(t)) {
     ww = half() ? 4 : w;
-    kernel = GetReduceKernel(half() ? DType::kF32 : d.dtype, d.op);
+    // all_gather has no reduction; its kernel is never called (sum exists for every dtype).
+    kernel = GetReduceKernel(half() ? DType::kF32 : t, op);
   }
   // dst (wire) = src (storage)
   void Load(char* dst, const char* src, size_t count) const {
@@ -90,24 +91,27 @@ struct Wire {
 
 }  // namespace
 
-// One rank's part of one range: builds the stream items of its collective and pumps them.
+// One rank's part of one piece (a part's unit range): builds the stream items of its collective and
+// pumps them.
 class TcpRun {
  public:
-  TcpRun(TcpChannel& ch, const CallDesc& d, int n, int rank, UnitRange range)
-      : ch_(ch), d_(d), n_(n), k_(rank), range_(range), st_(ch.ranks_[rank]), wire_(d),
+  TcpRun(TcpChannel& ch, const CallDesc& call, int n, int rank, const Piece& piece)
+      : ch_(ch), call_(call), d_(call.parts[piece.part]), n_(n), k_(rank), piece_(piece), range_(piece.units),
+        st_(ch.ranks_[rank]), wire_(d_.dtype, call.op),
         io_(st_.send_fd, st_.recv_fd, ch.abort_fd_, net::DeadlineIn(TimeoutSeconds())) {
     cu_ = std::max<size_t>(1, kChunkBytes / wire_.ww);
-    m_ = (range.size() + cu_ - 1) / cu_;
-    out_ = static_cast<char*>(d.out);
-    in_ = static_cast<const char*>(d.in);
+    m_ = (range_.size() + cu_ - 1) / cu_;
+    out_ = static_cast<char*>(d_.out);
+    in_ = static_cast<const char*>(d_.in);
   }
 
   Status Go() {
-    header_out_ = Header{kMagic, static_cast<uint32_t>(d_.kind), st_.runs.load(), range_.begin, range_.end};
+    header_out_ = Header{kMagic, static_cast<uint32_t>(call_.kind), st_.runs.load(), piece_.part, range_.begin,
+                         range_.end};
     st_.runs.fetch_add(1);
     io_.Send(&header_out_, sizeof header_out_);
     io_.Recv(&header_in_, sizeof header_in_);
-    switch (d_.kind) {
+    switch (call_.kind) {
       case Kind::kAllReduce: AllReduce(); break;
       case Kind::kAllGather: AllGather(); break;
       case Kind::kReduceScatter: ReduceScatter(); break;
@@ -248,13 +252,14 @@ class TcpRun {
   std::string BadHeader() const {
     char b[256];
     std::snprintf(b, sizeof b,
-                  ": rank %d sent run #%llu range [%llu, %llu) kind %u while this rank runs #%llu range "
-                  "[%zu, %zu) (every rank must run a channel's ranges in the same order)",
+                  ": rank %d sent run #%llu part %llu range [%llu, %llu) kind %u while this rank runs #%llu "
+                  "part %zu range [%zu, %zu) (every rank must run a channel's ranges in the same order)",
                   (k_ + n_ - 1) % n_, static_cast<unsigned long long>(header_in_.run),
+                  static_cast<unsigned long long>(header_in_.part),
                   static_cast<unsigned long long>(header_in_.begin),
                   static_cast<unsigned long long>(header_in_.end), header_in_.kind,
-                  static_cast<unsigned long long>(header_out_.run), range_.begin, range_.end);
-    return ch_.Where(d_, range_) + b;
+                  static_cast<unsigned long long>(header_out_.run), piece_.part, range_.begin, range_.end);
+    return Where() + b;
   }
 
   Status Finish(net::Streams::Result r) {
@@ -268,17 +273,17 @@ class TcpRun {
       case R::kOk: return Status::Ok();
       case R::kAborted: return ch_.health();
       case R::kRecvTimeout:
-        return Fail(Status::DeadlineExceeded(ch_.Where(d_, range_) + ": timed out after " + secs + " s" +
+        return Fail(Status::DeadlineExceeded(Where() + ": timed out after " + secs + " s" +
                                              Absent() + " waiting for " + ch_.RankName(prev) + " to send" + got));
       case R::kSendTimeout:
-        return Fail(Status::DeadlineExceeded(ch_.Where(d_, range_) + ": timed out after " + secs + " s" +
+        return Fail(Status::DeadlineExceeded(Where() + ": timed out after " + secs + " s" +
                                              Absent() + " waiting for " + ch_.RankName(next) + " to receive"));
       case R::kClosed:
-        return Fail(Status::Internal(ch_.Where(d_, range_) + ": connection to a neighbour (" +
+        return Fail(Status::Internal(Where() + ": connection to a neighbour (" +
                                      ch_.RankName(prev) + " or " + ch_.RankName(next) + ") closed" + got));
       case R::kError:
         errno = io_.error_number();
-        return Fail(Status::Internal(ch_.Where(d_, range_) + ": " + net::ErrnoText("socket I/O")));
+        return Fail(Status::Internal(Where() + ": " + net::ErrnoText("socket I/O")));
     }
     return Status::Internal("tcp: unknown result");
   }
@@ -299,9 +304,13 @@ class TcpRun {
     return ch_.health();
   }
 
+  std::string Where() const { return ch_.Where(call_, piece_); }
+
   TcpChannel& ch_;
-  const CallDesc& d_;
+  const CallDesc& call_;
+  const Part& d_;
   const int n_, k_;
+  const Piece piece_;
   const UnitRange range_;
   TcpChannel::RankState& st_;
   const Wire wire_;
@@ -379,24 +388,30 @@ std::string TcpChannel::RankName(int rank) const {
   return "rank " + std::to_string(rank) + " (device " + std::to_string(devices_[rank]) + ")";
 }
 
-std::string TcpChannel::Where(const CallDesc& d, UnitRange range) const {
-  return "flexlink: " + d.Describe() + " on group " + FormatIds(devices_) + " (link " + name_ +
-         ", units [" + std::to_string(range.begin) + ", " + std::to_string(range.end) + "))";
+std::string TcpChannel::Where(const CallDesc& d, const Piece& piece) const {
+  std::string s = "flexlink: " + d.Describe() + " on group " + FormatIds(devices_) + " (link " + name_;
+  if (d.parts.size() > 1) s += ", operand " + std::to_string(piece.part);
+  return s + ", units [" + std::to_string(piece.units.begin) + ", " + std::to_string(piece.units.end) + "))";
 }
 
-Status TcpChannel::Run(CallContext& ctx, int rank, int /*lane*/, UnitRange range) {
+Status TcpChannel::Run(CallContext& ctx, int rank, int /*lane*/, std::span<const Piece> pieces) {
   // No barrier at the end: this rank touched only its own buffers, and its sends were copied into
-  // the kernel before Pump returned, so peers never need them after we return.
-  if (broken_.load()) return health();
-  if (range.size() == 0) return Status::Ok();
+  // the kernel before Pump returned, so peers never need them after we return. Pieces run one after
+  // another, each a stream run with its own header: every rank runs the same pieces in order.
   const CallDesc& d = ctx.desc(rank);
-  if (ctx.size() == 1) {  // no ring: every kind is the identity, and the range is contiguous in both
-    std::memmove(static_cast<char*>(d.out) + range.begin * d.width(),
-                 static_cast<const char*>(d.in) + range.begin * d.width(), range.size() * d.width());
-    return Status::Ok();
+  for (const Piece& piece : pieces) {
+    if (broken_.load()) return health();
+    if (piece.units.empty()) continue;
+    const Part& p = d.parts[piece.part];
+    if (ctx.size() == 1) {  // no ring: every kind is the identity, and the range is contiguous in both
+      std::memmove(static_cast<char*>(p.out) + piece.units.begin * p.width(),
+                   static_cast<const char*>(p.in) + piece.units.begin * p.width(), piece.units.size() * p.width());
+      continue;
+    }
+    TcpRun run(*this, d, ctx.size(), rank, piece);
+    FLEXLINK_RETURN_IF_ERROR(run.Go());
   }
-  TcpRun run(*this, ctx.desc(rank), ctx.size(), rank, range);
-  return run.Go();
+  return Status::Ok();
 }
 
 Status TcpLink::FromSpec(const plan::LinkSpec& spec, std::unique_ptr<Link>* out) {

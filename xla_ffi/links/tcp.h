@@ -50,7 +50,7 @@ class TcpChannel final : public Channel {
   ~TcpChannel() override;
 
   std::string_view link_name() const override { return name_; }
-  Status Run(CallContext& ctx, int rank, int lane, UnitRange range) override;
+  Status Run(CallContext& ctx, int rank, int lane, std::span<const Piece> pieces) override;
 
   // OK, or why the channel cannot be used (connection failure, or the first failure of a run).
   Status health() const;
@@ -65,7 +65,7 @@ class TcpChannel final : public Channel {
     std::vector<char> scratch;  // partials / forwarded blocks; grows to the largest range seen
   };
   void Break(Status why);  // records the first failure and wakes every rank
-  std::string Where(const CallDesc& d, UnitRange range) const;
+  std::string Where(const CallDesc& d, const Piece& piece) const;
   std::string RankName(int rank) const;
   friend class TcpRun;
 

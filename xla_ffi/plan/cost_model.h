@@ -21,7 +21,7 @@
 
 namespace flexlink::plan {
 
-inline constexpr size_t kNumKinds = 3;  // all_reduce, all_gather, reduce_scatter (core/types.h)
+using flexlink::kNumKinds;  // collective kinds (core/types.h)
 inline size_t KindIndex(Kind k) { return static_cast<size_t>(k); }
 
 struct AlphaBeta {
