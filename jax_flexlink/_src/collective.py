@@ -203,11 +203,6 @@ def define(spec: Collective) -> compat.Primitive:
   return prim
 
 
-# Whether the engine takes k operands per custom call (xla_ffi/ffi/handlers.cc); without it, a
-# k-operand equation becomes k chained calls.
-MULTI_OPERAND_CALLS = False
-
-
 def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, avals_out=None,
                      **attrs):
   """Emits `target(x_1, ..., x_k, token) -> (y_1, ..., y_k, token)` and threads the FlexLink
@@ -218,20 +213,11 @@ def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, a
   """
   ordering, = (e for e in ctx.tokens_in.effects() if isinstance(e, FlexLinkOrdering))
   token = ctx.tokens_in.get(ordering)
-  avals_in = list(avals_in or ctx.avals_in)
-  avals_out = list(avals_out or ctx.avals_out)
-  calls = ([list(range(len(operands)))] if MULTI_OPERAND_CALLS
-           else [[i] for i in range(len(operands))])
-  results = [None] * len(operands)
-  for members in calls:
-    call_ctx = ctx.replace(avals_in=[*(avals_in[i] for i in members), compat.abstract_token],
-                           avals_out=[*(avals_out[i] for i in members), compat.abstract_token])
-    alias = {j: j for j, i in enumerate(members) if i in aliases}
-    op = compat.build_ffi_lowering_function(
-        target, has_side_effect=True, operand_output_aliases=alias or None,
-    )(call_ctx, *(operands[i] for i in members), token, **attrs)
-    *ys, token = op.results
-    for i, y in zip(members, ys):
-      results[i] = y
-  ctx.set_tokens_out(ctx.tokens_in.update_tokens(compat.TokenSet({ordering: token})))
-  return results
+  call_ctx = ctx.replace(avals_in=[*(avals_in or ctx.avals_in), compat.abstract_token],
+                         avals_out=[*(avals_out or ctx.avals_out), compat.abstract_token])
+  op = compat.build_ffi_lowering_function(
+      target, has_side_effect=True, operand_output_aliases={i: i for i in aliases} or None,
+  )(call_ctx, *operands, token, **attrs)
+  *ys, token_out = op.results
+  ctx.set_tokens_out(ctx.tokens_in.update_tokens(compat.TokenSet({ordering: token_out})))
+  return ys
