@@ -108,6 +108,12 @@ def _words(s):
     return out
 
 
+def test_footer_without_rows():
+    """Every section skipped or failed: the footer says no row ran, not that the check passed or was off."""
+    lines = table.footer([], baseline=True)
+    assert lines == ["# Out of bounds values : 0 (no rows ran)", "# Avg bus bandwidth    : N/A (no rows)"]
+
+
 def test_footer():
     rows = [_row(), _row(busbw_gbps=0.1, wrong=3)]
     lines = table.footer(rows, baseline=True)
