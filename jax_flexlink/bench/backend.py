@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import collectives
+
 AXIS = "x"
 
 
@@ -45,6 +47,14 @@ class FlexLink:
             return lambda x: fn(x, AXIS)
         if collective == "all_gather":
             return lambda x: api.all_gather(x, AXIS, axis=0, tiled=True)
+        if collective in ("ppermute", "all_to_all"):
+            fn = getattr(api, collective, None)
+            if fn is None:
+                raise Unsupported(f"{self.label} has no {collective} (an older jax_flexlink; upgrade it)")
+            if collective == "ppermute":
+                perm = collectives.ring_perm(nranks)
+                return lambda x: fn(x, AXIS, perm)
+            return lambda x: fn(x, AXIS, 0, 0, tiled=True)
         if op != "sum":
             raise Unsupported(f"{self.label} has only psum_scatter (sum) for reduce_scatter, as lax")
         return lambda x: api.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
@@ -96,7 +106,8 @@ def load_flexlink(impl: str = "flexlink") -> FlexLink:
     """impl 'flexlink' imports jax_flexlink; 'lax' (harness self-test only) stands jax.lax in for it."""
     if impl == "lax":
         api = types.SimpleNamespace(psum=lax.psum, pmax=lax.pmax, pmin=lax.pmin,
-                                    all_gather=lax.all_gather, psum_scatter=lax.psum_scatter)
+                                    all_gather=lax.all_gather, psum_scatter=lax.psum_scatter,
+                                    ppermute=lax.ppermute, all_to_all=lax.all_to_all)
         return FlexLink(api, "jax.lax (harness self-test, not FlexLink)", selftest=True)
     try:
         import jax_flexlink
@@ -128,6 +139,11 @@ def native_body(collective: str, op: str, nranks: int):
         return (lambda x: fn(x, AXIS)), f"lax.{fn.__name__}"
     if collective == "all_gather":
         return (lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)), "lax.all_gather(tiled=True)"
+    if collective == "ppermute":
+        perm = collectives.ring_perm(nranks)
+        return (lambda x: lax.ppermute(x, AXIS, perm)), "lax.ppermute(ring +1)"
+    if collective == "all_to_all":
+        return (lambda x: lax.all_to_all(x, AXIS, 0, 0, tiled=True)), "lax.all_to_all(0, 0, tiled=True)"
     if op == "sum":
         return ((lambda x: lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)),
                 "lax.psum_scatter(tiled=True)")

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "nccl-tests style benchmark of jax_flexlink collectives against jax.lax's, inside\n"
             "jax.shard_map over a 1-D mesh of host devices. Sizes are bytes per device as in nccl-tests:\n"
-            "AllReduce: the buffer; AllGather: the gathered output; ReduceScatter: the input.\n"
+            "AllReduce, SendRecv (ppermute), AlltoAll: the buffer; AllGather: the gathered output;\n"
+            "ReduceScatter: the input.\n"
             "Every row checks the result against an exactly known expected output (#wrong); any wrong\n"
             "element makes the exit status 1. Without arguments: AllReduce and AllGather, float32 sum,\n"
             "8 host devices, 4K..64M, FlexLink vs native, in-place and out-of-place."),
@@ -77,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add this many bytes between rows instead (used when -f is not > 1)")
     g = p.add_argument_group("what to run")
     g.add_argument("-C", "--collective",
-                   help="all_reduce, all_gather, reduce_scatter, a comma list, or all "
-                        "(default all_reduce,all_gather)")
+                   help="all_reduce, all_gather, reduce_scatter, ppermute (SendRecv: a ring shift by +1), "
+                        "all_to_all, a comma list, or all (default all_reduce,all_gather)")
     g.add_argument("-o", "--op", help="reduction: sum, prod, max, min, a comma list, or all (default sum); "
-                                      "AllGather has none")
+                                      "AllGather, SendRecv and AlltoAll have none")
     g.add_argument("-d", "--datatype",
                    help="float (float32), half, bfloat16, double, int8, uint8, int16, uint16, int32, "
                         "uint32, int64, uint64, a comma list, or all (default float)")

@@ -3,9 +3,10 @@
 Pure Python (numpy for dtypes only): no jax import, so the CLI can parse flags before jax starts.
 
 Size conventions follow nccl-tests: a row's `bytes` is the larger of the per-rank send and receive
-buffers, i.e. the per-rank buffer for AllReduce, the gathered output for AllGather and the per-rank input
-for ReduceScatter; `count` is the number of elements each rank contributes (AllReduce: the whole buffer;
-AllGather: its input; ReduceScatter: its output), as nccl-tests prints it.
+buffers, i.e. the per-rank buffer for AllReduce, SendRecv (ppermute) and AlltoAll, the gathered output for
+AllGather and the per-rank input for ReduceScatter; `count` is what nccl-tests prints (its `paramcount`):
+AllReduce and SendRecv the whole buffer, AllGather its input, ReduceScatter its output, AlltoAll one
+peer's block (the buffer holds n of them; nccl-tests' src/alltoall.cu: paramcount = count/nranks).
 """
 
 from __future__ import annotations
@@ -44,43 +45,65 @@ OPS = ["sum", "prod", "max", "min"]
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    name: str            # CLI name: all_reduce, all_gather, reduce_scatter
-    title: str           # nccl-tests name: AllReduce, ...
+    name: str            # CLI name: all_reduce, all_gather, reduce_scatter, ppermute, all_to_all
+    title: str           # nccl-tests name: AllReduce, ..., SendRecv, AlltoAll
     has_op: bool         # whether a reduction op applies
+    busbw_formula: str   # the factor busbw_factor computes, as the table's preamble prints it
 
     def busbw_factor(self, nranks: int) -> float:
-        """nccl-tests: AllReduce 2(n-1)/n; AllGather, ReduceScatter (n-1)/n."""
+        """nccl-tests: AllReduce 2(n-1)/n; AllGather, ReduceScatter, AlltoAll (n-1)/n; SendRecv 1."""
         if nranks <= 0:
             raise ValueError("nranks must be positive")
         if self.name == "all_reduce":
             return 2.0 * (nranks - 1) / nranks
+        if self.name == "ppermute":
+            return 1.0
         return (nranks - 1) / nranks
 
     def counts(self, nbytes: int, itemsize: int, nranks: int) -> tuple[int, int, int]:
         """(count, in_elems, out_elems) per rank for a requested size, truncated as nccl-tests does."""
-        if self.name == "all_reduce":
+        if self.name in ("all_reduce", "ppermute"):
             count = nbytes // itemsize
             return count, count, count
         count = nbytes // itemsize // nranks
         if self.name == "all_gather":
             return count, count, count * nranks
+        if self.name == "all_to_all":                # count: one peer's block; the buffer has n
+            return count, count * nranks, count * nranks
         return count, count * nranks, count          # reduce_scatter
 
     def actual_bytes(self, count: int, itemsize: int, nranks: int) -> int:
         """The size a row reports: max(send, receive) bytes per rank."""
-        if self.name == "all_reduce":
+        if self.name in ("all_reduce", "ppermute"):
             return count * itemsize
         return count * itemsize * nranks
 
 
-COLLECTIVES: dict[str, Collective] = {
-    "all_reduce": Collective("all_reduce", "AllReduce", True),
-    "all_gather": Collective("all_gather", "AllGather", False),
-    "reduce_scatter": Collective("reduce_scatter", "ReduceScatter", True),
-}
+COLLECTIVES: dict[str, Collective] = {c.name: c for c in [
+    Collective("all_reduce", "AllReduce", True, "2(n-1)/n"),
+    Collective("all_gather", "AllGather", False, "(n-1)/n"),
+    Collective("reduce_scatter", "ReduceScatter", True, "(n-1)/n"),
+    Collective("ppermute", "SendRecv", False, "1"),
+    Collective("all_to_all", "AlltoAll", False, "(n-1)/n"),
+]}
 COLLECTIVE_ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather",
                       "reducescatter": "reduce_scatter", "psum": "all_reduce",
-                      "psum_scatter": "reduce_scatter"}
+                      "psum_scatter": "reduce_scatter", "sendrecv": "ppermute",
+                      "alltoall": "all_to_all"}
+
+
+def ring_perm(nranks: int) -> list[tuple[int, int]]:
+    """The benchmark's ppermute: a ring shift by +1, rank i sends to i+1 (nccl-tests' SendRecv)."""
+    return [(i, (i + 1) % nranks) for i in range(nranks)]
+
+
+def busbw_legend(names) -> str:
+    """'2(n-1)/n (AllReduce), (n-1)/n (AllGather, ReduceScatter)' for the given collectives."""
+    by_formula: dict[str, list[str]] = {}
+    for name in names:
+        c = COLLECTIVES[name]
+        by_formula.setdefault(c.busbw_formula, []).append(c.title)
+    return ", ".join(f"{f} ({', '.join(titles)})" for f, titles in by_formula.items())
 DEFAULT_COLLECTIVES = ["all_reduce", "all_gather"]
 
 

@@ -83,7 +83,10 @@ def expected_output(collective: str, op: str, inputs: np.ndarray) -> np.ndarray:
     """What every rank must hold after the collective.
 
     inputs: (nranks, in_elems) as from make_inputs. Returns (1, out_elems) when all ranks get the same
-    result (AllReduce, AllGather) and (nranks, out_elems) otherwise (ReduceScatter: row r is rank r's).
+    result (AllReduce, AllGather) and (nranks, out_elems) otherwise (row r is rank r's): ReduceScatter
+    (rank r's block of the reduction), ppermute (the benchmark's ring shift by +1, collectives.ring_perm:
+    rank r holds rank r-1's buffer) and all_to_all (split_axis = concat_axis = 0, tiled, on the flat
+    buffer: rank r's block j is rank j's block r). op is ignored where there is no reduction.
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}")
@@ -92,8 +95,13 @@ def expected_output(collective: str, op: str, inputs: np.ndarray) -> np.ndarray:
         return _reduce(op, inputs)[None, :]
     if collective == "all_gather":
         return inputs.reshape(1, nranks * elems)
+    if collective == "ppermute":
+        return np.roll(inputs, 1, axis=0)  # row r = inputs[(r - 1) % nranks]
     if elems % nranks:
-        raise ValueError(f"reduce_scatter input of {elems} elements does not split over {nranks} ranks")
+        raise ValueError(f"{collective} input of {elems} elements does not split over {nranks} ranks")
+    if collective == "all_to_all":
+        blocks = inputs.reshape(nranks, nranks, elems // nranks)    # [source rank, block, element]
+        return np.ascontiguousarray(blocks.swapaxes(0, 1)).reshape(nranks, elems)
     return _reduce(op, inputs).reshape(nranks, elems // nranks)
 
 

@@ -7,6 +7,8 @@ import math
 import os
 import platform
 
+from .collectives import COLLECTIVES
+
 SCHEMA = "jax_flexlink.bench/1"
 
 # field -> allowed types (None allowed where listed). The issue's required row fields come first.
@@ -104,6 +106,10 @@ def validate(doc: dict) -> list[str]:
     for k in SUMMARY_FIELDS:
         if k not in doc.get("summary", {}):
             errs.append(f"summary lacks {k!r}")
+    skipped = doc.get("summary", {}).get("skipped") if isinstance(doc.get("summary"), dict) else None
+    if skipped is not None and not (isinstance(skipped, list) and all(
+            isinstance(s, dict) and {"collective", "op", "dtype", "reason"} <= set(s) for s in skipped)):
+        errs.append("summary.skipped must be a list of {collective, op, dtype, reason}")
     for i, row in enumerate(doc.get("rows", []) if isinstance(doc.get("rows"), list) else []):
         if not isinstance(row, dict):
             errs.append(f"rows[{i}] is not an object")
@@ -113,9 +119,32 @@ def validate(doc: dict) -> list[str]:
                 errs.append(f"rows[{i}] lacks {k!r}")
             elif not isinstance(row[k], types) or (isinstance(row[k], bool) and bool not in types):
                 errs.append(f"rows[{i}].{k} has type {type(row[k]).__name__}")
+        errs.extend(f"rows[{i}]: {e}" for e in _row_conventions(row))
         sh = row.get("shares")
         if isinstance(sh, dict) and not all(isinstance(v, _NUM) and 0 <= v <= 1 for v in sh.values()):
             errs.append(f"rows[{i}].shares must map link names to fractions in [0, 1]")
+    return errs
+
+
+def _row_conventions(row: dict) -> list[str]:
+    """A row's collective is known, its op is 'none' exactly when the collective has no reduction, and
+    busbw = algbw x the collective's nccl-tests factor for the row's device count (both sides)."""
+    coll = COLLECTIVES.get(row.get("collective"))
+    if coll is None:
+        return [f"unknown collective {row.get('collective')!r}; expected one of {', '.join(COLLECTIVES)}"]
+    errs = []
+    if (row.get("op") == "none") == coll.has_op:
+        errs.append(f"op {row.get('op')!r} for {coll.name}, which " +
+                    ("reduces (sum, prod, max, min)" if coll.has_op else "has no reduction ('none')"))
+    devices = row.get("devices")
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        factor = coll.busbw_factor(devices)
+        for prefix in ("", "baseline_"):
+            alg, bus = row.get(f"{prefix}algbw_gbps"), row.get(f"{prefix}busbw_gbps")
+            if isinstance(alg, _NUM) and isinstance(bus, _NUM) and not math.isclose(
+                    bus, alg * factor, rel_tol=1e-9, abs_tol=1e-12):
+                errs.append(f"{prefix}busbw_gbps {bus} is not algbw x {coll.busbw_formula} "
+                            f"(= {alg * factor}) for {coll.title} on {devices} devices")
     return errs
 
 
@@ -149,7 +178,7 @@ def plot(path: str, rows: list[dict], title: str = "") -> None:
 
     from .sizes import format_size
 
-    collectives = list(dict.fromkeys(r["collective"] for r in rows))
+    collectives = [c for c in COLLECTIVES if any(r["collective"] == c for r in rows)]
     fig, axes = plt.subplots(1, max(1, len(collectives)), figsize=(6 * max(1, len(collectives)), 4.5),
                              squeeze=False)
     for ax, coll in zip(axes[0], collectives):
@@ -168,8 +197,9 @@ def plot(path: str, rows: list[dict], title: str = "") -> None:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_size(int(v)) if v >= 1 else ""))
         ax.set_xlabel("size per rank (bytes)")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.set_title(coll)
+        info = COLLECTIVES[coll]
+        ax.set_ylabel(f"busbw = algbw x {info.busbw_formula} (GB/s)")
+        ax.set_title(f"{info.title} ({coll}{', ring shift +1' if coll == 'ppermute' else ''})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     if title:

@@ -33,6 +33,15 @@ def _wrong(out, expected: np.ndarray, mesh_devices: list) -> int:
     return total
 
 
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line: its first line, and its last one where they differ (an
+    error that carries a traceback, such as XLA's for a failed host callback, names the cause last)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[-1] != lines[0]:
+        return f"{lines[0]} ... {lines[-1]}"
+    return lines[0] if lines else ""
+
+
 def _pointers(arr) -> set[int]:
     try:
         return {s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
@@ -57,6 +66,7 @@ class Runner:
         self.rows: list[dict] = []
         self.notes: list[str] = []
         self.errors: list[str] = []
+        self.skipped: list[dict] = []   # sections whose FlexLink side could not run, with the reason
 
     def say(self, line: str = "") -> None:
         print(line, file=self.out, flush=True)
@@ -99,7 +109,7 @@ class Runner:
         other = table.other_stat(cfg.stat)
         self.say(f"# time = {cfg.stat} over iterations (FlexLink and native interleaved call by call, order "
                  f"alternating; min/median/mean/max in --json); algbw = bytes/time; busbw = algbw x "
-                 "2(n-1)/n (AllReduce), (n-1)/n (AllGather, ReduceScatter); speedup = native time / "
+                 f"{collectives.busbw_legend(cfg.collectives)}; speedup = native time / "
                  f"FlexLink time; '{other}' = the same ratio of {other} times")
         if self.flex.selftest:
             self.say("# WARNING: self-test mode: the 'FlexLink' columns are jax.lax, not FlexLink")
@@ -110,28 +120,41 @@ class Runner:
         coll = collectives.COLLECTIVES[coll_name]
         n = cfg.devices
         op_label = op if coll.has_op else "none"
+        itemsize = collectives.DTYPES[dtype].itemsize
         try:
             flex_body = self.flex.body(coll_name, op, n)
         except Unsupported as e:
-            self.say(f"# {coll.title} {op_label} {dtype}: skipped: {e}")
-            self.notes.append(f"{coll_name} {op_label} {dtype} skipped: {e}")
+            self._skip(coll, op_label, dtype, str(e))
             return
         native = None
         if cfg.baseline == "native":
             nbody, nimpl = backend.native_body(coll_name, op, n)
             native = (nbody, nimpl)
-        title = f"{coll.title}  op {op_label}  type {dtype}  on {n} devices"
-        if native:
-            title += f"  (native = {native[1]})"
-        self.say()
-        for line in table.header(title, cfg.modes, native is not None, stat=cfg.stat):
-            self.say(line)
         fns = {}
         for inplace in cfg.modes:
             fns[("flex", inplace)] = backend.compile_collective(flex_body, self.mesh, inplace)
             if native:
                 fns[("native", inplace)] = backend.compile_collective(native[0], self.mesh, inplace)
-        itemsize = collectives.DTYPES[dtype].itemsize
+        first = next((s for s in cfg.sizes if coll.counts(s, itemsize, n)[0] > 0), None)
+        if first is not None:
+            # jax_flexlink raises NotImplementedError at lowering for what this build cannot run (an
+            # engine without the collective's target, a dtype it lacks): the FlexLink side is skipped
+            # with jax_flexlink's reason. Anything else it raises fails the section (below, in run).
+            shape = (n * coll.counts(first, itemsize, n)[1],)
+            arg = jax.ShapeDtypeStruct(shape, collectives.DTYPES[dtype], sharding=self.sharding)
+            try:
+                fns[("flex", cfg.modes[0])].lower(arg)
+            except NotImplementedError as e:
+                self._skip(coll, op_label, dtype, f"{self.flex.label} cannot run it: {_one_line(e)}")
+                return
+        title = f"{coll.title}  op {op_label}  type {dtype}  on {n} devices"
+        if coll_name == "ppermute":
+            title += "  ring shift +1 (rank i sends to i+1)"
+        if native:
+            title += f"  (native = {native[1]})"
+        self.say()
+        for line in table.header(title, cfg.modes, native is not None, stat=cfg.stat):
+            self.say(line)
         factor = coll.busbw_factor(n)
         for size in cfg.sizes:
             count, in_elems, _ = coll.counts(size, itemsize, n)
@@ -158,6 +181,12 @@ class Runner:
                 self.rows.append(row)
             del x
             self.say(table.size_line(by_mode, cfg.modes, native is not None, stat=cfg.stat))
+
+    def _skip(self, coll, op_label: str, dtype: str, reason: str) -> None:
+        """The FlexLink side of a section cannot run: a '# ... skipped' line, the note and summary."""
+        self.say(f"# {coll.title} {op_label} {dtype}: skipped: {reason}")
+        self.notes.append(f"{coll.name} {op_label} {dtype} skipped: {reason}")
+        self.skipped.append({"collective": coll.name, "op": op_label, "dtype": dtype, "reason": reason})
 
     def _measure(self, impls: list, x, expected, inplace: bool, iters: int, nbytes: int,
                  factor: float) -> dict:
@@ -201,6 +230,7 @@ class Runner:
         bbus = [r["baseline_busbw_gbps"] for r in rows if r["baseline_busbw_gbps"] is not None]
         stats = self.flex.stats()
         summary = {"out_of_bounds": wrong, "ok": wrong == 0 and not self.errors, "errors": self.errors,
+                   "skipped": self.skipped,
                    "checked": cfg.check,
                    "avg_busbw_gbps": sum(bus) / len(bus) if bus else None,
                    "baseline_avg_busbw_gbps": sum(bbus) / len(bbus) if bbus else None,
@@ -222,19 +252,23 @@ class Runner:
         self.preamble()
         cfg = self.cfg
         for coll in cfg.collectives:
-            ops = cfg.ops if collectives.COLLECTIVES[coll].has_op else ["sum"]
-            for op in ops:
+            has_op = collectives.COLLECTIVES[coll].has_op
+            for op in (cfg.ops if has_op else ["sum"]):
                 for dtype in cfg.dtypes:
                     try:
                         self.run_section(coll, op, dtype)
                     except Exception as e:  # a failing collective fails the run, not the harness
-                        msg = (f"{collectives.COLLECTIVES[coll].title} {op} {dtype}: "
-                               f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+                        msg = (f"{collectives.COLLECTIVES[coll].title} {op if has_op else 'none'} {dtype}: "
+                               f"{type(e).__name__}: {_one_line(e)}")
                         self.say(f"# ERROR {msg}")
                         self.errors.append(msg)
         self.say()
         for line in table.footer(self.rows, cfg.baseline == "native"):
             self.say(line)
+        if self.skipped:
+            what = "; ".join(f"{collectives.COLLECTIVES[s['collective']].title} {s['op']} {s['dtype']}"
+                             for s in self.skipped)
+            self.say(f"# Skipped on the FlexLink side : {len(self.skipped)} ({what}; reasons above)")
         if self.errors:
             self.say(f"# Errors : {len(self.errors)} FAILED ({'; '.join(self.errors)})")
         doc = self.document()

@@ -124,10 +124,12 @@ def footer(rows: list[dict], baseline: bool) -> list[str]:
     busbw = [r["busbw_gbps"] for r in rows if r.get("busbw_gbps") is not None]
     avg = sum(busbw) / len(busbw) if busbw else math.nan
     status = "OK" if wrong == 0 else "FAILED"
-    if not checked:
+    if not rows:
+        status = "(no rows ran)"
+    elif not checked:
         status = "OK (not checked: -c 0)"
     lines = [f"# Out of bounds values : {wrong} {status}",
-             f"# Avg bus bandwidth    : {avg:.4f} "]
+             f"# Avg bus bandwidth    : {avg:.4f} " if busbw else "# Avg bus bandwidth    : N/A (no rows)"]
     if baseline:
         b = [r["baseline_busbw_gbps"] for r in rows if r.get("baseline_busbw_gbps") is not None]
         if b:

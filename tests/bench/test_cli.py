@@ -16,12 +16,23 @@ def test_flags():
     c = cli.parse("-b 1K -e 1M -f 4 -o max,min -d half -C all -n 7 -w 0 -c 0 --devices 4 --inplace "
                   "--baseline none --links shm;tcp --json x.json --seed 9".split())
     assert c.sizes == [1024, 4096, 16384, 65536, 262144, 1048576]
-    assert c.ops == ["max", "min"] and c.dtypes == ["half"] and len(c.collectives) == 3
+    assert c.ops == ["max", "min"] and c.dtypes == ["half"] and len(c.collectives) == 5
     assert (c.iters, c.warmup, c.check, c.devices, c.modes) == (7, 0, False, 4, [True])
     assert (c.baseline, c.links, c.json_path, c.seed) == ("none", "shm;tcp", "x.json", 9)
     assert cli.parse(["--outofplace"]).modes == [False]
     assert cli.parse(["--both"]).modes == [False, True]
     assert cli.parse(["-b", "1K", "-e", "4K", "-i", "1K"]).sizes == [1024, 2048, 3072, 4096]
+
+
+def test_ppermute_and_all_to_all():
+    c = cli.parse(["-C", "ppermute,all_to_all"])
+    assert c.collectives == ["ppermute", "all_to_all"] and c.settings["collectives"] == c.collectives
+    assert c.ops == ["sum"]  # -o is irrelevant to them; the table says 'none'
+    assert cli.parse(["-C", "sendrecv,alltoall"]).collectives == ["ppermute", "all_to_all"]
+    assert cli.parse(["-C", "all-to-all,ppermute"]).collectives == ["all_to_all", "ppermute"]
+    assert cli.parse(["-C", "all"]).collectives == ["all_reduce", "all_gather", "reduce_scatter", "ppermute",
+                                                    "all_to_all"]
+    assert "ppermute" not in cli.parse([]).collectives  # the default stays README's main job
 
 
 def test_scenario_defaults_and_overrides():
@@ -61,6 +72,7 @@ def test_help_mentions_every_flag(capsys):
                  "--outofplace", "--both", "--baseline", "--json", "--plot", "--scenario", "emulated-h800"):
         assert flag in out
     assert "--_impl" not in out
+    assert "ppermute" in out and "all_to_all" in out and "SendRecv" in out
 
 
 def test_set_device_count_replaces():

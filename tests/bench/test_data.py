@@ -72,6 +72,36 @@ def test_all_gather_expected(dtype):
         assert np.array_equal(exp[0, r * 100:(r + 1) * 100], x[r])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_ppermute_expected_is_the_ring_shift(dtype, n):
+    x = data.make_inputs("sum", dtype, n, 37, seed=4)
+    exp = data.expected_output("ppermute", "sum", x)
+    assert exp.shape == (n, 37) and exp.dtype == x.dtype
+    for src, dst in C.ring_perm(n):  # rank dst holds what rank src sent
+        assert np.array_equal(exp[dst], x[src])
+    if n > 1:
+        assert not np.array_equal(exp, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,block", [(1, 5), (2, 3), (8, 1), (8, 17)])
+def test_all_to_all_expected(dtype, n, block):
+    x = data.make_inputs("sum", dtype, n, n * block, seed=5)
+    exp = data.expected_output("all_to_all", "sum", x)
+    assert exp.shape == (n, n * block) and exp.dtype == x.dtype
+    for r in range(n):
+        for j in range(n):  # rank r's block j is rank j's block r
+            assert np.array_equal(exp[r, j * block:(j + 1) * block], x[j, r * block:(r + 1) * block])
+    if n > 1 and block > 0:
+        assert not np.array_equal(exp, x)
+
+
+def test_all_to_all_needs_whole_blocks():
+    with pytest.raises(ValueError, match="all_to_all input of 10 elements"):
+        data.expected_output("all_to_all", "sum", np.zeros((4, 10), np.float32))
+
+
 @pytest.mark.parametrize("dtype,n", [("half", 16), ("half", 64), ("bfloat16", 64), ("bfloat16", 300),
                                      ("float", 64)])
 @pytest.mark.parametrize("op", ["sum", "prod"])

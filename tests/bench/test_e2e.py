@@ -57,9 +57,11 @@ def test_harness_selftest_run(tmp_path):
                 "--json", str(out)])
     assert p.returncode == 0, p.stdout + p.stderr
     assert "# Out of bounds values : 0 OK" in p.stdout and "# Avg bus bandwidth" in p.stdout
-    doc = _check_doc(out, 3 * 3 * 2, impl_label="self-test")
+    doc = _check_doc(out, 5 * 3 * 2, impl_label="self-test")
     assert doc["devices"] == 8 and {r["devices"] for r in doc["rows"]} == {8}
-    assert {r["collective"] for r in doc["rows"]} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert {r["collective"] for r in doc["rows"]} == {"all_reduce", "all_gather", "reduce_scatter",
+                                                      "ppermute", "all_to_all"}
+    assert doc["summary"]["skipped"] == []
     ag = [r for r in doc["rows"] if r["collective"] == "all_gather"]
     assert [r["bytes"] for r in ag if not r["inplace"]] == [4096, 16384, 65536]
     assert [r["count"] for r in ag if not r["inplace"]] == [128, 512, 2048]
@@ -92,11 +94,61 @@ def test_every_op_and_dtype_matches_lax(tmp_path):
     assert report.validate(doc) == []
     combos = {(r["collective"], r["op"], r["dtype"]) for r in doc["rows"]}
     n_dtypes = len(doc["settings"]["dtypes"])
-    assert n_dtypes >= 10 and len(combos) == (4 + 1 + 4) * n_dtypes
+    assert n_dtypes >= 10 and len(combos) == (4 + 1 + 4 + 1 + 1) * n_dtypes
+    assert {c for c, op, _ in combos if op == "none"} == {"all_gather", "ppermute", "all_to_all"}
     assert all(r["wrong"] == 0 for r in doc["rows"])
 
 
+def test_selftest_sendrecv_and_alltoall(tmp_path):
+    """-C ppermute,all_to_all end to end with jax.lax standing in: every row exact, nccl-tests' sizes,
+    counts and bus bandwidths, sizes that are not multiples of the block included."""
+    out = tmp_path / "move.json"
+    p = _bench(["--_impl", "lax", "-C", "ppermute,all_to_all", "-b", "1000", "-e", "9000", "-i", "4000",
+                "-d", "float,bf16", "-n", "2", "-w", "1", "--json", str(out)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# Out of bounds values : 0 OK" in p.stdout and "Skipped" not in p.stdout
+    assert "busbw = algbw x 1 (SendRecv), (n-1)/n (AlltoAll);" in p.stdout
+    assert "# SendRecv  op none  type float  on 8 devices  ring shift +1" in p.stdout
+    assert "(native = lax.ppermute(ring +1))" in p.stdout
+    assert "# AlltoAll  op none  type bfloat16  on 8 devices  (native = lax.all_to_all(0, 0, tiled=True))" \
+        in p.stdout
+    doc = _check_doc(out, 2 * 2 * 3 * 2)
+    sizes = {}
+    for r in doc["rows"]:
+        assert r["op"] == "none" and r["devices"] == 8
+        f = 1.0 if r["collective"] == "ppermute" else 7 / 8
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * f)
+        assert r["baseline_busbw_gbps"] == pytest.approx(r["baseline_algbw_gbps"] * f)
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert isinstance(r["aliased"], bool) == r["inplace"]
+        sizes.setdefault((r["collective"], r["dtype"]), []).append((r["bytes"], r["count"]))
+    # requested 1000, 5000, 9000 bytes per rank; each size once per mode
+    assert sizes[("ppermute", "float")] == [(1000, 250)] * 2 + [(5000, 1250)] * 2 + [(9000, 2250)] * 2
+    assert sizes[("all_to_all", "float")] == [(992, 31)] * 2 + [(4992, 156)] * 2 + [(8992, 281)] * 2
+    assert sizes[("all_to_all", "bfloat16")] == [(992, 62)] * 2 + [(4992, 312)] * 2 + [(8992, 562)] * 2
+
+
+def _flexlink_refusal(name):
+    """jax_flexlink's NotImplementedError when this build cannot lower its `name` (None when it can)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_flexlink
+    from jax_flexlink.bench import backend
+    flex = backend.FlexLink(jax_flexlink, "jax_flexlink")
+    mesh = backend.make_mesh(8)
+    f = backend.compile_collective(flex.body(name, "sum", 8), mesh, donate=False)
+    try:
+        f.lower(jax.ShapeDtypeStruct((8 * 64,), np.float32, sharding=NamedSharding(mesh, P("x"))))
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 def test_flexlink_run(tmp_path):
+    """The real FlexLink, every collective. ppermute and all_to_all run where this build's engine has
+    them; where it has not, their sections are skipped with jax_flexlink's own reason (and no row)."""
     reason = _native_reason()
     if reason:
         pytest.skip(reason)
@@ -104,11 +156,20 @@ def test_flexlink_run(tmp_path):
     p = _bench(["-C", "all", "-b", "4K", "-e", "256K", "-f", "8", "-n", "3", "-w", "1", "--json", str(out)])
     assert p.returncode == 0, p.stdout + p.stderr
     assert "# Out of bounds values : 0 OK" in p.stdout
-    doc = _check_doc(out, 3 * 3 * 2, impl_label="jax_flexlink")
+    refused = {name: _flexlink_refusal(name) for name in ("ppermute", "all_to_all")}
+    ran = 3 + sum(r is None for r in refused.values())
+    doc = _check_doc(out, ran * 3 * 2, impl_label="jax_flexlink")
     assert doc["versions"]["jax_flexlink"] not in ("", "unknown")
     for r in doc["rows"]:
         if r["shares"] is not None:
             assert sum(r["shares"].values()) == pytest.approx(1.0)
+    skipped = {s["collective"]: s["reason"] for s in doc["summary"]["skipped"]}
+    assert set(skipped) == {name for name, r in refused.items() if r is not None}
+    for name, why in skipped.items():
+        assert refused[name] in why and f"skipped: jax_flexlink cannot run it: {refused[name]}" in p.stdout
+        assert not [r for r in doc["rows"] if r["collective"] == name]
+    for name in set(refused) - set(skipped):
+        assert len([r for r in doc["rows"] if r["collective"] == name]) == 6
 
 
 def test_wrong_results_are_counted_and_fail(tmp_path):
@@ -164,6 +225,74 @@ def test_a_failing_collective_is_reported_and_fails(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     assert "link exploded" in p.stdout and "FAILED" in p.stdout
     assert "AllGather" in p.stdout  # the next section still ran
+
+
+# A FlexLink whose ppermute jax_flexlink refuses to lower (as an engine without the target does) and
+# whose all_to_all is lax's, or one that raises while running (host callback) when argv[1] == "runtime".
+_FAKE_MOVEMENT = textwrap.dedent("""
+    import sys
+    from jax_flexlink.bench import cli
+    cfg = cli.parse(["-C", "ppermute,all_to_all", "-b", "4K", "-e", "16K", "-f", "4", "-n", "1", "-w", "0",
+                     "--devices", "4", "--json", sys.argv[2]])
+    cli.ensure_device_count(4, may_restart=False)
+    import types
+    import jax
+    from jax import lax
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+    from jax_flexlink.bench import backend, runner
+    refused_p = Primitive("refused_ppermute")
+    refused_p.def_abstract_eval(lambda x: x)
+    def refuse(ctx, x):
+        raise NotImplementedError("jax_flexlink.ppermute: this build of jax_flexlink's engine has no "
+                                  "ppermute (rebuild it)")
+    mlir.register_lowering(refused_p, refuse)
+    def failing_all_to_all(x, axis_name, split_axis, concat_axis, *, tiled):
+        def boom(v):
+            raise RuntimeError("link exploded mid-call")
+        y = lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)
+        return jax.pure_callback(boom, jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+    api = types.SimpleNamespace(ppermute=lambda x, axis_name, perm: refused_p.bind(x),
+                                all_to_all=failing_all_to_all if sys.argv[1] == "runtime" else lax.all_to_all)
+    backend.load_flexlink = lambda impl: backend.FlexLink(api, "fake")
+    sys.exit(runner.run(cfg))
+""")
+
+
+def test_a_flexlink_side_that_cannot_lower_is_skipped_with_the_reason(tmp_path):
+    """jax_flexlink refusing to lower (NotImplementedError) skips that section's FlexLink side, says why,
+    lists it at the end and in the JSON; it is not a wrong result, so the exit status stays 0."""
+    out = tmp_path / "skip.json"
+    p = subprocess.run([sys.executable, "-c", _FAKE_MOVEMENT, "lower", str(out)], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    reason = "jax_flexlink.ppermute: this build of jax_flexlink's engine has no ppermute (rebuild it)"
+    assert f"# SendRecv none float: skipped: fake cannot run it: {reason}" in p.stdout
+    assert "# SendRecv  op none" not in p.stdout  # no table for it
+    assert "# AlltoAll  op none  type float  on 4 devices" in p.stdout  # the next section ran
+    assert "# Skipped on the FlexLink side : 1 (SendRecv none float; reasons above)" in p.stdout
+    assert "ERROR" not in p.stdout and "Traceback" not in p.stderr
+    doc = json.loads(out.read_text())
+    assert report.validate(doc) == [] and doc["summary"]["ok"]
+    assert doc["summary"]["skipped"] == [{"collective": "ppermute", "op": "none", "dtype": "float",
+                                          "reason": f"fake cannot run it: {reason}"}]
+    assert {r["collective"] for r in doc["rows"]} == {"all_to_all"} and len(doc["rows"]) == 2 * 2
+    assert all(r["wrong"] == 0 and r["baseline_wrong"] == 0 for r in doc["rows"])
+
+
+def test_a_flexlink_side_that_raises_while_running_fails(tmp_path):
+    """A FlexLink call that fails at run time: an ERROR line with the cause, the run goes on, exit 1."""
+    out = tmp_path / "fail.json"
+    p = subprocess.run([sys.executable, "-c", _FAKE_MOVEMENT, "runtime", str(out)], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "# ERROR AlltoAll none float: JaxRuntimeError: " in p.stdout
+    assert "RuntimeError: link exploded mid-call" in p.stdout.split("# ERROR AlltoAll")[1].splitlines()[0]
+    assert "# Errors : 1 FAILED" in p.stdout and "# Skipped on the FlexLink side : 1" in p.stdout
+    assert "# Out of bounds values : 0 (no rows ran)" in p.stdout
+    doc = json.loads(out.read_text())
+    assert report.validate(doc) == [] and not doc["summary"]["ok"] and doc["rows"] == []
+    assert len(doc["summary"]["errors"]) == 1 and "link exploded" in doc["summary"]["errors"][0]
 
 
 _FAKE_CONFIGURE = textwrap.dedent("""

@@ -58,6 +58,41 @@ def test_invalid_documents(mutate, msg):
     assert errs and any(msg in e for e in errs), errs
 
 
+def _movement_row(collective, **kw):
+    """A SendRecv (busbw = algbw) or AlltoAll (busbw = algbw x 7/8) row on 8 devices."""
+    f = 1.0 if collective == "ppermute" else 0.875
+    fields = dict(collective=collective, op="none", baseline_impl=f"lax.{collective}",
+                  busbw_gbps=0.04096 * f, baseline_busbw_gbps=0.02048 * f)
+    return _row(**dict(fields, **kw))
+
+
+def test_sendrecv_and_alltoall_rows_are_valid():
+    assert report.validate(_doc([_movement_row("ppermute"), _movement_row("all_to_all", count=128)])) == []
+
+
+@pytest.mark.parametrize("row,msg", [
+    (_movement_row("ppermute", op="sum"), "has no reduction"),
+    (_row(op="none"), "reduces"),
+    (_movement_row("ppermute", busbw_gbps=0.04096 * 0.875), "is not algbw x 1 (= 0.04096) for SendRecv"),
+    (_movement_row("all_to_all", baseline_busbw_gbps=0.02048),
+     "baseline_busbw_gbps 0.02048 is not algbw x (n-1)/n (= 0.01792"),
+    (_row(busbw_gbps=0.04096 * 0.875), "not algbw x 2(n-1)/n"),
+    (_row(collective="broadcast"), "unknown collective 'broadcast'"),
+])
+def test_rows_must_follow_their_collective(row, msg):
+    errs = report.validate(_doc([row]))
+    assert any(msg in e for e in errs), errs
+
+
+def test_summary_skipped():
+    d = _doc([_row()])
+    d["summary"]["skipped"] = [{"collective": "ppermute", "op": "none", "dtype": "float",
+                                "reason": "jax_flexlink cannot run it: ..."}]
+    assert report.validate(d) == []
+    d["summary"]["skipped"] = ["ppermute"]
+    assert any("summary.skipped" in e for e in report.validate(d))
+
+
 def test_baseline_none_rows_are_valid():
     r = _row(baseline="none", baseline_impl=None, baseline_time_us=None, baseline_time_min_us=None,
              baseline_time_max_us=None, baseline_time_median_us=None, baseline_algbw_gbps=None,
@@ -108,6 +143,12 @@ def _words(s):
     return out
 
 
+def test_footer_without_rows():
+    """Every section skipped or failed: the footer says no row ran, not that the check passed or was off."""
+    lines = table.footer([], baseline=True)
+    assert lines == ["# Out of bounds values : 0 (no rows ran)", "# Avg bus bandwidth    : N/A (no rows)"]
+
+
 def test_footer():
     rows = [_row(), _row(busbw_gbps=0.1, wrong=3)]
     lines = table.footer(rows, baseline=True)
@@ -154,3 +195,24 @@ def test_plot(tmp_path):
     p = tmp_path / "bw.png"
     report.plot(str(p), [_row(), _row(bytes=8192), _row(collective="all_gather", op="none")])
     assert p.stat().st_size > 1000
+
+
+def test_plot_sendrecv_and_alltoall(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    titles = []
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, *a, **kw):
+        titles.extend((ax.get_title(), ax.get_ylabel(), len(ax.get_lines())) for ax in fig.axes)
+        return real_savefig(fig, *a, **kw)
+    monkeypatch.setattr(plt.Figure, "savefig", savefig)
+    p = tmp_path / "bw.png"
+    rows = [_movement_row("all_to_all"), _movement_row("ppermute"), _movement_row("ppermute", bytes=8192),
+            _row(), _movement_row("ppermute", inplace=True)]
+    report.plot(str(p), rows)
+    assert p.stat().st_size > 1000
+    # one panel per collective, in the CLI's order; FlexLink and native per mode
+    assert titles == [("AllReduce (all_reduce)", "busbw = algbw x 2(n-1)/n (GB/s)", 2),
+                      ("SendRecv (ppermute, ring shift +1)", "busbw = algbw x 1 (GB/s)", 4),
+                      ("AlltoAll (all_to_all)", "busbw = algbw x (n-1)/n (GB/s)", 2)]
