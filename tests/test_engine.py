@@ -473,3 +473,210 @@ def test_engine_run_operand_lists_must_match():
     x, out = np.arange(4.0), np.empty(4)
     fl.engine_run("all_reduce", "sum", [0], [1], 0, next(_run_ids), (x,), [out])
     assert np.array_equal(out, x)
+
+
+# ---- ppermute and all_to_all --------------------------------------------------------------------
+
+def run_ppermute(group, pairs, xs, **kw):
+    outs = {d: ([np.full_like(x, 7) for x in xs[d]] if isinstance(xs[d], list) else np.full_like(xs[d], 7))
+            for d in xs}
+    run_id = next(_run_ids)
+    errors = {}
+
+    def work(d):
+        try:
+            fl.engine_run("ppermute", "", list(group), [len(group)], d, run_id, xs[d], outs[d],
+                          pairs=pairs, **kw)
+        except Exception as e:  # noqa: BLE001
+            errors[d] = e
+
+    threads = [threading.Thread(target=work, args=(d,), daemon=True) for d in group]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return outs, errors
+
+
+def ppermute_reference(group, pairs, xs, d):
+    rank = list(group).index(d)
+    for s, t in pairs:
+        if t == rank:
+            return xs[group[s]]
+    return np.zeros_like(xs[d])
+
+
+PAIR_SETS = {
+    "identity": [(r, r) for r in range(N)],
+    "shift+1": [(r, (r + 1) % N) for r in range(N)],
+    "shift-1": [(r, (r - 1) % N) for r in range(N)],
+    "swap": [(0, 1), (1, 0)],
+    "partial": [(0, 3), (5, 1), (2, 2)],
+    "none": [],
+}
+
+
+@pytest.mark.parametrize("pairs", list(PAIR_SETS), ids=list(PAIR_SETS))
+def test_ppermute_pairs(links, pairs):
+    group = [3, 1, 4, 0, 6, 2, 7, 5]
+    pin_split(links, "ppermute", 40003 * 4)
+    for dtype, shape in (("float32", (40003,)), ("bfloat16", (7, 3)), ("int8", (1,)), ("complex128", (129,))):
+        xs = {d: make_data(dtype, shape, seed=600 + d) for d in range(N)}
+        outs, errors = run_ppermute(group, PAIR_SETS[pairs], xs)
+        assert not errors, errors
+        for d in group:
+            want = ppermute_reference(group, PAIR_SETS[pairs], xs, d)
+            assert outs[d].tobytes() == want.tobytes(), f"{dtype} device {d}"
+
+
+def test_ppermute_matches_lax():
+    """lax.ppermute on the same per-rank inputs (rank r = mesh position r)."""
+    perm = [(0, 2), (2, 4), (4, 6), (6, 0), (1, 7)]
+    xs = make_data("float32", (N, 1001), seed=620)
+    want = _lax_reference(lambda v: jax.lax.ppermute(v, "x", perm), xs)
+    outs, errors = run_ppermute(range(N), perm, {d: xs[d] for d in range(N)})
+    assert not errors, errors
+    for d in range(N):
+        assert outs[d].tobytes() == want[d].tobytes(), f"device {d}"
+
+
+def test_ppermute_of_several_operands(links):
+    xs = leaves(640)
+    pairs = PAIR_SETS["shift-1"][:5] + [(6, 6)]
+    pin_split(links, "ppermute", message_bytes("all_reduce", xs[0]))
+    outs, errors = run_ppermute(range(N), pairs, xs)
+    assert not errors, errors
+    for d in range(N):
+        for i in range(len(LEAVES)):
+            want = ppermute_reference(list(range(N)), pairs, {r: xs[r][i] for r in range(N)}, d)
+            assert outs[d][i].tobytes() == want.tobytes(), f"device {d} operand {i}"
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([(0, 1), (0, 2)], "sources must be unique"),
+    ([(0, 1), (2, 1)], "destinations must be unique"),
+    ([(0, 8)], "outside the group of 8"),
+])
+def test_ppermute_bad_pairs(bad, match):
+    xs = {d: np.ones(4, np.float32) for d in range(N)}
+    _, errors = run_ppermute(range(N), bad, xs)
+    assert sorted(errors) == list(range(N)) and all(match in str(e) for e in errors.values()), errors
+
+
+def test_ppermute_mismatched_pairs_fail_every_rank():
+    xs = {d: np.ones(4, np.float32) for d in range(N)}
+    outs = {d: np.empty(4, np.float32) for d in range(N)}
+    run_id = next(_run_ids)
+    errors = {}
+
+    def work(d):
+        try:
+            pairs = [(0, 1)] if d != 4 else [(1, 0)]
+            fl.engine_run("ppermute", "", list(range(N)), [N], d, run_id, xs[d], outs[d], pairs=pairs)
+        except Exception as e:  # noqa: BLE001
+            errors[d] = e
+
+    threads = [threading.Thread(target=work, args=(d,)) for d in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(errors) == list(range(N)), errors
+    assert all("disagree" in str(e) and "0->1" in str(e) and "1->0" in str(e) for e in errors.values())
+
+
+def test_ppermute_in_place_is_an_error():
+    with pytest.raises(RuntimeError, match="overlaps the input"):
+        x = np.ones(4, np.float32)
+        fl.engine_run("ppermute", "", [0, 1], [2], 0, next(_run_ids), x, x, pairs=[(0, 1)])
+
+
+def all_to_all_reference(xs, group, axis, d):
+    rank = list(group).index(d)
+    blocks = [np.split(xs[g], len(group), axis=axis)[rank] for g in group]
+    return np.concatenate(blocks, axis=axis)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_all_to_all_axes(links, axis):
+    group = [2, 7, 0, 5, 1, 4, 3, 6]
+    shape = [3, 5, 7]
+    shape[axis] *= N
+    pin_split(links, "all_to_all", int(np.prod(shape)) * 4)
+    for dtype in ("float32", "bfloat16", "int64", "bool"):
+        xs = {d: make_data(dtype, tuple(shape), seed=700 + d) for d in range(N)}
+        outs = {d: np.empty_like(xs[d]) for d in range(N)}
+        assert not run_ranks("all_to_all", "", group, [N], xs, outs, axis=axis)
+        for d in group:
+            want = all_to_all_reference(xs, group, axis, d)
+            assert outs[d].tobytes() == want.tobytes(), f"{dtype} device {d}"
+
+
+@pytest.mark.parametrize("split_axis,concat_axis", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_all_to_all_matches_lax(split_axis, concat_axis):
+    """lax.all_to_all (tiled) for each (split_axis, concat_axis): the split axis moved to the front,
+    ours about axis 0, and the received blocks moved back and concatenated along concat_axis — the
+    reshapes and transposes a Python lowering wraps around the custom call."""
+    xs = make_data("int32", (N, 2 * N, 3 * N), seed=720)
+    want = _lax_reference(lambda v: jax.lax.all_to_all(v, "x", split_axis, concat_axis, tiled=True), xs)
+    moved = {d: np.ascontiguousarray(np.moveaxis(xs[d], split_axis, 0)) for d in range(N)}
+    outs = {d: np.empty_like(moved[d]) for d in range(N)}
+    assert not run_ranks("all_to_all", "", range(N), [N], moved, outs, axis=0)
+    for d in range(N):
+        blocks = np.split(outs[d], N, axis=0)  # block j: rank j's chunk d, split axis in front
+        got = np.concatenate([np.moveaxis(b, 0, split_axis) for b in blocks], axis=concat_axis)
+        assert np.array_equal(got, want[d]), f"device {d}"
+
+
+def test_all_to_all_of_several_operands(links):
+    specs = [("float32", (8, 40)), ("bfloat16", (16, 8)), ("int64", (8, 8 * 3001)), ("uint16", (24, 8))]
+    xs = leaves(740, specs)
+    pin_split(links, "all_to_all", sum(x.nbytes for x in xs[0]) * N)
+    outs = {d: [np.empty_like(x) for x in xs[d]] for d in range(N)}
+    assert not run_ranks("all_to_all", "", range(N), [N], xs, outs, axis=1)
+    for i in range(len(specs)):
+        for d in range(N):
+            want = all_to_all_reference({r: xs[r][i] for r in range(N)}, list(range(N)), 1, d)
+            assert outs[d][i].tobytes() == want.tobytes(), f"device {d} operand {i}"
+
+
+def test_all_to_all_errors():
+    x = np.ones((3, 7), np.float32)
+    errors = run_ranks("all_to_all", "", range(N), [N], {d: x for d in range(N)},
+                       {d: np.empty_like(x) for d in range(N)}, axis=1)
+    assert sorted(errors) == list(range(N))
+    assert all("split evenly into 8 blocks" in str(e) for e in errors.values()), errors
+    with pytest.raises(RuntimeError, match="same size"):
+        fl.engine_run("all_to_all", "", [0, 1, 2, 3, 4], [2, 3], 0, next(_run_ids), np.ones(4), np.ones(4))
+
+
+@pytest.mark.parametrize("kind", ["ppermute", "all_to_all"])
+def test_stage1_profiles_the_new_kinds(kind):
+    """The first large call of a kind without fits runs stage 1 for that kind (nested calls of the
+    kind itself on scratch buffers), installs per-link fits for it, and still returns the right
+    result."""
+    flx.configure(links="emulated:a@gbps=0.4;emulated:b@gbps=0.2", autotune_min_bytes=1 << 20)
+    saved_max = fl.tune_max_bytes()
+    fl.set_tune_max_bytes(1 << 20)
+    try:
+        group = list(range(N))
+        xs = {d: make_data("float32", (N, 32768), seed=800 + d) for d in range(N)}  # 1 MiB per rank
+        if kind == "ppermute":
+            pairs = PAIR_SETS["shift+1"]
+            outs, errors = run_ppermute(group, pairs, xs)
+            assert not errors, errors
+            wants = {d: ppermute_reference(group, pairs, xs, d) for d in group}
+        else:
+            outs = {d: np.empty_like(xs[d]) for d in group}
+            assert not run_ranks("all_to_all", "", group, [N], xs, outs, axis=0)
+            wants = {d: all_to_all_reference(xs, group, 0, d) for d in group}
+        for d in group:
+            assert outs[d].tobytes() == wants[d].tobytes(), f"device {d}"
+        fits = fl.group_fits(group)
+        assert fits is not None and kind in fits["fits"], fits
+        # One (alpha, beta) per link; which is faster is timing, left to test_multipath (exclusive).
+        assert len(fits["fits"][kind]) == 2 and all(beta > 0 for _, beta in fits["fits"][kind]), fits
+    finally:
+        fl.set_tune_max_bytes(saved_max)
+        flx.configure(links="shm", autotune_min_bytes=_AUTOTUNE_DEFAULT)

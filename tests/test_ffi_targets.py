@@ -122,3 +122,32 @@ def test_missing_token_is_a_clear_error():
                                 token_last=False)[:1], 1)
     with pytest.raises(Exception, match="last operand and the last result must be the ordering token"):
         jax.block_until_ready(f(x))
+
+
+@pytest.mark.parametrize("perm", [[(i, (i + 1) % N) for i in range(N)], [(0, 5), (5, 0), (3, 3)], []],
+                         ids=["shift", "partial", "none"])
+def test_ppermute(perm):
+    specs = [("float32", (3, 1001)), ("bfloat16", (1,)), ("int64", (5, 2))]
+    xs = stacked(specs, 50)
+    flat = tuple(r for pair in perm for r in pair)
+    ours = per_rank(lambda *v: call("flexlink_ppermute", v, [a.shape for a in v], pairs=flat), 3)
+    lax = per_rank(lambda *v: [jax.lax.ppermute(a, "x", perm) for a in v], 3)
+    for got, want in zip(ours(*xs), lax(*xs)):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_all_to_all(axis):
+    # Per device [2N, 3N]-ish blocks; lax's tiled all_to_all with split_axis == concat_axis == axis
+    # is ours about that axis.
+    specs = [("float32", (2 * N, 3 * N)), ("int8", (N, N)), ("complex64", (3 * N, N))]
+    xs = stacked(specs, 60)
+    ours = per_rank(lambda *v: call("flexlink_all_to_all", v, [a.shape for a in v], axis=axis), 3)
+    lax = per_rank(lambda *v: [jax.lax.all_to_all(a, "x", axis, axis, tiled=True) for a in v], 3)
+    for got, want in zip(ours(*xs), lax(*xs)):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+def test_registrations_list_every_target():
+    assert set(fl.registrations()) == {"flexlink_all_reduce", "flexlink_all_gather", "flexlink_reduce_scatter",
+                                       "flexlink_ppermute", "flexlink_all_to_all"}

@@ -44,14 +44,20 @@ struct Spec {
   int64_t axis = 0;
   bool in_place = false;
   bool with_nan = false;
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // ppermute
 };
 
 std::string Describe(const Spec& s) {
-  std::string d = std::string(Name(s.kind)) + "(" + std::string(Name(s.op)) + ") " +
+  std::string d = std::string(Name(s.kind)) + (Reduces(s.kind) ? "(" + std::string(Name(s.op)) + ") " : " ") +
                   std::string(Name(s.dtype)) + " dims[";
   for (auto x : s.in_dims) d += std::to_string(x) + ",";
-  d += "] axis " + std::to_string(s.axis) + " groups " + std::to_string(s.groups.size());
+  d += "] axis " + std::to_string(s.axis) + " groups " + std::to_string(s.groups.size()) + " of " +
+       std::to_string(s.groups[0].size());
   if (s.in_place) d += " in-place";
+  if (s.kind == Kind::kPpermute) {
+    d += " pairs";
+    for (const auto& [a, b] : s.pairs) d += " " + std::to_string(a) + "->" + std::to_string(b);
+  }
   return d;
 }
 
@@ -91,6 +97,9 @@ std::vector<std::vector<uint8_t>> RunSpec(const Spec& s, const std::vector<std::
         a.request.kind = s.kind;
         a.request.reduction = Name(s.op);
         a.request.axis = s.axis;
+        std::vector<int64_t> flat_pairs;
+        for (const auto& [src, dst] : s.pairs) flat_pairs.insert(flat_pairs.end(), {src, dst});
+        a.request.pairs = flat_pairs;
         OperandRequest x;
         x.in_dtype = x.out_dtype = s.dtype;
         x.in_dims = s.in_dims;
@@ -115,6 +124,8 @@ std::vector<uint8_t> Reference(const Spec& s, const std::vector<std::vector<uint
   std::vector<const uint8_t*> srcs;
   for (int64_t d : group) srcs.push_back(in[d].data());
   std::vector<uint8_t> out;
+  if (s.kind == Kind::kPpermute) return RefPpermute(s.pairs, srcs, count * w, rank);
+  if (s.kind == Kind::kAllToAll) return RefAllToAll(s.in_dims, s.axis, srcs, w, rank);
   if (s.kind == Kind::kAllReduce) {
     out.resize(count * w);
     for (size_t i = 0; i < count; ++i) RefReduce(s.dtype, s.op, srcs, i, &out[i * w]);
@@ -136,8 +147,9 @@ std::vector<uint8_t> Reference(const Spec& s, const std::vector<std::vector<uint
 }
 
 void CheckSpec(const Spec& s) {
-  size_t devices = 0;
-  for (const auto& g : s.groups) devices += g.size();
+  size_t devices = 0;  // one past the largest device id
+  for (const auto& g : s.groups)
+    for (int64_t d : g) devices = std::max(devices, static_cast<size_t>(d) + 1);
   std::vector<std::vector<uint8_t>> inputs(devices);
   for (size_t d = 0; d < devices; ++d)
     inputs[d] = RandomData(s.dtype, Prod(s.in_dims), static_cast<uint32_t>(d * 7919 + Prod(s.in_dims)),
@@ -420,19 +432,27 @@ void TestManyCalls() {
 void TestRanges() {
   const int n = 8;
   std::vector<int64_t> ids = {0, 1, 2, 3, 4, 5, 6, 7};
-  for (int variant = 0; variant < 5; ++variant) {
-    // 0 all_reduce, 1/3 all_gather (long / 3-element rows), 2/4 reduce_scatter (long / 3-element rows)
-    const Kind kind = variant == 0 ? Kind::kAllReduce : variant % 2 ? Kind::kAllGather : Kind::kReduceScatter;
-    const int64_t inner = variant >= 3 ? 3 : 333, outer = variant >= 3 ? 1000 : 7;
+  const std::vector<std::pair<int64_t, int64_t>> shift = {{0, 1}, {1, 2}, {2, 3}, {3, 4}, {4, 5}, {5, 6}, {7, 0}};
+  for (int variant = 0; variant < 9; ++variant) {
+    // 0 all_reduce, 1/3 all_gather (long / 3-element rows), 2/4 reduce_scatter (long / 3-element rows),
+    // 5/6 all_to_all (long / 3-element rows), 7 ppermute (rank 6 without a source), 8 all_to_all
+    // [1000, 8] (one-element rows).
+    const Kind kind = variant == 0 ? Kind::kAllReduce
+                      : variant == 7 ? Kind::kPpermute
+                      : variant >= 5 ? Kind::kAllToAll
+                      : variant % 2 ? Kind::kAllGather : Kind::kReduceScatter;
+    const int64_t inner = variant == 3 || variant == 4 || variant == 6 ? 3 : variant == 8 ? 1 : 333;
+    const int64_t outer = variant == 3 || variant == 4 || variant == 6 || variant == 8 ? 1000 : 7;
     Communicator comm(ids);
     comm.AddChannel(std::make_unique<ShmChannel>(n, "shm"));
     Spec s;
     s.kind = kind;
     s.dtype = DType::kF32;
-    s.in_dims = kind == Kind::kAllReduce ? std::vector<int64_t>{10007}
+    s.in_dims = kind == Kind::kAllReduce || kind == Kind::kPpermute ? std::vector<int64_t>{10007}
                 : kind == Kind::kAllGather ? std::vector<int64_t>{outer, inner}
                                            : std::vector<int64_t>{outer, 8 * inner};
-    s.axis = kind == Kind::kAllReduce ? 0 : 1;
+    s.axis = kind == Kind::kAllReduce || kind == Kind::kPpermute ? 0 : 1;
+    if (kind == Kind::kPpermute) s.pairs = shift;
     std::vector<std::vector<uint8_t>> in(n), out(n);
     const size_t count = Prod(s.in_dims);
     const size_t out_count = kind == Kind::kAllGather ? count * n : kind == Kind::kReduceScatter ? count / n : count;
@@ -448,10 +468,14 @@ void TestRanges() {
       p.dtype = DType::kF32;
       p.in = in[d].data();
       p.out = out[d].data();
-      p.units = kind == Kind::kReduceScatter ? out_count : count;
-      p.outer = kind == Kind::kAllReduce ? 1 : static_cast<size_t>(outer);
+      p.units = kind == Kind::kReduceScatter ? out_count : kind == Kind::kAllToAll ? count / n : count;
+      p.outer = kind == Kind::kAllReduce || kind == Kind::kPpermute ? 1 : static_cast<size_t>(outer);
       p.inner = p.units / p.outer;
       desc.AddPart(p);
+      if (kind == Kind::kPpermute) {
+        desc.sources.assign(n, -1);
+        for (const auto& [src, dst] : shift) desc.sources[dst] = static_cast<int32_t>(src);
+      }
       auto call = comm.Join(d, run, "ranges");
       FLEXLINK_RETURN_IF_ERROR(call->Arrive(d, desc, "shm"));
       const size_t u = p.units;
@@ -787,6 +811,7 @@ struct MultiSpec {
   std::vector<int64_t> group = {0, 1, 2, 3, 4, 5, 6, 7};
   int64_t axis = 0;
   std::vector<Operand> operands;
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // ppermute
   std::string what;  // names the case in failures
 };
 
@@ -810,6 +835,7 @@ Spec OperandSpec(const MultiSpec& m, size_t i) {
   s.axis = m.axis;
   s.in_place = m.operands[i].in_place;
   s.with_nan = m.op == ReduceOp::kMax || m.op == ReduceOp::kMin;
+  s.pairs = m.pairs;
   return s;
 }
 
@@ -860,6 +886,9 @@ Inputs RunMulti(const MultiSpec& m, const Inputs& inputs, std::vector<Status>* s
       a.request.kind = m.kind;
       a.request.reduction = Name(m.op);
       a.request.axis = m.axis;
+      std::vector<int64_t> flat_pairs;
+      for (const auto& [src, dst] : m.pairs) flat_pairs.insert(flat_pairs.end(), {src, dst});
+      a.request.pairs = flat_pairs;
       const size_t mine = operand_count ? (*operand_count)[dev] : k;
       a.request.operands = std::span<const OperandRequest>(ops).first(mine);
       (*st)[dev] = RunCollective(a);
@@ -891,7 +920,7 @@ void CheckMulti(const MultiSpec& m, uint32_t seed = 17) {
         why = "operand " + std::to_string(i) + " device " + std::to_string(d) + " differs from its separate call";
     }
   }
-  Expect(why.empty(), std::string(Name(m.kind)) + "(" + std::string(Name(m.op)) + ") of " +
+  Expect(why.empty(), std::string(Name(m.kind)) + (Reduces(m.kind) ? "(" + std::string(Name(m.op)) + ")" : "") + " of " +
                           std::to_string(m.operands.size()) + " operands, " + m.what + ": " + why);
 }
 
@@ -1078,11 +1107,11 @@ void TestMultiOperandAcrossLinks() {
   Expect(ConfigureLinks("shm;tcp;shm:b").ok(), "configure shm;tcp;shm:b");
   SetAutotune(0);
   SetRecordSplits(true);
-  for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter}) {
+  for (Kind kind : kAllKinds) {
     MultiSpec m;
     m.kind = kind;
-    m.axis = kind == Kind::kAllReduce ? 0 : 1;
-    if (kind == Kind::kAllReduce) m.operands = Leaves(13, LeafSize::kBig, true);
+    m.axis = kind == Kind::kAllReduce || kind == Kind::kPpermute ? 0 : 1;
+    if (kind == Kind::kAllReduce || kind == Kind::kPpermute) m.operands = Leaves(13, LeafSize::kBig, true);
     else if (kind == Kind::kAllGather)
       m.operands = {{DType::kF32, {3, 7001}}, {DType::kBF16, {2, 5}}, {DType::kS32, {1, 30001}}, {DType::kU8, {5, 999}}};
     else
@@ -1094,11 +1123,13 @@ void TestMultiOperandAcrossLinks() {
     for (const Operand& o : m.operands) {
       Part p;
       p.dtype = o.dtype;
-      p.units = Prod(o.in_dims) / (kind == Kind::kReduceScatter ? 8 : 1);
+      p.units = Prod(o.in_dims) / (kind == Kind::kReduceScatter || kind == Kind::kAllToAll ? 8 : 1);
       probe.AddPart(p);
     }
+    if (kind == Kind::kPpermute) m.pairs = {{0, 3}, {3, 0}, {1, 2}, {2, 7}, {7, 1}, {5, 5}};
     uint64_t bytes = 0;
-    for (const Part& p : probe.parts) bytes += p.bytes() * (kind == Kind::kAllReduce ? 1 : 8);
+    for (const Part& p : probe.parts)
+      bytes += p.bytes() * (kind == Kind::kAllReduce || kind == Kind::kPpermute ? 1 : 8);
     uint64_t bucket = 1;
     while (bucket * 2 <= bytes) bucket *= 2;
     Expect(SetShares(kind, bucket, {0.37, 0.21, 0.42}, true).ok(), "pinned shares");
@@ -1117,25 +1148,291 @@ void TestMultiOperandAcrossLinks() {
   Expect(ConfigureLinks("shm").ok(), "configure shm");
 }
 
+// ---- ppermute and all_to_all.
+
+const DType kAllDTypes[] = {DType::kPred, DType::kS8,  DType::kS16, DType::kS32, DType::kS64,
+                            DType::kU8,   DType::kU16, DType::kU32, DType::kU64, DType::kF16,
+                            DType::kBF16, DType::kF32, DType::kF64, DType::kC64, DType::kC128};
+
+using Pairs = std::vector<std::pair<int64_t, int64_t>>;
+
+Pairs Shift(int n, int by) {
+  Pairs p;
+  for (int r = 0; r < n; ++r) p.push_back({r, ((r + by) % n + n) % n});
+  return p;
+}
+
+void TestPpermute() {
+  // Every dtype, lengths from one element to the direct path, odd and not a multiple of a line.
+  for (DType t : kAllDTypes)
+    for (int64_t len : {1, 3, 17, 4099, 70001}) {
+      Spec s;
+      s.kind = Kind::kPpermute;
+      s.dtype = t;
+      s.in_dims = {len};
+      s.pairs = Shift(8, 1);
+      CheckSpec(s);
+    }
+  // Pair sets on 8 ranks: identity, shifts ±1 and +3, swaps, a reversal, partial ones with ranks that
+  // receive zeros, none at all; small (staged) and large (direct) sizes, 2-D shapes.
+  const std::vector<Pairs> sets = {
+      {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}, {6, 6}, {7, 7}},
+      Shift(8, 1), Shift(8, -1), Shift(8, 3),
+      {{0, 1}, {1, 0}},
+      {{0, 7}, {1, 6}, {2, 5}, {3, 4}, {4, 3}, {5, 2}, {6, 1}, {7, 0}},
+      {{0, 3}, {5, 1}, {2, 2}},
+      {{7, 0}},
+      {},
+  };
+  for (const Pairs& pairs : sets)
+    for (const auto& dims : std::vector<std::vector<int64_t>>{{5, 7}, {300001}, {333, 77}}) {
+      Spec s;
+      s.kind = Kind::kPpermute;
+      s.dtype = dims.size() == 1 ? DType::kF32 : DType::kBF16;
+      s.in_dims = dims;
+      s.pairs = pairs;
+      CheckSpec(s);
+    }
+  // Groups of 1 (with and without the identity pair), 2, odd sizes, and several groups at once (the
+  // pairs apply in every group, ranks being positions in each group).
+  struct G {
+    std::vector<std::vector<int64_t>> groups;
+    Pairs pairs;
+  };
+  for (const G& g : std::vector<G>{{{{3}}, {{0, 0}}},
+                                   {{{3}}, {}},
+                                   {{{6, 2}}, {{0, 1}, {1, 0}}},
+                                   {{{6, 2}}, {{1, 0}}},
+                                   {{{4, 1, 6}}, Shift(3, 1)},
+                                   {{{0, 1, 2, 3, 4}}, Shift(5, -2)},
+                                   {{{0, 2, 4, 6}, {1, 3, 5, 7}}, Shift(4, 1)},
+                                   {{{7, 6, 5}, {4, 3, 2, 1, 0}}, {{0, 2}, {2, 1}}}})
+    for (int64_t len : {9, 60001}) {
+      Spec s;
+      s.kind = Kind::kPpermute;
+      s.dtype = DType::kS32;
+      s.groups = g.groups;
+      s.in_dims = {len};
+      s.pairs = g.pairs;
+      CheckSpec(s);
+    }
+}
+
+void TestAllToAll() {
+  // Every dtype; every axis position of 1-, 2- and 3-D shapes, with outer and inner of 1.
+  for (DType t : kAllDTypes)
+    for (const auto& [dims, axis] : std::vector<std::pair<std::vector<int64_t>, int64_t>>{
+             {{8}, 0}, {{8 * 5}, 0}, {{3, 8 * 7}, 1}, {{16, 3, 5}, 0}, {{2, 8, 3}, 1}, {{2, 3, 8 * 4}, 2},
+             {{3, 8}, 1}, {{8, 1}, 0}, {{1, 8, 1}, 1}}) {
+      Spec s;
+      s.kind = Kind::kAllToAll;
+      s.dtype = t;
+      s.in_dims = dims;
+      s.axis = axis;
+      CheckSpec(s);
+    }
+  // n = 2..8, odd included; large calls (direct path, streaming) with long and short rows.
+  for (int n = 2; n <= 8; ++n) {
+    std::vector<int64_t> group;
+    for (int r = 0; r < n; ++r) group.push_back(7 - r);
+    for (const auto& [dims, axis] : std::vector<std::pair<std::vector<int64_t>, int64_t>>{
+             {{5, n * 3}, 1}, {{n * 30011}, 0}, {{1001, n * 3}, 1}, {{3, n, 7}, 1}}) {
+      Spec s;
+      s.kind = Kind::kAllToAll;
+      s.dtype = n % 2 ? DType::kF16 : DType::kF64;
+      s.groups = {group};
+      s.in_dims = dims;
+      s.axis = axis;
+      CheckSpec(s);
+    }
+  }
+  Spec two;
+  two.kind = Kind::kAllToAll;
+  two.groups = {{0, 2, 4, 6}, {1, 3, 5, 7}};
+  two.in_dims = {3, 4 * 1001};
+  two.axis = 1;
+  CheckSpec(two);
+  Spec big;
+  big.kind = Kind::kAllToAll;
+  big.in_dims = {8 * 140001};
+  CheckSpec(big);
+}
+
+// Every rank of a group runs f(rank) -> Status on its own thread; returns the statuses.
+std::vector<Status> CallOnGroup(const std::vector<int64_t>& group, const std::vector<int64_t>& sizes,
+                                const std::function<void(int, CollectiveArgs&)>& fill) {
+  const int64_t run = NextRunId();
+  return OnThreads(static_cast<int>(group.size()), [&](int r) {
+    CollectiveArgs a;
+    a.groups = group;
+    a.group_sizes = sizes;
+    a.device = group[r];
+    a.run_id = run;
+    a.label = "engine_test";
+    fill(r, a);
+    return RunCollective(a);
+  });
+}
+
+bool AllFailWith(const std::vector<Status>& st, const std::string& text) {
+  bool all = true;
+  for (const Status& s : st) all &= !s.ok() && s.message().find(text) != std::string::npos;
+  return all;
+}
+
+void TestExchangeValidation() {
+  const std::vector<int64_t> group = {0, 1, 2, 3}, sizes = {4};
+  std::vector<float> x(24, 1.f), y(24);
+  std::vector<int64_t> dims = {24};
+  OperandRequest op;
+  op.in_dims = op.out_dims = dims;
+  op.in = x.data();
+  op.out = y.data();
+  auto one = [&](Kind kind, std::vector<int64_t> pairs, int64_t axis = 0) {
+    CollectiveArgs a;
+    a.groups = group;
+    a.group_sizes = sizes;
+    a.label = "engine_test";
+    a.request.kind = kind;
+    a.request.pairs = pairs;
+    a.request.axis = axis;
+    a.request.operands = {&op, 1};
+    return RunCollective(a);
+  };
+  Status s = one(Kind::kPpermute, {0, 1, 2});
+  Expect(!s.ok() && s.message().find("flattened") != std::string::npos, "odd pair list: " + s.message());
+  s = one(Kind::kPpermute, {0, 4});
+  Expect(!s.ok() && s.message().find("outside the group of 4") != std::string::npos, "rank out of range: " + s.message());
+  s = one(Kind::kPpermute, {-1, 2});
+  Expect(!s.ok() && s.message().find("outside the group") != std::string::npos, "negative rank: " + s.message());
+  s = one(Kind::kPpermute, {0, 1, 0, 2});
+  Expect(!s.ok() && s.message().find("sources must be unique") != std::string::npos, "duplicate source: " + s.message());
+  s = one(Kind::kPpermute, {0, 1, 2, 1});
+  Expect(!s.ok() && s.message().find("destinations must be unique") != std::string::npos,
+         "duplicate destination: " + s.message());
+  op.out = x.data();
+  s = one(Kind::kPpermute, {0, 1});
+  Expect(!s.ok() && s.message().find("overlaps the input") != std::string::npos, "ppermute in place: " + s.message());
+  s = one(Kind::kAllToAll, {});
+  Expect(!s.ok() && s.message().find("overlaps the input") != std::string::npos, "all_to_all in place: " + s.message());
+  op.out = y.data();
+  std::vector<int64_t> odd = {3, 7};
+  op.in_dims = op.out_dims = odd;
+  std::vector<float> x21(21), y21(21);
+  op.in = x21.data();
+  op.out = y21.data();
+  s = one(Kind::kAllToAll, {}, 1);
+  Expect(!s.ok() && s.message().find("split evenly into 4 blocks") != std::string::npos, "a2a not divisible: " + s.message());
+  s = one(Kind::kAllToAll, {}, 2);
+  Expect(!s.ok() && s.message().find("axis 2 out of range") != std::string::npos, "a2a axis: " + s.message());
+  // Uneven groups: all_to_all needs groups of one size.
+  const std::vector<int64_t> ids = {0, 1, 2, 3, 4}, uneven = {2, 3};
+  CollectiveArgs a;
+  a.groups = ids;
+  a.group_sizes = uneven;
+  a.request.kind = Kind::kAllToAll;
+  a.request.operands = {&op, 1};
+  s = RunCollective(a);
+  Expect(!s.ok() && s.message().find("same size") != std::string::npos, "a2a uneven groups: " + s.message());
+  // Ranks that disagree on the pairs all fail, naming both pair lists.
+  std::vector<std::vector<float>> bx(4, std::vector<float>(10, 1.f)), by = bx;
+  const std::vector<int64_t> shift = {0, 1, 1, 2, 2, 3, 3, 0}, other = {0, 1, 1, 2, 2, 3, 3, 1};
+  std::vector<int64_t> d10 = {10};
+  auto st = CallOnGroup(group, sizes, [&](int r, CollectiveArgs& c) {
+    thread_local OperandRequest o;
+    o.in_dims = o.out_dims = d10;
+    o.in = bx[r].data();
+    o.out = by[r].data();
+    c.request.kind = Kind::kPpermute;
+    c.request.pairs = r == 2 ? std::span<const int64_t>(other).first(6) : std::span<const int64_t>(shift);
+    c.request.operands = {&o, 1};
+  });
+  Expect(AllFailWith(st, "disagree") && st[0].message().find("0->1, 1->2, 2->3, 3->0") != std::string::npos &&
+             st[0].message().find("rank 2") != std::string::npos,
+         "mismatched pair lists fail every rank: " + st[0].message());
+  // A ppermute whose rank never arrives: the deadline names the collective, group, rank and link.
+  const double saved = TimeoutSeconds();
+  SetTimeoutSeconds(0.3);
+  const std::vector<int64_t> late_group = {20, 21, 22};
+  std::vector<std::vector<float>> lx(3, std::vector<float>(100, 1.f)), ly = lx;
+  const int64_t run = NextRunId();
+  auto late = OnThreads(3, [&](int r) {
+    if (r == 1) return Status();
+    const std::vector<int64_t> three = {3}, d100 = {100}, pairs = {0, 1, 1, 2, 2, 0};
+    OperandRequest o;
+    o.in_dims = o.out_dims = d100;
+    o.in = lx[r].data();
+    o.out = ly[r].data();
+    CollectiveArgs c;
+    c.groups = late_group;
+    c.group_sizes = three;
+    c.device = late_group[r];
+    c.run_id = run;
+    c.label = "ppermute over axes ('x',)";
+    c.request.kind = Kind::kPpermute;
+    c.request.pairs = pairs;
+    c.request.operands = {&o, 1};
+    return RunCollective(c);
+  });
+  SetTimeoutSeconds(saved);
+  const std::string& m = late[0].message();
+  Expect(late[0].code() == StatusCode::kDeadlineExceeded && m.find("ppermute over axes") != std::string::npos &&
+             m.find("rank 1 (device 21)") != std::string::npos && m.find("[20, 21, 22]") != std::string::npos &&
+             m.find("link shm") != std::string::npos,
+         "ppermute deadline names label, group, missing rank, link: " + m);
+}
+
+void TestMultiOperandExchange() {
+  for (LeafSize size : {LeafSize::kSmall, LeafSize::kMedium, LeafSize::kBig}) {
+    MultiSpec p;
+    p.kind = Kind::kPpermute;
+    p.operands = Leaves(13, size, true);
+    p.pairs = {{0, 1}, {1, 2}, {2, 0}, {4, 4}, {6, 7}};
+    p.what = "partial pairs, " + SizeName(size);
+    CheckMulti(p);
+  }
+  for (int64_t axis : {0, 1}) {
+    MultiSpec a;
+    a.kind = Kind::kAllToAll;
+    a.axis = axis;
+    a.operands = {{DType::kF32, {8, 8 * 5}}, {DType::kBF16, {16, 8}}, {DType::kS64, {8, 8 * 3001}},
+                  {DType::kU16, {24, 8}},    {DType::kC64, {8, 8}},   {DType::kPred, {8, 8 * 7}}};
+    a.what = "axis " + std::to_string(axis);
+    CheckMulti(a);
+  }
+}
+
+// Runs a test function and prints how long it took (the suite's slow parts show at a glance).
+void Timed(const char* name, void (*test)()) {
+  const auto t0 = std::chrono::steady_clock::now();
+  test();
+  std::printf("%-32s %6.1f s\n", name, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
 int main() {
-  TestOutputFaultsTheMiddle();
-  TestOutputFaultsCollapseEnds();
-  TestOutputFaultsShared();
-  TestArriveHelpsFault();
-  TestReduceToKernel();
-  TestRanges();
-  TestLarge();
-  TestValidation();
-  TestKindsDtypesOps();
-  TestGroups();
-  TestDeterminism();
-  TestMismatch();
-  TestManyCalls();
-  TestDeadline();
-  TestMultiOperandAllReduce();
-  TestMultiOperandGatherScatter();
-  TestMultiOperandRendezvous();
-  TestMultiOperandMismatch();
-  TestMultiOperandAcrossLinks();
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  Timed("TestOutputFaultsTheMiddle", TestOutputFaultsTheMiddle);
+  Timed("TestOutputFaultsCollapseEnds", TestOutputFaultsCollapseEnds);
+  Timed("TestOutputFaultsShared", TestOutputFaultsShared);
+  Timed("TestArriveHelpsFault", TestArriveHelpsFault);
+  Timed("TestReduceToKernel", TestReduceToKernel);
+  Timed("TestRanges", TestRanges);
+  Timed("TestLarge", TestLarge);
+  Timed("TestValidation", TestValidation);
+  Timed("TestKindsDtypesOps", TestKindsDtypesOps);
+  Timed("TestGroups", TestGroups);
+  Timed("TestDeterminism", TestDeterminism);
+  Timed("TestMismatch", TestMismatch);
+  Timed("TestManyCalls", TestManyCalls);
+  Timed("TestDeadline", TestDeadline);
+  Timed("TestMultiOperandAllReduce", TestMultiOperandAllReduce);
+  Timed("TestMultiOperandGatherScatter", TestMultiOperandGatherScatter);
+  Timed("TestMultiOperandRendezvous", TestMultiOperandRendezvous);
+  Timed("TestMultiOperandMismatch", TestMultiOperandMismatch);
+  Timed("TestPpermute", TestPpermute);
+  Timed("TestAllToAll", TestAllToAll);
+  Timed("TestExchangeValidation", TestExchangeValidation);
+  Timed("TestMultiOperandExchange", TestMultiOperandExchange);
+  Timed("TestMultiOperandAcrossLinks", TestMultiOperandAcrossLinks);
   return Summary();
 }

@@ -26,6 +26,7 @@
 #include "xla_ffi/links/tcp.h"
 #include "xla_ffi/plan/link_spec.h"
 #include "tests/cpp/check.h"
+#include "tests/cpp/reference.h"
 
 using namespace flexlink;
 using namespace flexlink::testing;
@@ -87,49 +88,44 @@ std::vector<Status> RunCall(Communicator& comm, const std::vector<CallDesc>& des
   return st;
 }
 
-std::vector<uint8_t> RandomData(DType t, size_t count, uint32_t seed, bool with_nan) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> real(0.5f, 1.5f);
-  const size_t w = ByteWidth(t);
-  std::vector<uint8_t> v(count * w);
-  for (size_t i = 0; i < count; ++i) {
-    uint8_t* p = &v[i * w];
-    float f = real(rng) * ((rng() & 1) ? 1.f : -1.f);
-    if (with_nan && rng() % 97 == 0) f = NAN;
-    switch (t) {
-      case DType::kPred: *p = rng() & 1; break;
-      case DType::kF16: { _Float16 h = static_cast<_Float16>(f); std::memcpy(p, &h, 2); break; }
-      case DType::kBF16: { uint32_t u; std::memcpy(&u, &f, 4); uint16_t b = u >> 16; std::memcpy(p, &b, 2); break; }
-      case DType::kF32: std::memcpy(p, &f, 4); break;
-      case DType::kF64: { double d = f + 1e-9 * (rng() % 1000); std::memcpy(p, &d, 8); break; }
-      case DType::kC64: { float c[2] = {f, real(rng)}; std::memcpy(p, c, 8); break; }
-      default: for (size_t b = 0; b < w; ++b) p[b] = static_cast<uint8_t>(rng()); break;
-    }
-  }
-  return v;
-}
-
 struct Case {
   Kind kind;
   DType dtype;
   ReduceOp op;
   size_t outer, inner;
   bool in_place = false;
+  std::vector<std::pair<int, int>> pairs = {};  // ppermute: (source, destination)
 };
 
+// ppermute's per-destination source table for n ranks.
+std::vector<int32_t> Sources(const std::vector<std::pair<int, int>>& pairs, int n) {
+  std::vector<int32_t> s(n, -1);
+  for (const auto& [src, dst] : pairs) s[dst] = src;
+  return s;
+}
+
+size_t InCount(Kind kind, size_t units, int n) {
+  return kind == Kind::kReduceScatter || kind == Kind::kAllToAll ? units * n : units;
+}
+size_t OutCount(Kind kind, size_t units, int n) {
+  return kind == Kind::kAllGather || kind == Kind::kAllToAll ? units * n : units;
+}
+
 std::string Describe(const Case& c, int n) {
-  return std::string(Name(c.kind)) + "(" + std::string(Name(c.op)) + ") " + std::string(Name(c.dtype)) +
-         " [" + std::to_string(c.outer) + "x" + std::to_string(c.inner) + "] n=" + std::to_string(n) +
-         (c.in_place ? " in-place" : "");
+  std::string s = std::string(Name(c.kind)) + "(" + std::string(Name(c.op)) + ") " + std::string(Name(c.dtype)) +
+                  " [" + std::to_string(c.outer) + "x" + std::to_string(c.inner) + "] n=" + std::to_string(n) +
+                  (c.in_place ? " in-place" : "");
+  for (const auto& [a, b] : c.pairs) s += " " + std::to_string(a) + "->" + std::to_string(b);
+  return s;
 }
 
 // Runs `c` with `pieces` on `comm`; returns every rank's output.
 std::vector<std::vector<uint8_t>> RunCase(Communicator& comm, const Case& c, const std::vector<Step>& pieces,
-                                          std::vector<Status>* st, bool concurrent = false) {
+                                          std::vector<Status>* st, bool concurrent = false,
+                                          std::vector<std::vector<uint8_t>>* inputs = nullptr) {
   const int n = comm.size();
   const size_t w = ByteWidth(c.dtype), units = c.outer * c.inner;
-  const size_t in_count = c.kind == Kind::kReduceScatter ? units * n : units;
-  const size_t out_count = c.kind == Kind::kAllGather ? units * n : units;
+  const size_t in_count = InCount(c.kind, units, n), out_count = OutCount(c.kind, units, n);
   const bool nan = c.op == ReduceOp::kMax || c.op == ReduceOp::kMin;
   std::vector<std::vector<uint8_t>> ins(n), outs(n);
   std::vector<CallDesc> descs(n);
@@ -145,8 +141,10 @@ std::vector<std::vector<uint8_t>> RunCase(Communicator& comm, const Case& c, con
     p.in = ins[r].data();
     p.out = c.in_place ? ins[r].data() : outs[r].data();
     d.AddPart(p);
+    if (c.kind == Kind::kPpermute) d.sources = Sources(c.pairs, n);
   }
   *st = RunCall(comm, descs, pieces, nullptr, concurrent);
+  if (inputs) *inputs = ins;
   return c.in_place ? ins : outs;
 }
 
@@ -156,7 +154,8 @@ void CheckTcpMatchesShm(Communicator& comm, const Case& c) {
   const size_t units = c.outer * c.inner;
   const size_t a = std::min(units, units / 3 + 1), b = std::max(a, std::min(units, 2 * units / 3 + 3));
   std::vector<Status> st_ref, st_tcp, st_mix;
-  auto ref = RunCase(comm, c, {{0, {0, units}}}, &st_ref);
+  std::vector<std::vector<uint8_t>> inputs;
+  auto ref = RunCase(comm, c, {{0, {0, units}}}, &st_ref, false, &inputs);
   auto tcp = RunCase(comm, c, {{1, {0, units}}}, &st_tcp);
   auto mix = RunCase(comm, c, {{1, {0, a}}, {0, {a, b}}, {1, {b, units}}}, &st_mix);
   std::vector<Status> st_par;
@@ -170,6 +169,19 @@ void CheckTcpMatchesShm(Communicator& comm, const Case& c) {
     else if (mix[r] != ref[r]) why = "tcp+shm ranges differ from shm at rank " + std::to_string(r);
     else if (!st_par[r].ok()) why = "concurrent: " + st_par[r].message();
     else if (par[r] != ref[r]) why = "concurrent shm+tcp differ from shm at rank " + std::to_string(r);
+  }
+  // The kinds that only move bytes: against reference.h as well (the others: engine_test).
+  const int n = comm.size();
+  std::vector<const uint8_t*> srcs;
+  for (const auto& in : inputs) srcs.push_back(in.data());
+  for (int r = 0; r < n && why.empty(); ++r) {
+    const size_t w = ByteWidth(c.dtype), count = InCount(c.kind, units, n);
+    std::vector<std::pair<int64_t, int64_t>> pairs(c.pairs.begin(), c.pairs.end());
+    if (c.kind == Kind::kPpermute && tcp[r] != RefPpermute(pairs, srcs, count * w, r))
+      why = "tcp differs from the reference at rank " + std::to_string(r);
+    const std::vector<int64_t> dims = {static_cast<int64_t>(c.outer), static_cast<int64_t>(n * c.inner)};
+    if (c.kind == Kind::kAllToAll && tcp[r] != RefAllToAll(dims, 1, srcs, w, r))
+      why = "tcp differs from the reference at rank " + std::to_string(r);
   }
   Expect(why.empty(), Describe(c, comm.size()) + ": " + why);
 }
@@ -401,6 +413,7 @@ struct MultiCase {
   Kind kind;
   ReduceOp op;
   std::vector<PartShape> parts;
+  std::vector<std::pair<int, int>> pairs = {};  // ppermute
 };
 
 // A range of the call's virtual bytes on a channel.
@@ -430,14 +443,14 @@ std::vector<std::vector<std::vector<uint8_t>>> RunMultiCase(Communicator& comm, 
       p.units = ps.outer * ps.inner;
       p.outer = c.kind == Kind::kAllReduce ? 1 : ps.outer;
       p.inner = c.kind == Kind::kAllReduce ? p.units : ps.inner;
-      const size_t in_count = p.units * (c.kind == Kind::kReduceScatter ? n : 1);
-      const size_t out_count = p.units * (c.kind == Kind::kAllGather ? n : 1);
+      const size_t in_count = InCount(c.kind, p.units, n), out_count = OutCount(c.kind, p.units, n);
       ins[r][i] = RandomData(ps.dtype, in_count, static_cast<uint32_t>(r * 7919 + i * 31 + p.units), nan);
       outs[r][i].assign(out_count * ByteWidth(ps.dtype), 0xAB);
       p.in = ins[r][i].data();
       p.out = outs[r][i].data();
       descs[r].AddPart(p);
     }
+    if (c.kind == Kind::kPpermute) descs[r].sources = Sources(c.pairs, n);
   }
   const int64_t run = NextRunId();
   st->assign(n, Status());
@@ -525,6 +538,40 @@ void TestMultiPartTcpEqualsShm(Link& shm, Link& tcp) {
   }
 }
 
+// ppermute and all_to_all: messages routed along the ring (forwarded by the ranks in between),
+// against shm and the reference, for pair sets whose messages travel 0, 1 and n-1 hops.
+void TestExchangeTcpEqualsShm(Link& shm, Link& tcp) {
+  for (int n : {2, 3, 8}) {
+    auto comm = MakeComm(n, {&shm, &tcp});
+    std::vector<std::vector<std::pair<int, int>>> sets = {{}, {{0, 1}, {1, 0}}, {{n - 1, 0}}};
+    std::vector<std::pair<int, int>> up, down, identity, partial;
+    for (int r = 0; r < n; ++r) {
+      up.push_back({r, (r + 1) % n});
+      down.push_back({r, (r + n - 1) % n});
+      identity.push_back({r, r});
+    }
+    partial = {{0, n - 1}, {n - 1, n / 2}};
+    if (n > 2) partial.push_back({1, 1});
+    for (const auto& p : {up, down, identity, partial}) sets.push_back(p);
+    for (const auto& pairs : sets)
+      for (DType t : {DType::kF32, DType::kBF16, DType::kU8, DType::kC128}) {
+        CheckTcpMatchesShm(*comm, {Kind::kPpermute, t, ReduceOp::kSum, 1, 1237, false, pairs});
+        if (t == DType::kF32) CheckTcpMatchesShm(*comm, {Kind::kPpermute, t, ReduceOp::kSum, 1, 200003, false, pairs});
+      }
+    for (DType t : {DType::kF32, DType::kBF16, DType::kU8, DType::kC128, DType::kPred}) {
+      CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 1, 5003});  // one row per block
+      CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 7, 131});   // rows: packed on the wire
+      CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 1000, 1});  // one-element rows
+    }
+    CheckTcpMatchesShm(*comm, {Kind::kAllToAll, DType::kF32, ReduceOp::kSum, 1, 70001});  // many chunks
+    const std::vector<PartShape> parts = {{DType::kF32, 3, 333}, {DType::kBF16, 7, 3}, {DType::kS32, 1, 5003},
+                                          {DType::kU8, 2, 1}, {DType::kF16, 5, 1001}};
+    CheckMultiTcpMatchesShm(*comm, {Kind::kAllToAll, ReduceOp::kSum, parts});
+    CheckMultiTcpMatchesShm(*comm, {Kind::kPpermute, ReduceOp::kSum,
+                                    {{DType::kF32, 1, 3001}, {DType::kBF16, 1, 7}, {DType::kF16, 1, 70001}}, down});
+  }
+}
+
 // The emulated link paces the bytes of all pieces together.
 void TestEmulatedMultiPart() {
   const int n = 8;
@@ -575,6 +622,7 @@ int main(int argc, char** argv) {
   TestHandshake();
   TestTcpEqualsShm(shm, tcp);
   TestMultiPartTcpEqualsShm(shm, tcp);
+  TestExchangeTcpEqualsShm(shm, tcp);
   TestSilentPeer(tcp);
   TestEmulatedPacing();
   TestEmulatedMultiPart();

@@ -608,6 +608,55 @@ void TestCache() {
         "cache path resolution");
   fs::remove_all(dir);
 }
+
+// The kinds added later (ppermute, all_to_all) have fits and thresholds of their own, stored by name
+// next to the others; a cache written before they existed (this literal is what that build wrote)
+// still loads, and a plan of one kind never answers for another.
+void TestCacheNewKinds() {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("flexlink_plan_test_kinds_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string path = (dir / "tune.json").string();
+  const std::string host = HostName();
+  WriteText(path, "{\"format\": \"jax_flexlink tuning cache\", \"version\": 1, \"entries\": [{\"host\": \"" + host +
+                      "\", \"links\": \"shm;tcp\", \"ranks\": 8, \"max_bytes\": 1048576, \"link_names\": [\"shm\", "
+                      "\"tcp\"], \"fits\": {\"all_reduce\": [{\"link\": \"shm\", \"alpha_s\": 1e-4, "
+                      "\"beta_s_per_byte\": 6.7e-10, \"gbps\": 11.9}, {\"link\": \"tcp\", \"alpha_s\": 2e-4, "
+                      "\"beta_s_per_byte\": 3.1e-9, \"gbps\": 2.5}]}, \"split_min_bytes\": {\"all_reduce\": -1}, "
+                      "\"profiled_bytes\": {\"all_reduce\": 1048576}}]}");
+  TuneRecord got;
+  std::string warning;
+  Check(LoadTuning(path, {host, "shm;tcp", 8}, &got, &warning) && warning.empty() &&
+            got.model.Has(Kind::kAllReduce) && !got.model.Has(Kind::kPpermute) && !got.model.Has(Kind::kAllToAll),
+        "a cache from before ppermute/all_to_all loads: " + warning);
+  TuneRecord rec = got;
+  rec.model.Set(Kind::kPpermute, 0, {5e-6, 1e-10});
+  rec.model.Set(Kind::kPpermute, 1, {7e-6, 4e-10});
+  rec.model.Set(Kind::kAllToAll, 0, {8e-6, 2e-10});
+  rec.model.Set(Kind::kAllToAll, 1, {9e-6, 5e-10});
+  rec.model.SetMeasuredThreshold(Kind::kAllToAll, 65536);
+  rec.model.SetProfiledBytes(Kind::kPpermute, 1 << 22);
+  Check(StoreTuning(path, rec, &warning).ok(), "store the new kinds");
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  Check(text.find("\"ppermute\"") != std::string::npos && text.find("\"all_to_all\"") != std::string::npos,
+        "the new kinds are stored by name");
+  Check(LoadTuning(path, {host, "shm;tcp", 8}, &got, &warning) && got.model.Has(Kind::kPpermute) &&
+            got.model.Fits(Kind::kPpermute)[1].beta == 4e-10 && got.model.Fits(Kind::kAllToAll)[0].alpha == 8e-6 &&
+            got.model.MeasuredThreshold(Kind::kAllToAll) == 65536u && !got.model.MeasuredThreshold(Kind::kPpermute) &&
+            got.model.ProfiledBytes(Kind::kPpermute) == (1u << 22) &&
+            got.model.MeasuredThreshold(Kind::kAllReduce) == kNeverSplit,
+        "ppermute / all_to_all fits and thresholds round-trip, all_reduce's kept");
+  Balancer b({"shm", "tcp"});
+  Check(b.SetShares(Kind::kPpermute, 1 << 20, {0.25, 0.75}, true).ok(), "pin ppermute");
+  Check(b.PlanFor(Kind::kPpermute, 1 << 20)->shares[1] == 0.75 && b.PlanFor(Kind::kAllToAll, 1 << 20)->shares[1] == 0.5 &&
+            b.PlanFor(Kind::kAllReduce, 1 << 20)->shares[1] == 0.5 && b.PlanFor(Kind::kAllToAll, 1 << 20)->kind == Kind::kAllToAll,
+        "plans are per kind");
+  Check(std::string(Name(Kind::kPpermute)) == "ppermute" && ParseKind("all_to_all") == Kind::kAllToAll,
+        "kind names");
+  fs::remove_all(dir);
+}
 }  // namespace
 
 int main() {
@@ -619,7 +668,7 @@ int main() {
       {"fallback", TestFallback},
       {"no_model", TestNoModel},         {"threads", TestThreads},
       {"measured_threshold", TestMeasuredThreshold}, {"profile_mode", TestProfileMode},
-      {"cache", TestCache},
+      {"cache", TestCache},              {"cache_new_kinds", TestCacheNewKinds},
   };
   int passed = 0, failed = 0;
   for (const auto& [name, fn] : tests) {

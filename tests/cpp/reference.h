@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "xla_ffi/core/types.h"
@@ -191,6 +192,36 @@ inline std::vector<uint8_t> RandomData(DType t, size_t count, uint32_t seed, boo
     }
   }
   return v;
+}
+
+// ppermute: rank d's result is the input of the rank s with a pair (s, d), zeros if there is none.
+// `pairs` are (source, destination) rank pairs; `inputs[r]` is rank r's input.
+inline std::vector<uint8_t> RefPpermute(const std::vector<std::pair<int64_t, int64_t>>& pairs,
+                                        const std::vector<const uint8_t*>& inputs, size_t bytes, int rank) {
+  std::vector<uint8_t> out(bytes, 0);
+  for (const auto& [s, d] : pairs)
+    if (d == rank) std::memcpy(out.data(), inputs[s], bytes);
+  return out;
+}
+
+// all_to_all about `axis` of `dims` for n ranks: viewed as [outer, n, inner], rank r's result block j
+// is block r of rank j's input: out_r[o, j, i] = in_j[o, r, i]. Element by element, on purpose.
+inline std::vector<uint8_t> RefAllToAll(const std::vector<int64_t>& dims, int64_t axis,
+                                        const std::vector<const uint8_t*>& inputs, size_t width, int rank) {
+  const size_t n = inputs.size();
+  size_t outer = 1, count = 1;
+  for (size_t a = 0; a < dims.size(); ++a) {
+    count *= static_cast<size_t>(dims[a]);
+    if (static_cast<int64_t>(a) < axis) outer *= static_cast<size_t>(dims[a]);
+  }
+  const size_t inner = outer ? count / outer / n : 0;
+  std::vector<uint8_t> out(count * width);
+  for (size_t o = 0; o < outer; ++o)
+    for (size_t j = 0; j < n; ++j)
+      for (size_t i = 0; i < inner; ++i)
+        std::memcpy(&out[((o * n + j) * inner + i) * width], inputs[j] + ((o * n + rank) * inner + i) * width,
+                    width);
+  return out;
 }
 
 }  // namespace flexlink::testing

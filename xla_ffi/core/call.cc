@@ -1,6 +1,7 @@
 #include "xla_ffi/core/call.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -83,9 +84,15 @@ void CallDesc::PiecesOf(UnitRange range, std::vector<Piece>* out) const {
   }
 }
 
+int CallDesc::DestinationOf(int r) const {
+  for (size_t d = 0; d < sources.size(); ++d)
+    if (sources[d] == r) return static_cast<int>(d);
+  return -1;
+}
+
 bool CallDesc::SameCall(const CallDesc& o) const {
-  if (kind != o.kind || parts.size() != o.parts.size()) return false;
-  if (kind != Kind::kAllGather && op != o.op) return false;
+  if (kind != o.kind || parts.size() != o.parts.size() || sources != o.sources) return false;
+  if (Reduces(kind) && op != o.op) return false;
   for (size_t i = 0; i < parts.size(); ++i) {
     const Part &a = parts[i], &b = o.parts[i];
     if (a.dtype != b.dtype || a.units != b.units || a.outer != b.outer || a.inner != b.inner) return false;
@@ -96,17 +103,35 @@ bool CallDesc::SameCall(const CallDesc& o) const {
 std::string CallDesc::Describe() const {
   // Appends one piece at a time (GCC 12 warns falsely on "literal" + std::string chains).
   std::string s(Name(kind));
-  if (kind != Kind::kAllGather) {
+  if (Reduces(kind)) {
     s += "(";
     s += Name(op);
     s += ")";
+  }
+  if (kind == Kind::kPpermute) {
+    constexpr size_t kShownPairs = 16;
+    s += "(";
+    size_t shown = 0;
+    for (size_t r = 0; r < sources.size(); ++r) {  // in source order, as the pairs are usually written
+      const int d = DestinationOf(static_cast<int>(r));
+      if (d < 0) continue;
+      if (shown++ == kShownPairs) {
+        s += ", ...";
+        break;
+      }
+      if (shown > 1) s += ", ";
+      s += std::to_string(r);
+      s += "->";
+      s += std::to_string(d);
+    }
+    s += shown == 0 ? "no pairs)" : ")";
   }
   auto part = [&](const Part& p, bool alone) {
     s += Name(p.dtype);
     s += "[";
     s += std::to_string(p.units);
     if (alone) s += " per rank";
-    if (kind != Kind::kAllReduce) {
+    if (kind != Kind::kAllReduce && kind != Kind::kPpermute) {
       s += alone ? ", outer " : " outer ";
       s += std::to_string(p.outer);
     }
@@ -135,6 +160,11 @@ std::string CallDesc::Describe() const {
 
 namespace {
 
+bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes && b_bytes && x < y + b_bytes && y < x + a_bytes;
+}
+
 Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest& x, int n,
                        const std::string& where, Part* part) {
   const size_t in_count = Product(x.in_dims), out_count = Product(x.out_dims);
@@ -142,7 +172,7 @@ Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest
       "input " + Shape(x.in_dtype, x.in_dims) + ", output " + Shape(x.out_dtype, x.out_dims);
   if (x.in_dtype != x.out_dtype)
     return Status::InvalidArgument(where + "input and output dtypes differ (" + shapes + ")");
-  if (req.kind != Kind::kAllGather) {
+  if (Reduces(req.kind)) {
     Status s = CheckReduction(x.in_dtype, op);
     if (!s.ok()) return Status::InvalidArgument(where + s.message());
   }
@@ -153,6 +183,7 @@ Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest
   const int64_t rank = static_cast<int64_t>(x.in_dims.size());
   switch (req.kind) {
     case Kind::kAllReduce:
+    case Kind::kPpermute:
       if (in_count != out_count)
         return Status::InvalidArgument(where + "output size differs from input size (" + shapes + ")");
       d.units = in_count;
@@ -182,8 +213,59 @@ Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest
       d.outer = Product(x.in_dims.first(req.axis));
       d.inner = d.outer ? out_count / d.outer : 0;
       break;
+    case Kind::kAllToAll:
+      if (req.axis < 0 || req.axis >= rank)
+        return Status::InvalidArgument(where + "axis " + std::to_string(req.axis) + " out of range for " + shapes);
+      if (x.in_dims[req.axis] % n != 0)
+        return Status::InvalidArgument(where + "input dimension " + std::to_string(req.axis) + " (" +
+                                       std::to_string(x.in_dims[req.axis]) + ") must split evenly into " +
+                                       std::to_string(n) + " blocks, one per rank of the group (" + shapes + ")");
+      if (in_count != out_count)
+        return Status::InvalidArgument(where + "output size differs from input size (" + shapes + ")");
+      d.units = in_count / n;
+      d.outer = Product(x.in_dims.first(req.axis));
+      d.inner = d.outer ? d.units / d.outer : 0;
+      break;
+  }
+  // Only all_reduce works in place: the others read a peer's input while its owner writes its output.
+  if (req.kind != Kind::kAllReduce && n > 1) {
+    const size_t w = ByteWidth(d.dtype);
+    if (Overlap(x.in, in_count * w, x.out, out_count * w))
+      return Status::InvalidArgument(where + "the output overlaps the input (" + shapes + "); only all_reduce " +
+                                     "runs in place, " + std::string(Name(req.kind)) +
+                                     " needs a separate output buffer");
   }
   *part = d;
+  return Status::Ok();
+}
+
+// ppermute's (source, destination) pairs as a per-destination source table.
+Status DescribePairs(std::span<const int64_t> pairs, int n, const std::string& where, std::vector<int32_t>* sources) {
+  if (pairs.size() % 2 != 0)
+    return Status::InvalidArgument(where + "pairs must be (source, destination) ranks, flattened: got " +
+                                   std::to_string(pairs.size()) + " numbers " + FormatIds(pairs));
+  sources->assign(static_cast<size_t>(n), -1);
+  std::vector<char> is_source(static_cast<size_t>(n), 0);
+  for (size_t i = 0; i < pairs.size(); i += 2) {
+    const int64_t s = pairs[i], d = pairs[i + 1];
+    std::string pair = "(";  // appended: GCC 12 warns falsely on "literal" + std::string chains
+    pair += std::to_string(s);
+    pair += ", ";
+    pair += std::to_string(d);
+    pair += ")";
+    if (s < 0 || s >= n || d < 0 || d >= n)
+      return Status::InvalidArgument(where + "pair " + pair + " names a rank outside the group of " +
+                                     std::to_string(n) + " (ranks are positions 0.." + std::to_string(n - 1) +
+                                     " in the group)");
+    if (is_source[s])
+      return Status::InvalidArgument(where + "rank " + std::to_string(s) + " is the source of more than one pair " +
+                                     "(sources must be unique): " + FormatIds(pairs));
+    if ((*sources)[d] >= 0)
+      return Status::InvalidArgument(where + "rank " + std::to_string(d) + " is the destination of more than one " +
+                                     "pair (destinations must be unique): " + FormatIds(pairs));
+    is_source[s] = 1;
+    (*sources)[d] = static_cast<int32_t>(s);
+  }
   return Status::Ok();
 }
 
@@ -196,13 +278,15 @@ Status DescribeCall(const CallRequest& req, int n, std::string_view label, CallD
   desc->kind = req.kind;
   desc->op = ReduceOp::kSum;
   desc->parts.clear();
-  if (req.kind != Kind::kAllGather) {
+  desc->sources.clear();
+  if (Reduces(req.kind)) {
     auto op = ParseReduceOp(req.reduction);
     if (!op)
       return Status::InvalidArgument(where + "unknown reduction '" + std::string(req.reduction) +
                                      "' (expected sum, prod, max or min)");
     desc->op = *op;
   }
+  if (req.kind == Kind::kPpermute) FLEXLINK_RETURN_IF_ERROR(DescribePairs(req.pairs, n, where, &desc->sources));
   const bool several = req.operands.size() > 1;
   for (size_t i = 0; i < req.operands.size(); ++i) {
     const std::string at = several ? where + "operand " + std::to_string(i) + ": " : where;

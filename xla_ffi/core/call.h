@@ -32,8 +32,10 @@ struct UnitRange {
 // One operand of a call. Its work is indexed by "units": the elements one rank contributes.
 // all_reduce: the elements of x (= of y). all_gather: the elements of x; unit u = (o, i) with
 // o < outer, i < inner lands in y[o, rank, i]. reduce_scatter: the elements of y; unit (o, i) of rank
-// r is the reduction over ranks of x[o, r, i]. Links split a part by unit ranges, so every link sees
-// the same layout rule.
+// r is the reduction over ranks of x[o, r, i]. ppermute: the elements of x (= of y); unit u of rank d
+// is x_s[u] of its source s (or 0). all_to_all: x and y are both [outer, n, inner]; unit (o, i) of
+// rank r is the column y_r[o, j, i] = x_j[o, r, i] for every j (n elements, like reduce_scatter's
+// units). Links split a part by unit ranges, so every link sees the same layout rule.
 struct Part {
   DType dtype = DType::kF32;
   const void* in = nullptr;
@@ -58,8 +60,13 @@ inline constexpr uint64_t kPartAlignBytes = 64;
 
 struct CallDesc {
   Kind kind = Kind::kAllReduce;
-  ReduceOp op = ReduceOp::kSum;  // ignored by all_gather
+  ReduceOp op = ReduceOp::kSum;  // used by the kinds that reduce (all_reduce, reduce_scatter)
   std::vector<Part> parts;
+  // ppermute: per rank d, the rank whose input d receives (-1: none, d gets zeros); the same table on
+  // every rank of the call (checked at the arrival). Empty for the other kinds.
+  std::vector<int32_t> sources;
+  // ppermute: the rank that receives rank r's input, -1 if none.
+  int DestinationOf(int r) const;
 
   // Appends a part at the next 64-byte-aligned offset of the virtual space.
   void AddPart(Part p);
@@ -68,8 +75,12 @@ struct CallDesc {
   size_t total_units() const;
 
   // Elements of a part's x / y per unit, for a group of n ranks.
-  size_t in_per_unit(int n) const { return kind == Kind::kReduceScatter ? static_cast<size_t>(n) : 1; }
-  size_t out_per_unit(int n) const { return kind == Kind::kAllGather ? static_cast<size_t>(n) : 1; }
+  size_t in_per_unit(int n) const {
+    return kind == Kind::kReduceScatter || kind == Kind::kAllToAll ? static_cast<size_t>(n) : 1;
+  }
+  size_t out_per_unit(int n) const {
+    return kind == Kind::kAllGather || kind == Kind::kAllToAll ? static_cast<size_t>(n) : 1;
+  }
   size_t in_count(const Part& p, int n) const { return p.units * in_per_unit(n); }
   size_t out_count(const Part& p, int n) const { return p.units * out_per_unit(n); }
   // Input bytes of all parts together, and of the pieces of virtual bytes [range) (link statistics).
@@ -86,7 +97,8 @@ struct CallDesc {
   // Equal in everything every rank must agree on (not the buffers).
   bool SameCall(const CallDesc& o) const;
   // e.g. "all_reduce(sum) float32[1024 per rank]"; with several parts
-  // "all_reduce(sum) of 3 operands per rank: float32[1024], bfloat16[7], int32[1]".
+  // "all_reduce(sum) of 3 operands per rank: float32[1024], bfloat16[7], int32[1]"; ppermute names
+  // its pairs: "ppermute(0->1, 1->2) float32[1024 per rank]".
   std::string Describe() const;
 };
 
@@ -100,8 +112,9 @@ struct OperandRequest {
 
 struct CallRequest {
   Kind kind = Kind::kAllReduce;
-  std::string_view reduction;  // "sum" | "prod" | "max" | "min"; ignored by all_gather
-  int64_t axis = 0;            // all_gather / reduce_scatter: the same for every operand
+  std::string_view reduction;  // "sum" | "prod" | "max" | "min"; only for the kinds that reduce
+  int64_t axis = 0;            // all_gather / reduce_scatter / all_to_all: the same for every operand
+  std::span<const int64_t> pairs;            // ppermute: (source, destination) ranks, flattened
   std::span<const OperandRequest> operands;  // k >= 1
 };
 

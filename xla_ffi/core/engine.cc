@@ -30,6 +30,16 @@ Status CheckDistinct(std::span<const int64_t> devices, std::string_view label) {
                                  " names a device more than once");
 }
 
+// all_to_all exchanges blocks between every pair of ranks of a group; lax requires its groups to be
+// of one size, and so does this engine (an uneven table is a front-end bug worth a clear message).
+Status CheckEvenGroups(std::span<const int64_t> group_sizes, std::string_view label) {
+  for (int64_t s : group_sizes)
+    if (s != group_sizes[0])
+      return Status::InvalidArgument(ErrorPrefix(label) + "all_to_all: groups must all have the same size, got sizes " +
+                                     FormatIds(group_sizes));
+  return Status::Ok();
+}
+
 // A group of devices on one link set: its communicator (channels), the balancer that plans its
 // calls and, with more than one link, the executor that splits them.
 struct Group {
@@ -175,15 +185,19 @@ Status RunCollective(const CollectiveArgs& args) {
   FLEXLINK_RETURN_IF_ERROR(
       ResolveGroup(args.groups, args.group_sizes, args.device, args.label, &members, &rank));
   const int n = static_cast<int>(members.size());
+  if (args.request.kind == Kind::kAllToAll) FLEXLINK_RETURN_IF_ERROR(CheckEvenGroups(args.group_sizes, args.label));
   // Reused per device thread: a call's parts are copied once more at the arrival, not here.
   thread_local CallDesc desc;
   FLEXLINK_RETURN_IF_ERROR(DescribeCall(args.request, n, args.label, &desc));
   // Zero-size calls return at once on every rank (all ranks see the same shapes, so none waits).
   if (desc.total_units() == 0) return Status::Ok();
   if (n == 1) {
-    // A group of one: the collective is the identity (the [outer, 1, inner] layout is the input's).
+    // A group of one: the collective is the identity (the [outer, 1, inner] layout is the input's),
+    // except a ppermute without the pair (0, 0), whose result is zeros.
+    const bool zeros = desc.kind == Kind::kPpermute && desc.sources[0] < 0;
     for (const Part& p : desc.parts)
-      if (p.out != p.in) std::memcpy(p.out, p.in, p.bytes());
+      if (zeros) std::memset(p.out, 0, p.bytes());
+      else if (p.out != p.in) std::memcpy(p.out, p.in, p.bytes());
     return Status::Ok();
   }
   Group* group = nullptr;

@@ -54,7 +54,8 @@ std::string ThresholdText(uint64_t t) {
                                 : "split from " + std::to_string(t) + " B per call";
 }
 
-// A float32 sum (for all_gather: a gather) of `message` nccl-tests bytes for a group of n.
+// A float32 sum (for the kinds that do not reduce: their data movement) of `message` nccl-tests bytes
+// for a group of n.
 CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
   CallDesc d;
   d.kind = kind;
@@ -64,10 +65,13 @@ CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
   p.in = in;
   p.out = out;
   const size_t elems = message / sizeof(float);
-  p.units = kind == Kind::kAllReduce ? elems : std::max<size_t>(1, elems / n);
+  p.units = kind == Kind::kAllReduce || kind == Kind::kPpermute ? elems : std::max<size_t>(1, elems / n);
   p.outer = 1;
   p.inner = p.units;
   d.AddPart(p);
+  if (kind == Kind::kPpermute) {  // a ring shift by one, the common case (pipelines, halos)
+    for (int r = 0; r < n; ++r) d.sources.push_back((r + n - 1) % n);
+  }
   return d;
 }
 

@@ -20,12 +20,13 @@ inline double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// nccl-tests' "size" of a call: AllReduce the buffer, AllGather the gathered output, ReduceScatter
-// the input; summed over the call's parts. Plans are bucketed by it.
+// nccl-tests' "size" of a call: AllReduce and SendRecv (ppermute) the buffer, AllGather the gathered
+// output, ReduceScatter the input, AlltoAll the whole per-rank buffer; summed over the call's parts.
+// Plans are bucketed by it.
 inline uint64_t MessageBytes(const CallDesc& d, int n) {
   uint64_t bytes = 0;
   for (const Part& p : d.parts) bytes += p.bytes();
-  return bytes * (d.kind == Kind::kAllReduce ? 1 : n);
+  return bytes * (d.kind == Kind::kAllReduce || d.kind == Kind::kPpermute ? 1 : n);
 }
 
 // Stage 1 run by the ranks of one call (executor_profile.cc). Every rank runs the same steps in the

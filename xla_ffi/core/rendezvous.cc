@@ -119,8 +119,8 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
         Where(link) + ": ranks disagree on the call: rank 0 (device " +
         std::to_string(comm_->devices()[0]) + ") has " + descs_[0].Describe() + ", rank " +
         std::to_string(r) + " (device " + std::to_string(comm_->devices()[r]) + ") has " +
-        descs_[r].Describe() + " (every device must call the collective with the same shape, dtype "
-        "and reduction)");
+        descs_[r].Describe() + " (every device must call the collective with the same operands: "
+        "number, shapes and dtypes, and the same reduction or pairs)");
   }
   faults_.Help(rank);
   return Status::Ok();

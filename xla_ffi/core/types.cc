@@ -24,10 +24,12 @@ constexpr std::array<std::pair<ReduceOp, std::string_view>, 4> kOps = {{
     {ReduceOp::kSum, "sum"}, {ReduceOp::kProd, "prod"}, {ReduceOp::kMax, "max"}, {ReduceOp::kMin, "min"},
 }};
 
-constexpr std::array<std::pair<Kind, std::string_view>, 3> kKinds = {{
+constexpr std::array<std::pair<Kind, std::string_view>, kNumKinds> kKinds = {{
     {Kind::kAllReduce, "all_reduce"},
     {Kind::kAllGather, "all_gather"},
     {Kind::kReduceScatter, "reduce_scatter"},
+    {Kind::kPpermute, "ppermute"},
+    {Kind::kAllToAll, "all_to_all"},
 }};
 
 }  // namespace

@@ -31,7 +31,7 @@ void Check(const Status& s) {
 Kind KindOf(const std::string& name) {
   auto k = ParseKind(name);
   if (!k) throw nb::value_error(("unknown collective '" + name +
-                                 "' (all_reduce, all_gather, reduce_scatter)").c_str());
+                                 "' (all_reduce, all_gather, reduce_scatter, ppermute, all_to_all)").c_str());
   return *k;
 }
 
@@ -77,7 +77,7 @@ void SetLinkRate(const std::string& name, double gbps, double latency_us) {
 
 nb::dict FitsOf(const plan::CostModel& model) {
   nb::dict out;
-  for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter}) {
+  for (Kind kind : kAllKinds) {
     if (!model.Has(kind)) continue;
     std::vector<std::pair<double, double>> fits;
     for (const auto& f : model.Fits(kind)) fits.emplace_back(f.alpha, f.beta);
@@ -138,7 +138,7 @@ void DefineControl(nb::module_& m) {
     if (!model) return nb::none();
     nb::dict out = FitsOf(*model);
     nb::dict thresholds, profiled;
-    for (Kind kind : {Kind::kAllReduce, Kind::kAllGather, Kind::kReduceScatter}) {
+    for (Kind kind : kAllKinds) {
       if (!model->Has(kind)) continue;
       auto t = model->MeasuredThreshold(kind);
       if (t) thresholds[std::string(Name(kind)).c_str()] = nb::int_(*t);

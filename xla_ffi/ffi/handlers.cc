@@ -107,7 +107,8 @@ ffi::Error DecodeOperands(Kind kind, std::string_view label, const ffi::Remainin
 
 ffi::Error Run(Kind kind, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
                ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
-               std::string_view reduction, int64_t axis, std::string_view label) {
+               std::string_view reduction, int64_t axis, std::string_view label,
+               std::span<const int64_t> pairs = {}) {
   CollectiveArgs a;
   ffi::Error decoded = DecodeOperands(kind, label, args, rets, &a.request.operands);
   if (decoded.failure()) return decoded;
@@ -119,6 +120,7 @@ ffi::Error Run(Kind kind, int32_t device, ffi::RunId run_id, ffi::RemainingArgs 
   a.request.kind = kind;
   a.request.reduction = reduction;
   a.request.axis = axis;
+  a.request.pairs = pairs;
   return ToFfi(RunCollective(a));
 }
 
@@ -138,6 +140,18 @@ ffi::Error ReduceScatterImpl(int32_t device, ffi::RunId run_id, ffi::RemainingAr
                              ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
                              std::string_view reduction, int64_t axis, std::string_view label) {
   return Run(Kind::kReduceScatter, device, run_id, args, rets, groups, group_sizes, reduction, axis, label);
+}
+
+ffi::Error PpermuteImpl(int32_t device, ffi::RunId run_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
+                        ffi::Span<const int64_t> pairs, std::string_view label) {
+  return Run(Kind::kPpermute, device, run_id, args, rets, groups, group_sizes, "", 0, label, AsSpan(pairs));
+}
+
+ffi::Error AllToAllImpl(int32_t device, ffi::RunId run_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes, int64_t axis,
+                        std::string_view label) {
+  return Run(Kind::kAllToAll, device, run_id, args, rets, groups, group_sizes, "", axis, label);
 }
 
 // The common prefix of every binding: context, (x_1..x_k, token) -> (y_1..y_k, token), group table.
@@ -166,3 +180,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexlinkReduceScatter, flexlink::ReduceScatterImpl
                                   .Attr<std::string_view>("reduction")
                                   .Attr<int64_t>("axis")
                                   .Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexlinkPpermute, flexlink::PpermuteImpl,
+                              flexlink::Bind()
+                                  .Attr<ffi::Span<const int64_t>>("pairs")
+                                  .Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexlinkAllToAll, flexlink::AllToAllImpl,
+                              flexlink::Bind().Attr<int64_t>("axis").Attr<std::string_view>("label"));

@@ -1,4 +1,4 @@
-// The three typed-FFI handlers (execute stage), one per collective; the dtype is dispatched inside.
+// The typed-FFI handlers (execute stage), one per collective; the dtype is dispatched inside.
 // Declared with forward-declared C API types so that includers need not see XLA's headers.
 #pragma once
 
@@ -8,4 +8,6 @@ struct XLA_FFI_CallFrame;
 XLA_FFI_Error* FlexlinkAllReduce(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* FlexlinkAllGather(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* FlexlinkReduceScatter(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* FlexlinkPpermute(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* FlexlinkAllToAll(XLA_FFI_CallFrame* call_frame);
 }

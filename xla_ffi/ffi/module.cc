@@ -3,6 +3,7 @@
 // arrays so that engine behaviour (deadlines, mismatches) can be tested with threads as devices.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -94,11 +95,15 @@ std::vector<nb::handle> ArrayList(nb::handle obj) {
 
 void EngineRun(const std::string& kind, const std::string& op, const std::vector<int64_t>& groups,
                const std::vector<int64_t>& group_sizes, int64_t device, int64_t run_id,
-               nb::handle x_obj, nb::handle out_obj, int64_t axis, const std::string& label) {
+               nb::handle x_obj, nb::handle out_obj, int64_t axis, const std::string& label,
+               const std::vector<std::pair<int64_t, int64_t>>& pairs) {
   auto k = ParseKind(kind);
   if (!k)
     throw nb::value_error(("engine_run: unknown kind '" + kind +
-                           "' (expected all_reduce, all_gather or reduce_scatter)").c_str());
+                           "' (expected all_reduce, all_gather, reduce_scatter, ppermute or all_to_all)").c_str());
+  // The FFI attribute's layout: (source, destination) ranks, flattened.
+  std::vector<int64_t> flat_pairs;
+  for (const auto& [s, d] : pairs) flat_pairs.insert(flat_pairs.end(), {s, d});
   const std::vector<nb::handle> x_items = ArrayList(x_obj), out_items = ArrayList(out_obj);
   if (x_items.empty() || x_items.size() != out_items.size())
     throw nb::value_error(("engine_run: x and out must be one array each or lists of the same non-zero "
@@ -112,7 +117,13 @@ void EngineRun(const std::string& kind, const std::string& op, const std::vector
   std::vector<std::vector<int64_t>> in_dims(count), out_dims(count);
   std::vector<OperandRequest> operands(count);
   for (size_t i = 0; i < count; ++i) {
-    const std::string which = count > 1 ? "[" + std::to_string(i) + "]" : "";
+    // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on "literal" + std::string chains.
+    std::string which;
+    if (count > 1) {
+      which = "[";
+      which += std::to_string(i);
+      which += "]";
+    }
     xs.push_back(AsArray<InArray>(x_items[i], ("x" + which).c_str(), "C-contiguous"));
     outs.push_back(AsArray<OutArray>(out_items[i], ("out" + which).c_str(), "writable, C-contiguous"));
     const auto& x = xs.back().array;
@@ -136,6 +147,7 @@ void EngineRun(const std::string& kind, const std::string& op, const std::vector
   args.request.kind = *k;
   args.request.reduction = op;
   args.request.axis = axis;
+  args.request.pairs = flat_pairs;
   args.request.operands = operands;
   Status status;
   {
@@ -150,6 +162,8 @@ nb::dict Registrations() {
   d["flexlink_all_reduce"] = nb::capsule(reinterpret_cast<void*>(FlexlinkAllReduce));
   d["flexlink_all_gather"] = nb::capsule(reinterpret_cast<void*>(FlexlinkAllGather));
   d["flexlink_reduce_scatter"] = nb::capsule(reinterpret_cast<void*>(FlexlinkReduceScatter));
+  d["flexlink_ppermute"] = nb::capsule(reinterpret_cast<void*>(FlexlinkPpermute));
+  d["flexlink_all_to_all"] = nb::capsule(reinterpret_cast<void*>(FlexlinkAllToAll));
   return d;
 }
 
@@ -188,9 +202,11 @@ NB_MODULE(_flexlink, m) {
   m.def("engine_run", &EngineRun, nb::arg("kind"), nb::arg("op"), nb::arg("groups"),
         nb::arg("group_sizes"), nb::arg("device"), nb::arg("run_id"), nb::arg("x"),
         nb::arg("out"), nb::arg("axis") = 0, nb::arg("label") = "",
+        nb::arg("pairs") = std::vector<std::pair<int64_t, int64_t>>(),
         "Runs one rank's part of a collective exactly as the FFI handler would, on C-contiguous "
         "numpy arrays, with the GIL released: x and out are one array each, or lists of k arrays "
-        "(one call of k operands). all_reduce's out may be x (in place). Raises RuntimeError with "
+        "(one call of k operands). all_reduce's out may be x (in place). ppermute takes pairs, a "
+        "sequence of (source rank, destination rank) within the group. Raises RuntimeError with "
         "the handler's message.");
   m.def("stats", &Stats);
   m.def("reset_stats", &ResetLinkStats);

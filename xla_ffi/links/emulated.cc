@@ -18,7 +18,9 @@ double EmulatedPace::Seconds(const CallDesc& desc, std::span<const Piece> pieces
   switch (desc.kind) {
     case Kind::kAllReduce: moved = bytes * 2 * (ranks - 1) / ranks; break;
     case Kind::kAllGather:
-    case Kind::kReduceScatter: moved = bytes * ranks * (ranks - 1) / ranks; break;
+    case Kind::kReduceScatter:
+    case Kind::kAllToAll: moved = bytes * ranks * (ranks - 1) / ranks; break;
+    case Kind::kPpermute: moved = bytes; break;
   }
   return latency_us.load() * 1e-6 + moved / (gbps.load() * 1e9);
 }

@@ -9,6 +9,8 @@
 //   all_reduce      algbw = range bytes / time,            busbw = algbw * 2(n-1)/n
 //   all_gather      algbw = range bytes * n / time,        busbw = algbw * (n-1)/n   (gathered output)
 //   reduce_scatter  algbw = range bytes * n / time,        busbw = algbw * (n-1)/n   (input of the range)
+//   ppermute        algbw = range bytes / time,            busbw = algbw             (SendRecv)
+//   all_to_all      algbw = range bytes * n / time,        busbw = algbw * (n-1)/n   (the whole buffer)
 // Every rank paces the same way, so the call's time on the link is the paced time (as long as the
 // base link is faster than the pace). The rate can be changed while running (SetRate), which is how
 // tests and the balancer's re-convergence check slow a link down mid-run.

@@ -40,6 +40,11 @@ size_t StagingLayout(const CallDesc& desc, int n, std::vector<size_t>* offsets) 
   return end;
 }
 
+// Whether this rank writes its output of `part` with streaming stores (a separate, large output).
+bool StreamOwn(const CallDesc& desc, const Part& part, int n) {
+  return shm::StreamSeparate(part.in, part.out, desc.out_count(part, n) * part.width());
+}
+
 // One part, staged: this rank's whole output from the staging regions.
 void RunStagedPart(const CallDesc& desc, const Part& part, int n, int rank, std::span<const char* const> sources) {
   const PartView v{part, n, rank, sources, {}};
@@ -48,9 +53,13 @@ void RunStagedPart(const CallDesc& desc, const Part& part, int n, int rank, std:
     case Kind::kAllReduce:
       return shm::AllReduceStaged(v, desc.op, all);
     case Kind::kAllGather:
-      return shm::GatherPull(v, all, shm::StreamSeparate(part.in, part.out, part.units * n * part.width()));
+      return shm::GatherPull(v, all, StreamOwn(desc, part, n));
     case Kind::kReduceScatter:
       return shm::ReduceScatter(v, desc.op, all);
+    case Kind::kPpermute:
+      return shm::Permute(v, desc.sources[rank], all, StreamOwn(desc, part, n));
+    case Kind::kAllToAll:
+      return shm::AllToAll(v, all, StreamOwn(desc, part, n));
   }
 }
 
@@ -59,6 +68,8 @@ std::string_view PhaseName(Kind kind) {
     case Kind::kAllReduce: return "reduce-broadcast";
     case Kind::kAllGather: return "all-gather";
     case Kind::kReduceScatter: return "reduce-scatter";
+    case Kind::kPpermute: return "ppermute";
+    case Kind::kAllToAll: return "all-to-all";
   }
   return "shm";
 }
@@ -113,6 +124,12 @@ Status ShmChannel::Run(CallContext& ctx, int rank, int lane, std::span<const Pie
         break;
       case Kind::kReduceScatter:
         shm::ReduceScatter(v, me.op, piece.units);
+        break;
+      case Kind::kPpermute:
+        shm::Permute(v, me.sources[rank], piece.units, StreamOwn(me, part, n));
+        break;
+      case Kind::kAllToAll:
+        shm::AllToAll(v, piece.units, StreamOwn(me, part, n));
         break;
     }
   }

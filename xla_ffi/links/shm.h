@@ -13,6 +13,11 @@
 //                   rank, push above (each rank copies its own block into every rank's output, a
 //                   cache-sized chunk at a time, so its input is read once), then a final barrier.
 //   reduce_scatter  rank r reduces block r across ranks into its output, barrier.
+//   ppermute        rank d copies its source's input into its own output (zeros without a source),
+//                   barrier.
+//   all_to_all      rank r copies block r of every rank's input into block j of its own output
+//                   (pull: read N, write N), barrier.
+// Separate outputs of 256 KiB and more are written with streaming stores (shm_reduce.cc).
 //
 // Small calls (the staged path): each rank copies the inputs of all its parts into its region of a
 // per-call staging buffer (pooled per communicator and pre-touched), arrives, and computes its entire

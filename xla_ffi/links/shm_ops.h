@@ -43,4 +43,10 @@ void GatherPush(const PartView& v, UnitRange range);
 // Below this output size per rank the direct path pulls; above it, it pushes (see shm_gather.cc).
 inline constexpr size_t kPullGatherBytes = size_t{4} << 20;
 
+// ppermute: this rank's output units `range` from the source of rank `source` (-1: zeros).
+void Permute(const PartView& v, int source, UnitRange range, bool stream);
+
+// all_to_all: out[o, j, i] = source_j[o, rank, i] for units (o, i) in range and every j (pull).
+void AllToAll(const PartView& v, UnitRange range, bool stream);
+
 }  // namespace flexlink::shm

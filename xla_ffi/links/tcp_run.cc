@@ -1,0 +1,108 @@
+#include <cstdio>
+#include <string>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/links/socket.h"
+#include "xla_ffi/links/tcp_run.h"
+
+namespace flexlink {
+
+using tcp::Header;
+using tcp::kChunkBytes;
+using tcp::kMagic;
+
+TcpRun::TcpRun(TcpChannel& ch, const CallDesc& call, int n, int rank, const Piece& piece)
+    : ch_(ch), call_(call), d_(call.parts[piece.part]), n_(n), k_(rank), piece_(piece), range_(piece.units),
+      st_(ch.ranks_[rank]), wire_(d_.dtype, call.op),
+      io_(st_.send_fd, st_.recv_fd, ch.abort_fd_, net::DeadlineIn(TimeoutSeconds())) {
+  cu_ = std::max<size_t>(1, kChunkBytes / wire_.ww);
+  m_ = (range_.size() + cu_ - 1) / cu_;
+  out_ = static_cast<char*>(d_.out);
+  in_ = static_cast<const char*>(d_.in);
+}
+
+Status TcpRun::Go() {
+  header_out_ = Header{kMagic, static_cast<uint32_t>(call_.kind), st_.runs.load(), piece_.part, range_.begin,
+                       range_.end};
+  st_.runs.fetch_add(1);
+  io_.Send(&header_out_, sizeof header_out_);
+  io_.Recv(&header_in_, sizeof header_in_);
+  switch (call_.kind) {
+    case Kind::kAllReduce: AllReduce(); break;
+    case Kind::kAllGather: AllGather(); break;
+    case Kind::kReduceScatter: ReduceScatter(); break;
+    case Kind::kPpermute: Ppermute(); break;
+    case Kind::kAllToAll: AllToAll(); break;
+  }
+  bad_header_ = false;
+  const auto r = io_.Pump([&](size_t i) {
+    if (i == 0) return CheckHeader();
+    if (!bad_header_) handlers_[i - 1]();
+  });
+  if (bad_header_) return Fail(Status::Internal(BadHeader()));
+  return Finish(r);
+}
+
+void TcpRun::CheckHeader() {
+  bad_header_ = std::memcmp(&header_in_, &header_out_, sizeof header_in_) != 0;
+  if (bad_header_) ch_.Break(Status::Internal(BadHeader()));  // stops the pump via the abort fd
+}
+
+std::string TcpRun::BadHeader() const {
+  char b[256];
+  std::snprintf(b, sizeof b,
+                ": rank %d sent run #%llu part %llu range [%llu, %llu) kind %u while this rank runs #%llu "
+                "part %zu range [%zu, %zu) (every rank must run a channel's ranges in the same order)",
+                (k_ + n_ - 1) % n_, static_cast<unsigned long long>(header_in_.run),
+                static_cast<unsigned long long>(header_in_.part),
+                static_cast<unsigned long long>(header_in_.begin),
+                static_cast<unsigned long long>(header_in_.end), header_in_.kind,
+                static_cast<unsigned long long>(header_out_.run), piece_.part, range_.begin, range_.end);
+  return Where() + b;
+}
+
+Status TcpRun::Finish(net::Streams::Result r) {
+  using R = net::Streams::Result;
+  const int prev = (k_ + n_ - 1) % n_, next = (k_ + 1) % n_;
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%g", TimeoutSeconds());
+  const std::string got = " (received " + std::to_string(io_.bytes_received()) + " of " +
+                          std::to_string(io_.bytes_expected()) + " bytes)";
+  switch (r) {
+    case R::kOk: return Status::Ok();
+    case R::kAborted: return ch_.health();
+    case R::kRecvTimeout:
+      return Fail(Status::DeadlineExceeded(Where() + ": timed out after " + secs + " s" +
+                                           Absent() + " waiting for " + ch_.RankName(prev) + " to send" + got));
+    case R::kSendTimeout:
+      return Fail(Status::DeadlineExceeded(Where() + ": timed out after " + secs + " s" +
+                                           Absent() + " waiting for " + ch_.RankName(next) + " to receive"));
+    case R::kClosed:
+      return Fail(Status::Internal(Where() + ": connection to a neighbour (" +
+                                   ch_.RankName(prev) + " or " + ch_.RankName(next) + ") closed" + got));
+    case R::kError:
+      errno = io_.error_number();
+      return Fail(Status::Internal(Where() + ": " + net::ErrnoText("socket I/O")));
+  }
+  return Status::Internal("tcp: unknown result");
+}
+
+// In a ring the neighbour we wait for may itself be waiting; name the ranks that never started
+// this range (", rank 2 (device 102) did not start this range;"), if any.
+std::string TcpRun::Absent() const {
+  std::string s;
+  int count = 0;
+  for (int r = 0; r < n_; ++r)
+    if (ch_.ranks_[r].runs.load() <= header_out_.run) {
+      s += (count++ ? ", " : ": ") + ch_.RankName(r);
+    }
+  if (count == 0) return "";
+  return s + " did not start this range;";
+}
+
+Status TcpRun::Fail(Status s) {
+  ch_.Break(s);
+  return ch_.health();
+}
+
+}  // namespace flexlink
