@@ -23,9 +23,7 @@ def _reduce_in_place(x) -> bool:
 
 def _reduce_positional(ctx, x, aval, positional, reducer):
   aval_out = aval.update(shape=tuple(np.delete(np.array(aval.shape, dtype=np.int64), positional)))
-  lowered = compat.lower_fun(lambda v: reducer(v, tuple(positional)), multiple_results=False)
-  out, = lowered(ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval_out]), x)
-  return out, aval_out
+  return compat.lower_pure(ctx, lambda v: reducer(v, tuple(positional)), x, aval, aval_out), aval_out
 
 
 def _make(lax_prim, reduction: str, api_name: str, reducer) -> collective.Collective:

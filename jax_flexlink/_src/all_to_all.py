@@ -35,8 +35,6 @@ def engine_layout(shape, split_axis: int, concat_axis: int, n: int):
 
 
 def _lower(ctx, operands, *, axis_name, split_axis, concat_axis, axis_index_groups, tiled):
-  if not native.registered(native.ALL_TO_ALL):
-    raise collective.NotLowerable("this build of jax_flexlink's engine has no all_to_all (rebuild it)")
   del tiled  # lax's all_to_all reshapes the untiled form before it binds
   names = axis_names({"axis_name": axis_name})
   groups, sizes = device_groups(ctx.module_context.axis_context, names, axis_index_groups,
@@ -48,22 +46,17 @@ def _lower(ctx, operands, *, axis_name, split_axis, concat_axis, axis_index_grou
   for x, aval in zip(operands, ctx.avals_in):
     shape, axis, order, split = engine_layout(aval.shape, split_axis, concat_axis, n)
     prepared_aval = aval.update(shape=tuple(shape))
-    to_engine = compat.lower_fun(
-        lambda v, split=split, order=order: lax.transpose(lax.reshape(v, split), order),
-        multiple_results=False)
-    y, = to_engine(ctx.replace(primitive=None, avals_in=[aval], avals_out=[prepared_aval]), x)
-    prepared.append(y)
+    prepared.append(compat.lower_pure(
+        ctx, lambda v, split=split, order=order: lax.transpose(lax.reshape(v, split), order),
+        x, aval, prepared_aval))
     prepared_avals.append(prepared_aval)
   exchanged = collective.emit_custom_call(
       ctx, native.ALL_TO_ALL, prepared, avals_in=prepared_avals, avals_out=prepared_avals, groups=groups, group_sizes=sizes, axis=np.int64(axis),
       label=f"all_to_all over axes {names}")
   outs = []
   for y, prepared_aval, aval_out in zip(exchanged, prepared_avals, ctx.avals_out):
-    from_engine = compat.lower_fun(lambda v, shape=aval_out.shape: lax.reshape(v, shape),
-                                   multiple_results=False)
-    out, = from_engine(ctx.replace(primitive=None, avals_in=[prepared_aval],
-                                   avals_out=[aval_out]), y)
-    outs.append(out)
+    outs.append(compat.lower_pure(ctx, lambda v, shape=aval_out.shape: lax.reshape(v, shape), y,
+                                  prepared_aval, aval_out))
   return outs
 
 

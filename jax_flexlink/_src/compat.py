@@ -241,6 +241,14 @@ def abstract_eval_of(prim: Primitive, aval, **params):
   return prim.abstract_eval(aval, **params)
 
 
+def lower_pure(ctx, fn, x, aval_in, aval_out):
+  """Lowers `fn(x)` (jax operations without effects) in the rule context `ctx`; one result."""
+  sub = ctx.replace(primitive=None, avals_in=[aval_in], avals_out=[aval_out],
+                    tokens_in=mlir.TokenSet(), tokens_out=None)
+  out, = mlir.lower_fun(fn, multiple_results=False)(sub, x)
+  return out
+
+
 def shard_map(f, **kwargs):
   import jax  # noqa: PLC0415 - jax's public shard_map; compat is imported while jax initialises too
   return jax.shard_map(f, **kwargs)

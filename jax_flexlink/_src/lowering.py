@@ -79,8 +79,7 @@ def _lower_natively(ctx, operands, spec, params, reason: str):
   native = routing.native_bind(spec.lax_prim)
   outs = []
   for x, aval_in, aval_out in zip(operands, ctx.avals_in, ctx.avals_out):
-    sub = ctx.replace(avals_in=[aval_in], avals_out=[aval_out])
-    out, = compat.lower_fun(lambda v: native(v, **params), multiple_results=False)(sub, x)
+    out = compat.lower_pure(ctx, lambda v: native(v, **params), x, aval_in, aval_out)
     compat.set_frontend_attribute(out, FALLBACK_ATTRIBUTE, reason)
     outs.append(out)
   ctx.set_tokens_out(ctx.tokens_in)

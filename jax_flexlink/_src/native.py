@@ -25,15 +25,10 @@ ALL_TO_ALL = "flexlink_all_to_all"
 TARGETS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, PPERMUTE, ALL_TO_ALL)
 
 _registered = False
-_targets: set = set()
 
 
 def tune_cache_path() -> str:
   return _flexlink.tune_cache_path(ENV.tune_cache, os.environ.get("HOME", ""))
-
-
-def registered(target: str) -> bool:
-  return target in _targets
 
 
 def register_targets() -> None:
@@ -41,13 +36,12 @@ def register_targets() -> None:
   if _registered:
     return
   targets = _flexlink.registrations()
-  missing = {ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER} - set(targets)
+  missing = set(TARGETS) - set(targets)
   if missing:
     raise ImportError(f"jax_flexlink's native module lacks FFI targets {sorted(missing)}; "
                       "rebuild it (pip install .)")
   for name, capsule in targets.items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    _targets.add(name)
   _flexlink.set_timeout(ENV.timeout_s)
   _flexlink.set_debug_level(ENV.debug_level)
   _flexlink.set_autotune_min_bytes(ENV.autotune_min_bytes)

@@ -25,8 +25,6 @@ def _pairs(perm, group_size: int) -> np.ndarray:
 
 
 def _lower(ctx, operands, *, axis_name, perm):
-  if not native.registered(native.PPERMUTE):
-    raise collective.NotLowerable("this build of jax_flexlink's engine has no ppermute (rebuild it)")
   names = axis_names({"axis_name": axis_name})
   axis_context = ctx.module_context.axis_context
   # lax numbers a group's members by sorted partition index (_pcollectives_lowering_common).
