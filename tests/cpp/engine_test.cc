@@ -721,6 +721,27 @@ void TestOutputFaultsShared() {
     Expect(ResidentPages(a, bytes) == 0, "no block is claimed after Withdraw");
   }
   munmap(a, bytes);
+  // A call of several operands publishes each large output (one too small to bother with, one that is
+  // its own input): a helper faults every one of the others, and Withdraw stops claims on all of them.
+  a = map();
+  b = map();
+  char* c = map();
+  Expect(a && b && c, "mmap for the multi-output test");
+  if (!a || !b || !c) return;
+  {
+    OutputFaults faults(2);
+    const OutputRegion regions[] = {{a, bytes, false}, {b + 8192, 4096, false}, {b + (4 << 20), 4 << 20, true},
+                                    {c, bytes, false}};
+    Expect(faults.Publish(0, regions), "several outputs published");
+    faults.Help(1);
+    Expect(ResidentPages(a, bytes) == bytes / 4096 && ResidentPages(c, bytes) == bytes / 4096,
+           "a helper faulted in every large output of another rank");
+    Expect(ResidentPages(b, bytes) == 0, "the small output and the aliased one were left alone");
+    faults.Withdraw(0);
+  }
+  munmap(a, bytes);
+  munmap(b, bytes);
+  munmap(c, bytes);
 #endif
 }
 
