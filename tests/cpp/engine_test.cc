@@ -721,6 +721,27 @@ void TestOutputFaultsShared() {
     Expect(ResidentPages(a, bytes) == 0, "no block is claimed after Withdraw");
   }
   munmap(a, bytes);
+  // A call of several operands publishes each large output (one too small to bother with, one that is
+  // its own input): a helper faults every one of the others, and Withdraw stops claims on all of them.
+  a = map();
+  b = map();
+  char* c = map();
+  Expect(a && b && c, "mmap for the multi-output test");
+  if (!a || !b || !c) return;
+  {
+    OutputFaults faults(2);
+    const OutputRegion regions[] = {{a, bytes, false}, {b + 8192, 4096, false}, {b + (4 << 20), 4 << 20, true},
+                                    {c, bytes, false}};
+    Expect(faults.Publish(0, regions), "several outputs published");
+    faults.Help(1);
+    Expect(ResidentPages(a, bytes) == bytes / 4096 && ResidentPages(c, bytes) == bytes / 4096,
+           "a helper faulted in every large output of another rank");
+    Expect(ResidentPages(b, bytes) == 0, "the small output and the aliased one were left alone");
+    faults.Withdraw(0);
+  }
+  munmap(a, bytes);
+  munmap(b, bytes);
+  munmap(c, bytes);
 #endif
 }
 
@@ -1382,6 +1403,24 @@ void TestExchangeValidation() {
          "ppermute deadline names label, group, missing rank, link: " + m);
 }
 
+// An allocation that fails (here: an absurd staging size) is an error of every rank that hits it,
+// not an abort of the process; the next call works again.
+void TestOutOfMemoryIsAnError() {
+  const size_t saved = ShmStagingBytes();
+  SetShmStagingBytes(size_t{1} << 60);
+  std::vector<int64_t> group = {0, 1, 2, 3};
+  std::vector<std::vector<float>> x(4, std::vector<float>(10, 1.f)), y = x;
+  const int64_t run = NextRunId();
+  auto st = OnThreads(4, [&](int d) { return AllReduceF32(group, d, run, x[d], y[d]); });
+  SetShmStagingBytes(saved);
+  Expect(AllFailWith(st, "out of memory"), "a failed allocation is an error on every rank: " + st[0].message());
+  const int64_t run2 = NextRunId();
+  auto ok = OnThreads(4, [&](int d) { return AllReduceF32(group, d, run2, x[d], y[d]); });
+  bool fine = true;
+  for (int d = 0; d < 4; ++d) fine &= ok[d].ok() && y[d][0] == 4.f;
+  Expect(fine, "the group works again after a failed allocation");
+}
+
 void TestMultiOperandExchange() {
   for (LeafSize size : {LeafSize::kSmall, LeafSize::kMedium, LeafSize::kBig}) {
     MultiSpec p;
@@ -1433,6 +1472,7 @@ int main() {
   Timed("TestAllToAll", TestAllToAll);
   Timed("TestExchangeValidation", TestExchangeValidation);
   Timed("TestMultiOperandExchange", TestMultiOperandExchange);
+  Timed("TestOutOfMemoryIsAnError", TestOutOfMemoryIsAnError);
   Timed("TestMultiOperandAcrossLinks", TestMultiOperandAcrossLinks);
   return Summary();
 }

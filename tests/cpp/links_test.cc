@@ -301,6 +301,41 @@ void TestSilentPeer(Link& tcp) {
   SetTimeoutSeconds(saved);
 }
 
+// The same for a ppermute on a fresh ring: the rank waiting for the silent one's message names it,
+// the collective and the link.
+void TestSilentPeerPpermute(Link& tcp) {
+  const double saved = TimeoutSeconds();
+  SetTimeoutSeconds(0.5);
+  auto comm = MakeComm(3, {&tcp});
+  std::vector<float> in(3 * 1000, 1.f), out(3 * 1000);
+  std::vector<CallDesc> descs(3);
+  for (int r = 0; r < 3; ++r) {
+    descs[r].kind = Kind::kPpermute;
+    descs[r].sources = {2, 0, 1};  // a shift by one: 0 -> 1 -> 2 -> 0
+    Part p;
+    p.units = p.inner = 1000;
+    p.in = in.data() + r * 1000;
+    p.out = out.data() + r * 1000;
+    descs[r].AddPart(p);
+  }
+  const int64_t run = NextRunId();
+  std::vector<Status> st(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      auto call = comm->Join(r, run, "links_test");
+      st[r] = call->Arrive(r, descs[r], "test");
+      const Piece piece{0, {0, 1000}};
+      if (st[r].ok() && r != 2) st[r] = comm->channel(0).Run(*call, r, 0, {&piece, 1});
+    });
+  for (auto& t : threads) t.join();
+  const std::string& m = st[0].message();
+  Expect(st[0].code() == StatusCode::kDeadlineExceeded && m.find("ppermute(0->1, 1->2, 2->0)") != std::string::npos &&
+             m.find("rank 2 (device 102) did not start") != std::string::npos && m.find("link tcp") != std::string::npos,
+         "silent peer of a ppermute named: " + m);
+  SetTimeoutSeconds(saved);
+}
+
 // Median of rank 0's time over `reps` calls.
 double TimeCall(Communicator& comm, const std::vector<CallDesc>& descs, size_t units, int reps) {
   std::vector<double> t;
@@ -624,6 +659,7 @@ int main(int argc, char** argv) {
   TestMultiPartTcpEqualsShm(shm, tcp);
   TestExchangeTcpEqualsShm(shm, tcp);
   TestSilentPeer(tcp);
+  TestSilentPeerPpermute(tcp);
   TestEmulatedPacing();
   TestEmulatedMultiPart();
   std::printf("%d passed, %d failed (%.1f s)\n", g_passed, g_failed,

@@ -6,6 +6,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <stdexcept>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -179,7 +181,9 @@ std::vector<PlanSnapshot> SnapshotPlans() {
   return out;
 }
 
-Status RunCollective(const CollectiveArgs& args) {
+namespace {
+
+Status RunCollectiveOrThrow(const CollectiveArgs& args) {
   std::span<const int64_t> members;
   int rank = 0;
   FLEXLINK_RETURN_IF_ERROR(
@@ -207,17 +211,35 @@ Status RunCollective(const CollectiveArgs& args) {
   if (group->executor) return group->executor->Run(*call, rank, desc);
   // One link runs the whole call: the ranks fault the outputs in together, starting now, before
   // anyone writes them (core/pages.h). With several links the executor decides.
-  call->PublishOutputs(rank, desc);
   Channel& channel = comm->channel(0);
   const auto start = std::chrono::steady_clock::now();
-  Status status = channel.RunAlone(*call, rank, desc);
-  call->WithdrawOutputs(rank);
+  Status status;
+  {
+    const OutputPublication published(*call, rank, desc);
+    status = channel.RunAlone(*call, rank, desc);
+  }
   if (rank == 0 && status.ok()) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     RecordLinkCall(channel.link_name(), desc.InputBytes(n), seconds);
   }
   return status;
+}
+
+}  // namespace
+
+Status RunCollective(const CollectiveArgs& args) {
+  // No input may abort the process: an allocation that fails (staging, a link's scratch for a huge
+  // call) becomes this rank's error. Its peers then fail at the deadline (or at once, where the link
+  // breaks itself first, as tcp does), which is the rule for any rank that leaves a call.
+  try {
+    return RunCollectiveOrThrow(args);
+  } catch (const std::bad_alloc&) {
+    return Status::Internal(ErrorPrefix(args.label) + std::string(Name(args.request.kind)) +
+                            ": out of memory for the engine's buffers of this call");
+  } catch (const std::exception& e) {
+    return Status::Internal(ErrorPrefix(args.label) + std::string(Name(args.request.kind)) + ": " + e.what());
+  }
 }
 
 }  // namespace flexlink

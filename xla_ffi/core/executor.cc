@@ -66,7 +66,12 @@ void LinkWorker::Loop() {
     std::function<Status()> task = std::move(task_);
     has_task_ = false;
     lock.unlock();
-    Status s = task();
+    Status s;
+    try {  // a worker thread must not take the process down with an exception
+      s = task();
+    } catch (const std::exception& e) {
+      s = Status::Internal(std::string("flexlink: a link worker failed: ") + e.what());
+    }
     lock.lock();
     result_ = std::move(s);
     done_ = true;
@@ -120,9 +125,10 @@ Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
     if (used <= 1) {
       // One link: its own path (shm stages small calls: a single rendezvous), and the output pages
       // prepared as a group with one link prepares them.
-      ctx.PublishOutputs(rank, desc);
-      status = comm_->channel(only).RunAlone(ctx, rank, desc);
-      ctx.WithdrawOutputs(rank);
+      {
+        const OutputPublication published(ctx, rank, desc);
+        status = comm_->channel(only).RunAlone(ctx, rank, desc);
+      }
       (*seconds)[only] = Since(start);
     } else {
       status = ctx.Arrive(rank, desc, link_names_[0]);

@@ -117,4 +117,21 @@ class CallContext {
   OutputFaults faults_;  // per rank, written by that rank's own thread before it posts
 };
 
+// A rank's outputs published to its call's shared faulting for as long as it lives: withdrawn on
+// every way out (errors and exceptions included), so no helper touches a buffer after its owner's
+// call returned.
+class OutputPublication {
+ public:
+  OutputPublication(CallContext& ctx, int rank, const CallDesc& desc) : ctx_(ctx), rank_(rank) {
+    ctx.PublishOutputs(rank, desc);
+  }
+  ~OutputPublication() { ctx_.WithdrawOutputs(rank_); }
+  OutputPublication(const OutputPublication&) = delete;
+  OutputPublication& operator=(const OutputPublication&) = delete;
+
+ private:
+  CallContext& ctx_;
+  const int rank_;
+};
+
 }  // namespace flexlink

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <new>
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/links/socket.h"
@@ -99,8 +100,15 @@ Status TcpChannel::Run(CallContext& ctx, int rank, int /*lane*/, std::span<const
                    static_cast<const char*>(p.in) + piece.units.begin * p.width(), piece.units.size() * p.width());
       continue;
     }
-    TcpRun run(*this, d, ctx.size(), rank, piece);
-    FLEXLINK_RETURN_IF_ERROR(run.Go());
+    try {
+      TcpRun run(*this, d, ctx.size(), rank, piece);
+      FLEXLINK_RETURN_IF_ERROR(run.Go());
+    } catch (const std::bad_alloc&) {
+      // Scratch for forwarded blocks can be large (all_to_all: ~n²/2 blocks of the range). Breaking
+      // the channel wakes the peers now instead of at the deadline.
+      Break(Status::Internal(Where(d, piece) + ": out of memory for this rank's scratch"));
+      return health();
+    }
   }
   return Status::Ok();
 }

@@ -19,13 +19,17 @@
 //   all_gather      ring all-gather: each rank sends its block, then forwards what it receives.
 //   reduce_scatter  every block's chain 0 -> ... -> n-1, then block c's result n-1 -> 0 -> ... -> c
 //                   (1.5x the bytes of an unordered ring: the price of the fixed order).
+//   ppermute        message s -> d per pair, forwarded by the ranks in between (tcp_exchange.cc).
+//   all_to_all      message o -> t (block t of rank o's input) for every pair of ranks, likewise.
 // Sockets are non-blocking and one poll() loop per rank moves its send and receive streams together,
 // so a ring of device threads never deadlocks on full buffers. Every receive has a destination from
 // the start (the outputs, or per-rank scratch kept across calls), so no rank ever stops reading.
 //
-// Streams carry calls back to back, so every rank must run the ranges of a channel in the same order
-// (the engine's one-split-per-call rule gives that); each range starts with a small header that is
-// checked, so a mismatch is an error, not garbage. Any failure (deadline, peer gone, mismatch) breaks
+// Streams carry calls back to back, so every rank must run the pieces of a channel in the same order
+// (the engine's one-split-per-call rule gives that); each piece (a part's unit range) starts with a
+// small header that is checked, so a mismatch is an error, not garbage. Files: this channel and the
+// ring's connection (tcp.cc), one rank's run of one piece (tcp_run.{h,cc}), the kinds (tcp_reduce.cc,
+// tcp_exchange.cc). Any failure (deadline, peer gone, mismatch) breaks
 // the channel for all ranks (peers blocked in poll wake at once) and later runs fail fast, so the
 // engine can move the bytes to another link.
 #pragma once

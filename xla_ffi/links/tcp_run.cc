@@ -1,3 +1,5 @@
+// One rank's run of one piece on the tcp link: the header that opens it, the pump, and the failure
+// messages. The stream items of each kind are queued by tcp_reduce.cc and tcp_exchange.cc.
 #include <cstdio>
 #include <string>
 
