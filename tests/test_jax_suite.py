@@ -19,7 +19,8 @@ def _res(**outcomes):
 
 def test_compare_flags_only_native_passes_that_stop_passing():
   native = _res(a="passed", b="passed", c="passed", d="failed", e="skipped", f="passed", g="passed")
-  replaced = _res(a="passed", b="failed", c="crash", d="failed", e="failed", f="timeout", g="skipped")
+  replaced = _res(a="passed", b="failed", c="crash", d="failed", e="failed", f="timeout",
+                  g="skipped")
   cmp = jax_suite.compare(native, replaced, expected=[])
   assert set(cmp["regressions"]) == {S + "b", S + "c", S + "f", S + "g"}
   assert cmp["compared"] == 5 and not cmp["expected"] and not cmp["stale"]

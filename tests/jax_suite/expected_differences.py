@@ -20,7 +20,8 @@ _NAME = ("by design: asserts the primitive name in a jaxpr ('psum_invariant'); u
 
 EXPECTED: list[Expected] = [
     Expected("shard_map_test.py::ShardMapTest::test_fanout_specs_transpose_to_psum", _NAME),
-    Expected("shard_map_test.py::ShardMapTest::test_psum_with_implicit_fanout_self_transposes", _NAME),
+    Expected("shard_map_test.py::ShardMapTest::test_psum_with_implicit_fanout_self_transposes",
+             _NAME),
     Expected("shard_map_test.py::ShardMapTest::test_rewrite_scan", _NAME),
     Expected("pmap_test.py::VmapPmapCollectivesTest::testCollectivesWithVmap*",
              "bug G1: psum/pmean/pmax/pmin over jax.vmap axes only, run eagerly (not under jit), "

@@ -1,15 +1,15 @@
 """pytest plugin for running JAX's own test files natively or under FlexLink's replacement mode.
 
-Loaded with `-p jax_suite_plugin` by run.py (which puts this directory on PYTHONPATH); pytest imports
+Loaded with `-p jax_suite_plugin` by run.py, which puts this directory on PYTHONPATH; pytest imports
 it before collecting, i.e. before the test module imports jax. Driven by environment variables:
 
-  JAX_SUITE_MODE     "native" or "replaced" (replacement on, FlexLink imported, before any test traces)
+  JAX_SUITE_MODE     "native" or "replaced" (replacement on, FlexLink imported, before any tracing)
   JAX_SUITE_LOG      JSON lines: {"start": nodeid} before a test, then its outcome record
   JAX_SUITE_SKIP     file of node ids not to run (done before a restart, or crashed)
   JAX_SUITE_ONLY     file of node ids to run; absent: every collected test
   JAX_SUITE_EXCLUDE  file of fnmatch patterns of node ids not to run ('#' starts a comment)
   JAX_SUITE_TEST_TIMEOUT_S  per-test deadline: faulthandler dumps every thread's stack to
-                     JAX_SUITE_TIMEOUT_LOG and exits the process, run.py records the test as "timeout"
+                     JAX_SUITE_TIMEOUT_LOG and exits; run.py records the test as "timeout"
 """
 import faulthandler
 import fnmatch
@@ -28,8 +28,8 @@ if "--xla_force_host_platform_device_count" not in _flags:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A FlexLink collective that cannot complete fails in 30 s instead of the default 300 s.
 os.environ.setdefault("FLEXLINK_TIMEOUT_S", "30")
-os.environ.setdefault("FLEXLINK_TUNE_CACHE",
-                      os.path.join(tempfile.mkdtemp(prefix="jax-suite-"), "tune.json"))
+if "FLEXLINK_TUNE_CACHE" not in os.environ:  # run.py gives one per run; never the user's
+  os.environ["FLEXLINK_TUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="jax-suite-"), "tune.json")
 os.environ["FLEXLINK_REPLACE_COLLECTIVES"] = "1" if MODE == "replaced" else "0"
 os.environ.pop("JAX_FLEXLINK_REPLACE_COLLECTIVES", None)
 

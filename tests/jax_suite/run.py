@@ -1,15 +1,17 @@
 """Runs JAX's own shard_map and pmap tests natively and under FlexLink's replacement mode, and fails
 when a test that passes natively does not pass under replacement (docs/jax_suite.md).
 
-  python tests/jax_suite/run.py                    # CI's selection, both modes, compare
-  python tests/jax_suite/run.py --select all       # the full suites (about N minutes here)
-  python tests/jax_suite/run.py --compare-only     # compare the last run's results again
+  python tests/jax_suite/run.py                  # CI's selection, both modes, compare (~8 min here)
+  python tests/jax_suite/run.py --select all     # the full suites (~15-20 min here)
+  python tests/jax_suite/run.py --test pmap_test.py::PythonPmapTest::testBasic   # one test
+  python tests/jax_suite/run.py --compare-only   # compare the last run's results again
 
 Each (suite, mode) runs pytest in a subprocess with jax_suite_plugin.py, which records one JSON line
 per test. A test that aborts the process or passes its deadline ends that subprocess; it is recorded
 ("crash" / "timeout", with the first lines of what the process printed) and pytest starts again
-without the tests already done, so one crasher costs one restart, not the run. Results:
-OUT/<suite>.<mode>.json, the comparison OUT/comparison.json, pytest's output OUT/<suite>.<mode>.log.
+without the tests already done, so one crasher costs one restart, not the run. Results (OUT is
+build/jax_suite/<tag>): OUT/<suite>.<mode>.json, the comparison OUT/comparison.json, pytest's output
+OUT/<suite>.<mode>.log.
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ SUITES = ("shard_map_test", "pmap_test")
 MODES = ("native", "replaced")
 
 # Settings that change what JAX's tests do; recorded with the results.
-ENV_RECORDED = ("JAX_ENABLE_X64", "JAX_NUM_GENERATED_CASES", "JAX_SKIP_SLOW_TESTS", "JAX_ENABLE_CHECKS",
-                "XLA_FLAGS", "FLEXLINK_TIMEOUT_S", "FLEXLINK_LINKS")
+ENV_RECORDED = ("JAX_ENABLE_X64", "JAX_NUM_GENERATED_CASES", "JAX_SKIP_SLOW_TESTS",
+                "JAX_ENABLE_CHECKS", "XLA_FLAGS", "FLEXLINK_TIMEOUT_S", "FLEXLINK_LINKS",
+                "PYTEST_ADDOPTS")
 
 sys.path.insert(0, str(HERE))
 from expected_differences import EXPECTED  # noqa: E402
@@ -68,7 +71,7 @@ def _crash_message(text: str) -> str:
 
 
 def _test_thread_frame(dump: str) -> str:
-  """The innermost frame of the thread that runs the test, from faulthandler's dump of all threads."""
+  """The innermost frame of the test's thread, from faulthandler's dump of all threads."""
   for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
     if "_callTestMethod" in block or "pytest_runtest_call" in block:
       frames = re.findall(r'^\s*(File .*)$', block, re.M)
@@ -77,21 +80,33 @@ def _test_thread_frame(dump: str) -> str:
   return "(no stack of the test's thread)"
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  proc.wait()
+
+
 def run_suite(test_file: Path, mode: str, out: Path, *, test_timeout: float, deadline: float,
               only: list[str] | None = None, exclude: Path | None = None) -> dict:
   """Runs one suite in one mode until every selected test has an outcome (or the deadline passes).
 
-  only: the test ids to run (default: all collected); exclude: a file of fnmatch patterns of test ids
-  not to run."""
+  only: the test ids to run (default: all collected); exclude: a file of fnmatch patterns of test
+  ids not to run."""
   name = f"{test_file.stem}.{mode}"
   log, pytest_log = out / f"{name}.jsonl", out / f"{name}.log"
-  skip_file, only_file, timeout_log = out / f"{name}.skip", out / f"{name}.only", out / f"{name}.timeouts"
+  skip_file, only_file = out / f"{name}.skip", out / f"{name}.only"
+  timeout_log = out / f"{name}.timeouts"
   for f in (log, pytest_log, timeout_log):
     f.write_text("")
+  (out / f"{name}.tune.json").unlink(missing_ok=True)
   env = {**os.environ, "JAX_SUITE_MODE": mode, "JAX_SUITE_LOG": str(log),
          "JAX_SUITE_SKIP": str(skip_file), "JAX_SUITE_TEST_TIMEOUT_S": str(test_timeout),
          "JAX_SUITE_TIMEOUT_LOG": str(timeout_log),
-         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+         # FlexLink's stage-1 cache: fresh for each run, never the user's.
+         "FLEXLINK_TUNE_CACHE": str(out / f"{name}.tune.json"),
+         "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
   if only is not None:
     only_file.write_text("\n".join(only) + "\n")
     env["JAX_SUITE_ONLY"] = str(only_file)
@@ -107,7 +122,8 @@ def run_suite(test_file: Path, mode: str, out: Path, *, test_timeout: float, dea
   started = time.monotonic()
   while True:
     skip_file.write_text("".join(f"{t}\n" for t in tests))
-    offset, log_offset, timeouts_before = log.stat().st_size, pytest_log.stat().st_size, timeout_log.stat().st_size
+    offset, log_offset = log.stat().st_size, pytest_log.stat().st_size
+    timeouts_before = timeout_log.stat().st_size
     pytest_runs += 1
     with open(pytest_log, "a") as sink:
       proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -115,9 +131,9 @@ def run_suite(test_file: Path, mode: str, out: Path, *, test_timeout: float, dea
       try:
         rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
         rc = None
+      finally:  # pytest's own process group: whatever is left of it (also on ^C) goes
+        _kill_group(proc)
     current = None
     with open(log) as f:
       f.seek(offset)
@@ -136,25 +152,28 @@ def run_suite(test_file: Path, mode: str, out: Path, *, test_timeout: float, dea
       break
     if current is not None:  # the process ended inside a test: it crashed or timed out
       timed_out = timeout_log.stat().st_size > timeouts_before
+      if timed_out:
+        where = _test_thread_frame(timeout_log.read_text()[timeouts_before:])
+        message = f"no outcome after {test_timeout:.0f} s, in {where}"
+      else:
+        message = f"process ended (exit status {rc}): {_crash_message(output)}"
       tests[current] = {"outcome": "timeout" if timed_out else "crash", "duration": None,
-                        "message": (f"no outcome after {test_timeout:.0f} s, in "
-                                    + _test_thread_frame(timeout_log.read_text()[timeouts_before:])
-                                    if timed_out
-                                    else f"process ended (exit status {rc}): " + _crash_message(output)),
-                        "flexlink_calls": None}
+                        "message": message, "flexlink_calls": None}
       if selected is not None and all(t in tests for t in selected):
         break
       continue
-    if rc not in (0, 1):  # 2: collection error / interrupted, 3: internal error, 4: usage, 5: no tests
+    if rc not in (0, 1):  # 2: collection error, 3: internal error, 4: usage, 5: no tests
       session_errors.append(f"pytest exit status {rc}: {_crash_message(output)}")
     break
   for t in selected or ():
-    tests.setdefault(t, {"outcome": "not run", "duration": None, "message": "", "flexlink_calls": None})
-  result = {"meta": {"suite": test_file.stem, "tag": test_file.parent.name, "mode": mode,
-                     "jax": importlib.metadata.version("jax"),
-                     "env": {k: v for k, v in os.environ.items() if k in ENV_RECORDED}, "wall_s": round(time.monotonic() - started, 1),
-                     "pytest_runs": pytest_runs, "session_errors": session_errors, "counts": counts(tests)},
-            "tests": tests}
+    tests.setdefault(t, {"outcome": "not run", "duration": None, "message": "",
+                         "flexlink_calls": None})
+  meta = {"suite": test_file.stem, "tag": test_file.parent.name, "mode": mode,
+          "jax": importlib.metadata.version("jax"),
+          "env": {k: v for k, v in os.environ.items() if k in ENV_RECORDED},
+          "wall_s": round(time.monotonic() - started, 1), "pytest_runs": pytest_runs,
+          "session_errors": session_errors, "counts": counts(tests)}
+  result = {"meta": meta, "tests": tests}
   (out / f"{name}.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
   for f in (log, skip_file, only_file):
     f.unlink(missing_ok=True)
@@ -212,6 +231,9 @@ def report(results: dict, comparisons: dict) -> bool:
   for suite, cmp in comparisons.items():
     print(f"\n{suite}: {cmp['compared']} tests pass natively; under replacement "
           f"{len(cmp['expected'])} differ as documented, {len(cmp['regressions'])} regress")
+    if not cmp["compared"]:
+      ok = False
+      print("  NOTHING COMPARED: no test passed natively")
     for test_id, row in cmp["regressions"].items():
       ok = False
       print(f"  REGRESSION {test_id}: {row['outcome']}: {_first_line(row['message'])}")
@@ -226,18 +248,24 @@ def report(results: dict, comparisons: dict) -> bool:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--tag", help="vendored JAX tag under third_party/jax_tests (default: the installed jax's)")
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--tag", help="vendored JAX tag under third_party/jax_tests "
+                                "(default: the installed jax's)")
   ap.add_argument("--suite", nargs="+", choices=SUITES, default=list(SUITES))
   ap.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
   ap.add_argument("--select", choices=("ci", "all"), default="ci",
                   help="ci (default): all tests but those in tests/jax_suite/ci_exclude.txt; all")
   ap.add_argument("--test", action="append", metavar="ID",
-                  help="run only this test id (repeatable), e.g. pmap_test.py::PythonPmapTest::testBasic")
+                  help="run only this test id (repeatable), "
+                       "e.g. pmap_test.py::PythonPmapTest::testBasic")
   ap.add_argument("--out", type=Path, default=ROOT / "build" / "jax_suite")
-  ap.add_argument("--test-timeout", type=float, default=300.0, help="seconds per test (default 300)")
-  ap.add_argument("--deadline", type=float, default=3 * 3600.0, help="seconds for the whole run")
-  ap.add_argument("--compare-only", action="store_true", help="compare the results already in --out")
+  ap.add_argument("--test-timeout", type=float, default=300.0,
+                  help="seconds per test (default 300)")
+  ap.add_argument("--deadline", type=float, default=3 * 3600.0,
+                  help="seconds for the whole run (default 3 h)")
+  ap.add_argument("--compare-only", action="store_true",
+                  help="compare the results already in --out")
   args = ap.parse_args(argv)
 
   tag = args.tag or default_tag()
