@@ -65,6 +65,7 @@ def test_runner_records_every_outcome(selftest_run):
   assert native["meta"]["pytest_runs"] == 1 and replaced["meta"]["pytest_runs"] == 3
   assert not native["meta"]["session_errors"] and not replaced["meta"]["session_errors"]
   assert replaced["tests"][S + "test_same"]["flexlink_calls"] > 0
+  assert native["meta"]["jax_flexlink"] is None and replaced["meta"]["jax_flexlink"]
   assert "AssertionError" in replaced["tests"][S + "test_primitive_name"]["message"]
   assert "Aborted" in replaced["tests"][S + "test_abort"]["message"]
   assert "in test_hang" in replaced["tests"][S + "test_hang"]["message"]

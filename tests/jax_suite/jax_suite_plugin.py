@@ -42,6 +42,8 @@ if MODE == "replaced":
   _flexlink_stats = flx.stats
 
 _log = open(os.environ["JAX_SUITE_LOG"], "a", buffering=1)  # line-buffered: survives an abort
+if MODE == "replaced":  # which build ran (an installed copy, the source tree, Bazel's runfiles)
+  _log.write(json.dumps({"jax_flexlink": os.path.dirname(flx.__file__)}) + "\n")
 _timeout_s = float(os.environ.get("JAX_SUITE_TEST_TIMEOUT_S", "0"))
 _timeout_log = None
 if _timeout_s > 0:
@@ -75,7 +77,11 @@ def pytest_collection_modifyitems(config, items):
   if dropped:
     config.hook.pytest_deselected(items=dropped)
   items[:] = keep
-  _log.write(json.dumps({"collected": [it.nodeid for it in keep]}) + "\n")
+
+
+def pytest_collection_finish(session):
+  # After every plugin's selection (also -k / -m from PYTEST_ADDOPTS): what will run.
+  _log.write(json.dumps({"collected": [it.nodeid for it in session.items]}) + "\n")
 
 
 _current = {}

@@ -118,7 +118,7 @@ def run_suite(test_file: Path, mode: str, out: Path, *, test_timeout: float, dea
          # instead of dying with pytest's capture file (and --capture=sys breaks JAX's tests
          # that redirect fd 1 themselves, jtu.capture_stdout).
          "--capture=no"]
-  tests, selected, pytest_runs, session_errors = {}, None, 0, []
+  tests, selected, pytest_runs, session_errors, flexlink_dir = {}, None, 0, [], None
   started = time.monotonic()
   while True:
     skip_file.write_text("".join(f"{t}\n" for t in tests))
@@ -141,6 +141,8 @@ def run_suite(test_file: Path, mode: str, out: Path, *, test_timeout: float, dea
         rec = json.loads(line)
         if "collected" in rec and selected is None:
           selected = rec["collected"]
+        elif "jax_flexlink" in rec:
+          flexlink_dir = rec["jax_flexlink"]
         elif "start" in rec:
           current = rec["start"]
         elif "test" in rec:
@@ -169,7 +171,7 @@ def run_suite(test_file: Path, mode: str, out: Path, *, test_timeout: float, dea
     tests.setdefault(t, {"outcome": "not run", "duration": None, "message": "",
                          "flexlink_calls": None})
   meta = {"suite": test_file.stem, "tag": test_file.parent.name, "mode": mode,
-          "jax": importlib.metadata.version("jax"),
+          "jax": importlib.metadata.version("jax"), "jax_flexlink": flexlink_dir,
           "env": {k: v for k, v in os.environ.items() if k in ENV_RECORDED},
           "wall_s": round(time.monotonic() - started, 1), "pytest_runs": pytest_runs,
           "session_errors": session_errors, "counts": counts(tests)}
