@@ -29,7 +29,7 @@ def test_compare_flags_only_native_passes_that_stop_passing():
 def test_compare_documented_and_stale_entries():
   native = _res(a="passed", b1="passed", b2="passed", c="passed")
   replaced = _res(a="passed", b1="failed", b2="passed", c="passed")
-  expected = [Expected(S + "b*", "asserts a primitive name"), Expected(S + "c", "fixed since"),
+  expected = [Expected(S + "b*", "asserts XLA's collective"), Expected(S + "c", "fixed since"),
               Expected(S + "not_run", "another selection")]
   cmp = jax_suite.compare(native, replaced, expected=expected)
   assert not cmp["regressions"]
@@ -56,17 +56,17 @@ def test_runner_records_every_outcome(selftest_run):
   native, replaced = selftest_run["native"], selftest_run["replaced"]
   outcomes = {mode: {t[len(S):]: r["outcome"] for t, r in res["tests"].items()}
               for mode, res in selftest_run.items()}
-  assert outcomes["native"] == {"test_same": "passed", "test_primitive_name": "passed",
+  assert outcomes["native"] == {"test_same": "passed", "test_native_collective": "passed",
                                 "test_abort": "passed", "test_hang": "passed",
                                 "test_fails_natively_too": "failed", "test_skipped": "skipped",
                                 "test_zz_after_crashes": "passed"}
-  assert outcomes["replaced"] == {**outcomes["native"], "test_primitive_name": "failed",
+  assert outcomes["replaced"] == {**outcomes["native"], "test_native_collective": "failed",
                                   "test_abort": "crash", "test_hang": "timeout"}
   assert native["meta"]["pytest_runs"] == 1 and replaced["meta"]["pytest_runs"] == 3
   assert not native["meta"]["session_errors"] and not replaced["meta"]["session_errors"]
   assert replaced["tests"][S + "test_same"]["flexlink_calls"] > 0
   assert native["meta"]["jax_flexlink"] is None and replaced["meta"]["jax_flexlink"]
-  assert "AssertionError" in replaced["tests"][S + "test_primitive_name"]["message"]
+  assert "AssertionError" in replaced["tests"][S + "test_native_collective"]["message"]
   assert "Aborted" in replaced["tests"][S + "test_abort"]["message"]
   assert "in test_hang" in replaced["tests"][S + "test_hang"]["message"]
 
@@ -74,9 +74,9 @@ def test_runner_records_every_outcome(selftest_run):
 def test_runner_comparison_fails_on_replacement_only_failures(selftest_run):
   cmp = jax_suite.compare(selftest_run["native"], selftest_run["replaced"], expected=[])
   assert sorted(t[len(S):] for t in cmp["regressions"]) == [
-      "test_abort", "test_hang", "test_primitive_name"]
+      "test_abort", "test_hang", "test_native_collective"]
   assert not jax_suite.report({}, {"selftest": cmp})
-  documented = [Expected(S + "test_primitive_name", "asserts a primitive name"),
+  documented = [Expected(S + "test_native_collective", "asserts XLA's collective"),
                 Expected(S + "test_abort", "x"), Expected(S + "test_hang", "x")]
   assert jax_suite.report({}, {"selftest": jax_suite.compare(
       selftest_run["native"], selftest_run["replaced"], expected=documented)})
