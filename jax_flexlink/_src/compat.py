@@ -229,6 +229,14 @@ def replica_groups(axis_context, axis_names, axis_index_groups):
   return lax_parallel._replica_groups(axis_context, axis_names, axis_index_groups)
 
 
+def ppermute_partition_pairs(ctx, axis_names, perm):
+  """lax's (source, destination) partition pairs of a ppermute, group after group, checked as lax
+  checks them (its errors)."""
+  pairs, _ = lax_parallel._pcollectives_lowering_common(ctx, axis_name=tuple(axis_names),
+                                                        perm=perm, op_name="ppermute")
+  return pairs
+
+
 def spmd_mesh(axis_context):
   """The mesh of a shard_map/pmap body being lowered, or None outside one."""
   if isinstance(axis_context, SPMDAxisContext):
