@@ -1,0 +1,416 @@
+// The GPU engine on the simulated device (tests/cpp/sim): everything a CUDA build runs except the
+// CUDA runtime, NCCL and the kernels' launch — the links' schedules (every copy, kernel, event and
+// cross-rank wait of nccl and pcie), the executor's fork/join and timing, stage 1 and stage 2, the
+// setup, error paths — with every collective checked against the independent reference. The
+// simulated NCCL reduces in rank order like the reference, so results are compared bitwise.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "tests/cpp/check.h"
+#include "tests/cpp/gpu_cases.h"
+#include "tests/cpp/reference.h"
+#include "tests/cpp/sim/sim_comm.h"
+#include "tests/cpp/sim/sim_device.h"
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/reduce.h"
+#include "xla_ffi/core/stats.h"
+#include "xla_ffi/cuda/gpu_engine.h"
+#include "xla_ffi/cuda/pcie_chunks.h"
+
+namespace flexlink::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Sim {
+  explicit Sim(int ranks, sim::SimOptions options = {}, bool one_device = false) : device(Opts(options, ranks, one_device)), comm(&device) {
+    h.api = &device;
+    h.ranks = ranks;
+    h.device_of = [one_device](int64_t id) { return one_device ? 0 : static_cast<int>(id); };
+    h.alloc = [this](int dev, size_t bytes) {
+      void* p = nullptr;
+      (void)device.AllocDevice(dev, bytes, &p);
+      return p;
+    };
+    h.upload = [](void* d, const void* s, size_t b) { std::memcpy(d, s, b); };
+    h.download = [](void* d, const void* s, size_t b) { std::memcpy(d, s, b); };
+    h.sync = [this](gpu::Stream s) { device.SynchronizeAll(); (void)s; };
+    MakeStreams(h);
+    gpu::GpuEngineOptions eo;
+    eo.device_of = h.device_of;
+    engine = std::make_unique<gpu::GpuEngine>(&device, &comm, eo);
+  }
+  static sim::SimOptions Opts(sim::SimOptions o, int ranks, bool one_device) {
+    o.devices = one_device ? 1 : std::max(o.devices, ranks);
+    return o;
+  }
+  void ExpectNoSimErrors(const std::string& what) {
+    for (const std::string& e : device.TakeErrors()) Expect(false, what + ": " + e);
+  }
+  sim::SimDevice device;
+  sim::SimComm comm;
+  Harness h;
+  std::unique_ptr<gpu::GpuEngine> engine;
+};
+
+double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// The kernels' element code (xla_ffi/cuda/elementwise.h) against the CPU engine's kernels, bitwise
+// but for NaN payloads: a GPU reduces exactly as the CPU engine does.
+void TestElementwiseMatchesCpuEngine() {
+  const DType all[] = {DType::kPred, DType::kS8, DType::kS16, DType::kS32, DType::kS64, DType::kU8, DType::kU16,
+                       DType::kU32, DType::kU64, DType::kF16, DType::kBF16, DType::kF32, DType::kF64, DType::kC64,
+                       DType::kC128};
+  int checked = 0;
+  for (DType t : all)
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMax, ReduceOp::kMin}) {
+      ReduceKernel cpu = GetReduceKernel(t, op);
+      if (!cpu) continue;
+      for (int n : {2, 5}) {
+        const size_t count = 999, w = ByteWidth(t);
+        std::vector<std::vector<uint8_t>> rows(n);
+        std::vector<uint8_t> packed;
+        std::vector<const void*> srcs;
+        for (int k = 0; k < n; ++k) {
+          rows[k] = RandomData(t, count, 77 * k + static_cast<int>(t), true);
+          packed.insert(packed.end(), rows[k].begin(), rows[k].end());
+        }
+        for (int k = 0; k < n; ++k) srcs.push_back(rows[k].data());
+        std::vector<uint8_t> want(count * w), got(count * w);
+        cpu(srcs.data(), n, want.data(), count);
+        gpu::ReduceArgs a;
+        a.dtype = t;
+        a.op = op;
+        a.dst = got.data();
+        a.rows = packed.data();
+        a.row_stride = count;
+        a.nrows = n;
+        a.own = 1;  // one row read from elsewhere, as the links do for a rank's own contribution
+        a.own_src = rows[1].data();
+        a.count = count;
+        const bool ok = gpu::DispatchReduce(t, op, [&]<class Op>() {
+          for (size_t i = 0; i < count; ++i) gpu::ReduceAt<Op>(a, i);
+        });
+        Expect(ok && CountWrong(t, got, want) == 0,
+               "elementwise " + std::string(Name(t)) + " " + std::string(Name(op)) + " n=" + std::to_string(n));
+        ++checked;
+      }
+    }
+  Expect(checked == 2 * (13 * 4 + 2 * 2), "elementwise: every (dtype, op) checked");
+}
+
+// Pack then unpack through the [outer, n, inner] index math, against direct indexing.
+void TestLayoutRoundTrip() {
+  const size_t n = 3, inner = 7, outer = 5, total = outer * inner;
+  std::vector<uint32_t> layout(outer * n * inner), back(layout.size(), 0);
+  for (size_t e = 0; e < layout.size(); ++e) layout[e] = static_cast<uint32_t>(e * 2654435761u);
+  const size_t begin = 9, units = 17;  // a range starting and ending mid-row
+  std::vector<uint32_t> packed(n * units);
+  gpu::LayoutArgs a{gpu::LayoutArgs::kPack, 4, n, inner, begin, units, 0, n, units, packed.data(), layout.data()};
+  for (size_t t = 0; t < a.total(); ++t) gpu::LayoutAt<uint32_t>(a, t);
+  bool ok = true;
+  for (size_t j = 0; j < n; ++j)
+    for (size_t k = 0; k < units; ++k) {
+      const size_t u = begin + k, o = u / inner, i = u % inner;
+      ok = ok && packed[j * units + k] == layout[(o * n + j) * inner + i];
+    }
+  Expect(ok, "layout: pack reads x[o, j, i] into row j");
+  a.direction = gpu::LayoutArgs::kUnpack;
+  a.layout = back.data();
+  for (size_t t = 0; t < a.total(); ++t) gpu::LayoutAt<uint32_t>(a, t);
+  size_t same = 0;
+  for (size_t e = 0; e < layout.size(); ++e) same += back[e] == layout[e];
+  Expect(same == n * units, "layout: unpack writes back exactly the packed units");
+  (void)total;
+}
+
+// Chunks cover each piece exactly, in order, within the slot's capacity, with two or more chunks
+// once a piece holds two minimal ones.
+void TestPcieChunks() {
+  for (Kind kind : kAllKinds)
+    for (int n : {2, 3, 8})
+      for (size_t slot : {size_t{64} << 10, size_t{8} << 20}) {
+        CallDesc d;
+        d.kind = kind;
+        Part p;
+        p.dtype = DType::kF32;
+        p.units = 1000003;
+        p.inner = p.units;
+        d.AddPart(p);
+        Part q = p;
+        q.dtype = DType::kC128;
+        q.units = 77;
+        q.inner = 77;
+        d.AddPart(q);
+        std::vector<Piece> pieces = {{0, {5, 700001}}, {1, {0, 77}}};
+        auto chunks = gpu::PcieChunks(d, n, slot, pieces);
+        bool ok = true;
+        size_t covered[2] = {0, 0}, count[2] = {0, 0};
+        size_t next[2] = {5, 0};
+        for (const auto& c : chunks) {
+          ok = ok && c.begin == next[c.part] && c.units > 0 &&
+               c.units <= gpu::PcieMaxChunkUnits(kind, d.parts[c.part].width(), n, slot);
+          next[c.part] = c.begin + c.units;
+          covered[c.part] += c.units;
+          ++count[c.part];
+        }
+        ok = ok && covered[0] == 700001 - 5 && covered[1] == 77 && count[0] >= 2;
+        Expect(ok, "pcie chunks: " + std::string(Name(kind)) + " n=" + std::to_string(n) + " slot " + std::to_string(slot));
+      }
+  Expect(gpu::PcieMaxChunkUnits(Kind::kReduceScatter, 16, 64, 64 << 10) == 1, "pcie chunks: 64 ranks fit a 64 KiB slot");
+  Expect(gpu::PcieMaxChunkUnits(Kind::kReduceScatter, 16, 65, 64 << 10) == 0, "pcie chunks: 65 ranks do not");
+  const gpu::Slices s = gpu::SlicesOf(10, 4);
+  Expect(s.len == 3 && s.size(0) == 3 && s.size(3) == 1 && s.begin(3) == 9, "pcie slices of 10 units over 4 ranks");
+  const gpu::Slices e = gpu::SlicesOf(2, 4);
+  Expect(e.size(1) == 1 && e.size(2) == 0 && e.size(3) == 0, "pcie slices: empty ones at the end");
+}
+
+void TestNcclMapping() {
+  auto nat = [](DType t, ReduceOp op) { return gpu::NcclReductionOf(t, op); };
+  Expect(nat(DType::kBF16, ReduceOp::kSum).native && nat(DType::kBF16, ReduceOp::kSum).type == gpu::CommType::kBfloat16,
+         "nccl: bfloat16 sums natively");
+  Expect(nat(DType::kC64, ReduceOp::kSum).lanes == 2 && nat(DType::kC64, ReduceOp::kSum).type == gpu::CommType::kFloat32,
+         "nccl: complex64 sums as pairs of float32");
+  Expect(!nat(DType::kC64, ReduceOp::kProd).native, "nccl: no complex product");
+  Expect(!nat(DType::kS16, ReduceOp::kSum).native && !nat(DType::kU16, ReduceOp::kMax).native, "nccl: no 16-bit ints");
+  Expect(nat(DType::kPred, ReduceOp::kSum).op == gpu::CommOp::kMax && nat(DType::kPred, ReduceOp::kProd).op == gpu::CommOp::kMin,
+         "nccl: bool or = max, and = min");
+}
+
+void TestLinkSpecs() {
+  Sim s(2);
+  Status st = s.engine->ConfigureLinks("nccl;rdma");
+  Expect(!st.ok() && st.message().find("rdma link") != std::string::npos &&
+             st.message().find("not built yet") != std::string::npos && st.message().find("docs/cuda.md") != std::string::npos,
+         "links: rdma is refused, saying it is designed but not built: " + st.message());
+  st = s.engine->ConfigureLinks("nccl;shm");
+  Expect(!st.ok() && st.message().find("unknown link kind \"shm\"") != std::string::npos &&
+             st.message().find("nccl, pcie, rdma") != std::string::npos,
+         "links: CPU kinds are not GPU links: " + st.message());
+  st = s.engine->ConfigureLinks("pcie@slot_mb=4");
+  Expect(!st.ok() && st.message().find("unknown parameter \"slot_mb\"") != std::string::npos, "links: parameter typo: " + st.message());
+  st = s.engine->ConfigureLinks("pcie@slot_mib=0");
+  Expect(!st.ok() && st.message().find("out of range") != std::string::npos, "links: slot_mib range: " + st.message());
+  Expect(s.engine->CurrentLinks()->spec == "nccl", "links: the default is nccl alone");
+  st = s.engine->ConfigureLinks(" nccl ; pcie@slot_mib=2 ");
+  Expect(st.ok() && s.engine->CurrentLinks()->spec == "nccl;pcie@slot_mib=2", "links: canonical spec " + s.engine->CurrentLinks()->spec);
+}
+
+// Every case of StandardCases on one configuration.
+void RunSuite(Sim& s, const std::string& links, const std::vector<double>& shares, size_t big, const std::string& what) {
+  const auto t0 = Clock::now();
+  Expect(s.engine->ConfigureLinks(links).ok(), what + ": configure " + links);
+  const auto cases = StandardCases(s.h.ranks, big);
+  for (const Case& c : cases) {
+    if (!shares.empty()) PinShares(*s.engine, c, s.h.ranks, shares);
+    CheckCase(*s.engine, s.h, c, what);
+  }
+  s.ExpectNoSimErrors(what);
+  std::printf("  %-58s %4zu cases %6.2f s\n", what.c_str(), cases.size(), Seconds(t0));
+}
+
+void TestCollectives() {
+  SetAutotuneMinBytes(0);  // pinned shares below; stage 1 has its own test
+  {
+    Sim s(4, {.jitter_us = 20});
+    RunSuite(s, "nccl@staging_mib=0.0625", {}, 30000, "4 ranks, nccl (staged in 64 KiB)");
+    RunSuite(s, "pcie@slot_mib=0.0625", {}, 30000, "4 ranks, pcie (64 KiB slots)");
+    RunSuite(s, "nccl@staging_mib=0.0625;pcie@slot_mib=0.0625", {0.61, 0.39}, 30000, "4 ranks, nccl;pcie 61/39");
+    RunSuite(s, "nccl;pcie@slot_mib=0.0625", {0.003, 0.997}, 30000, "4 ranks, nccl;pcie 0.3/99.7");
+  }
+  {
+    Sim s(3, {.jitter_us = 0});
+    RunSuite(s, "pcie:a@slot_mib=0.0625;nccl@staging_mib=0.0625", {0.5, 0.5}, 20000, "3 ranks, pcie;nccl 50/50");
+  }
+  {
+    Sim s(2);
+    RunSuite(s, "pcie@slot_mib=0.0625", {}, 20000, "2 ranks, pcie");
+  }
+  {
+    // Several ranks on one device (the GPU test's setup): pcie only; streams share the device.
+    Sim s(8, {.jitter_us = 10}, /*one_device=*/true);
+    RunSuite(s, "pcie@slot_mib=0.25", {}, 40000, "8 virtual ranks on one device, pcie");
+  }
+}
+
+void TestNcclRefusesSharedDevice() {
+  SetTimeoutSeconds(20);
+  Sim s(2, {}, /*one_device=*/true);
+  Expect(s.engine->ConfigureLinks("nccl").ok(), "shared device: configure");
+  Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{64}}, 0, {}, false};
+  std::vector<std::vector<std::vector<uint8_t>>> out;
+  auto st = RunRanks(*s.engine, s.h, c, &out);
+  for (int r = 0; r < 2; ++r)
+    Expect(!st[r].ok() && st[r].message().find("both on CUDA device 0") != std::string::npos &&
+               st[r].message().find("pcie") != std::string::npos,
+           "shared device: nccl setup fails on every rank with the reason: " + st[r].message());
+  const auto t0 = Clock::now();
+  st = RunRanks(*s.engine, s.h, c, &out);
+  Expect(!st[0].ok() && st[0].message().find("setup of group [0, 1] failed") != std::string::npos && Seconds(t0) < 5,
+         "shared device: later calls fail at once: " + st[0].message());
+  Expect(s.comm.inits() == 0, "shared device: NCCL was never asked");
+}
+
+void TestErrors() {
+  SetTimeoutSeconds(1);
+  Sim s(2);
+  Expect(s.engine->ConfigureLinks("pcie").ok(), "errors: configure");
+  // A device that is not one of this process's.
+  {
+    CollectiveArgs a;
+    std::vector<int64_t> groups{0, 7}, sizes{2};
+    std::vector<int64_t> dims{4};
+    float x[4] = {}, y[4] = {};
+    OperandRequest op{DType::kF32, DType::kF32, dims, dims, x, y};
+    a.groups = groups;
+    a.group_sizes = sizes;
+    a.device = 0;
+    a.run_id = 1;
+    a.label = "psum over axes ('x',)";
+    a.request.kind = Kind::kAllReduce;
+    a.request.reduction = "sum";
+    a.request.operands = {&op, 1};
+    Status st = s.engine->Run(a, s.h.streams[0]);
+    Expect(!st.ok() && st.message().find("device 7 of group [0, 7] is not a CUDA device of this process") != std::string::npos &&
+               st.message().find("psum over axes") != std::string::npos,
+           "errors: foreign device: " + st.message());
+  }
+  // Ranks that disagree fail together, before any device work.
+  {
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{64}}, 0, {}, false};
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    auto st = RunRanks(*s.engine, s.h, c, &out);
+    Expect(st[0].ok() && st[1].ok(), "errors: a good call first");
+  }
+  // One rank never comes: the other times out with the CPU engine's message.
+  {
+    Case c{Kind::kAllGather, ReduceOp::kSum, {DType::kF32}, {{64}}, 0, {}, false};
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto t0 = Clock::now();
+    auto st = RunRanks(*s.engine, s.h, c, &out, /*skip=*/1);
+    Expect(!st[0].ok() && st[0].code() == StatusCode::kDeadlineExceeded &&
+               st[0].message().find("rank 1 (device 1)") != std::string::npos && Seconds(t0) < 10,
+           "errors: deadline names the missing rank: " + st[0].message());
+  }
+  SetTimeoutSeconds(20);
+  s.ExpectNoSimErrors("errors");
+}
+
+// One plan per call: every rank cuts the same ranges, also while stage 2 moves the shares.
+void TestOneSplitPerCall() {
+  SetAutotuneMinBytes(0);
+  Sim s(4);
+  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "split: configure");
+  s.engine->splits().SetEnabled(true);
+  Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{50000}}, 0, {}, false};
+  ResetLinkStats();
+  for (int i = 0; i < 12; ++i) CheckCase(*s.engine, s.h, c, "split call " + std::to_string(i));
+  auto records = s.engine->splits().Take();
+  s.engine->splits().SetEnabled(false);
+  bool same = records.size() == 48;
+  std::map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> by_run;
+  size_t split_calls = 0;
+  for (const auto& r : records) {
+    auto [it, fresh] = by_run.try_emplace(static_cast<uint64_t>(r.run_id), r.ranges);
+    same = same && it->second == r.ranges;
+    if (fresh && !r.ranges[0].second == 0) {}
+    if (fresh && r.ranges[0].second > r.ranges[0].first && r.ranges[1].second > r.ranges[1].first) ++split_calls;
+  }
+  Expect(same, "split: every rank cut the same ranges in each of 12 calls");
+  Expect(split_calls >= 1, "split: stage 2 split calls across both links (equal shares to start)");
+  // Times reach the balancer and the statistics one call late: all but the last call or so.
+  size_t calls = 0;
+  for (const auto& st : SnapshotLinkStats())
+    if (st.name == "nccl") calls = st.calls;
+  Expect(calls >= 10 && calls <= 12, "split: per-link times read from events of completed calls, " + std::to_string(calls) + " of 12");
+  bool moved = false;
+  for (const auto& p : s.engine->SnapshotPlans()) moved = moved || p.plan.epoch > 1;
+  Expect(moved, "split: stage 2 changed the plan from its measured times");
+  s.ExpectNoSimErrors("split");
+}
+
+// Stage 1 on the device: profiled by the first large calls, read back later, fits installed,
+// cached; every call's result is right meanwhile.
+void TestStageOne() {
+  const std::string cache = "/tmp/flexlink-gpu-sim-tune-" + std::to_string(::getpid()) + ".json";
+  std::remove(cache.c_str());
+  SetTuneCachePath(cache);
+  SetTuneUseCache(true);
+  Sim s(2);
+  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "stage 1: configure");
+  s.engine->SetAutotune(256 << 10);
+  s.engine->SetTuneMax(512 << 10);
+  Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{300000}}, 0, {}, false};
+  const std::vector<int64_t> group{0, 1};
+  int calls = 0;
+  const auto t0 = Clock::now();
+  while (!s.engine->GroupModel(group).value_or(plan::CostModel()).Has(Kind::kAllReduce) && calls < 50) {
+    CheckCase(*s.engine, s.h, c, "stage 1 call " + std::to_string(calls));
+    ++calls;
+  }
+  Expect(calls >= 3 && calls < 50, "stage 1: fits installed after " + std::to_string(calls) + " calls (two phases, read later)");
+  const auto model = s.engine->GroupModel(group);
+  Expect(model && model->Has(Kind::kAllReduce) && model->MeasuredThreshold(Kind::kAllReduce).has_value() &&
+             model->ProfiledBytes(Kind::kAllReduce) == 512u << 10,
+         "stage 1: fits, measured threshold and profiled size");
+  CheckCase(*s.engine, s.h, c, "stage 1 after");
+  bool profile_left = false;
+  for (const auto& p : s.engine->SnapshotPlans()) profile_left = profile_left || p.plan.mode == plan::PlanMode::kProfile;
+  Expect(!profile_left, "stage 1: no plan waits for a profile any more");
+  // A new engine (a new process) takes the fits from the cache at its first large call.
+  Sim s2(2);
+  Expect(s2.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "stage 1: configure again");
+  CheckCase(*s2.engine, s2.h, c, "stage 1 cached");
+  Expect(s2.engine->GroupModel(group).value_or(plan::CostModel()).Has(Kind::kAllReduce), "stage 1: fits from the cache at once");
+  std::printf("  stage 1: %d calls, %.2f s\n", calls, Seconds(t0));
+  s.ExpectNoSimErrors("stage 1");
+  s2.ExpectNoSimErrors("stage 1 cached");
+  std::remove(cache.c_str());
+  SetAutotuneMinBytes(0);
+}
+
+// A group's setup runs once, for all ranks, inside the first call; kernels are loaded then.
+void TestSetupOnce() {
+  Sim s(4);
+  Expect(s.engine->ConfigureLinks("nccl;pcie").ok(), "setup: configure");
+  Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{1000}}, 0, {}, false};
+  for (int i = 0; i < 3; ++i) CheckCase(*s.engine, s.h, c, "setup");
+  Expect(s.comm.inits() == 1, "setup: one ncclCommInitAll for the group");
+  Expect(s.device.preloads() == 4, "setup: kernels loaded once per device");
+}
+
+}  // namespace
+}  // namespace flexlink::testing
+
+int main() {
+  using namespace flexlink::testing;
+  flexlink::SetTimeoutSeconds(20);
+  flexlink::SetTuneCachePath("/tmp/flexlink-gpu-sim-none.json");
+  flexlink::SetTuneUseCache(false);
+  struct Test {
+    const char* name;
+    void (*fn)();
+  };
+  const Test tests[] = {
+      {"TestElementwiseMatchesCpuEngine", TestElementwiseMatchesCpuEngine},
+      {"TestLayoutRoundTrip", TestLayoutRoundTrip},
+      {"TestPcieChunks", TestPcieChunks},
+      {"TestNcclMapping", TestNcclMapping},
+      {"TestLinkSpecs", TestLinkSpecs},
+      {"TestSetupOnce", TestSetupOnce},
+      {"TestNcclRefusesSharedDevice", TestNcclRefusesSharedDevice},
+      {"TestErrors", TestErrors},
+      {"TestOneSplitPerCall", TestOneSplitPerCall},
+      {"TestStageOne", TestStageOne},
+      {"TestCollectives", TestCollectives},
+  };
+  for (const Test& t : tests) {
+    const auto t0 = std::chrono::steady_clock::now();
+    t.fn();
+    std::printf("%-36s %6.2f s\n", t.name, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return Summary();
+}

@@ -1,0 +1,287 @@
+#include "tests/cpp/sim/sim_comm.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+
+#include "xla_ffi/cuda/kernel_args.h"
+
+namespace flexlink::sim {
+
+struct SimComm::Op {
+  enum Type { kAllReduce, kAllGather, kReduceScatter, kSend, kRecv } type;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;
+  gpu::CommType ctype = gpu::CommType::kUint8;
+  gpu::CommOp op = gpu::CommOp::kSum;
+  int peer = -1;
+};
+
+struct SimComm::Clique {
+  int n = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  // Collectives, by their sequence number on the communicator: each rank's operation once it
+  // arrived; done when the last one ran it for everyone.
+  struct Slot {
+    std::vector<const Op*> ops;
+    int count = 0;
+    bool done = false;
+  };
+  std::map<uint64_t, Slot> slots;
+  // Point-to-point messages, by (source, destination, index of the pair's message), as NCCL matches
+  // sends and receives per pair; a message is posted when the sender's stream reaches the send.
+  struct Message {
+    const void* data = nullptr;
+    size_t bytes = 0;
+    bool posted = false, consumed = false;
+  };
+  std::map<std::tuple<int, int, uint64_t>, Message> messages;
+  size_t operations = 0;
+};
+
+struct SimComm::Rank {
+  Clique* clique = nullptr;
+  int rank = 0;
+  uint64_t next_collective = 0;           // issue order, as NCCL matches collectives
+  std::map<int, uint64_t> sent, received;  // per peer: messages issued so far
+};
+
+namespace {
+
+struct Pending {
+  int depth = 0;
+  SimComm::Rank* rank = nullptr;
+  gpu::Stream stream = nullptr;
+  std::vector<SimComm::Op> ops;
+  bool mixed = false;
+};
+thread_local Pending t_group;
+
+DType DTypeOf(gpu::CommType t) {
+  switch (t) {
+    case gpu::CommType::kInt8: return DType::kS8;
+    case gpu::CommType::kUint8: return DType::kU8;
+    case gpu::CommType::kInt32: return DType::kS32;
+    case gpu::CommType::kUint32: return DType::kU32;
+    case gpu::CommType::kInt64: return DType::kS64;
+    case gpu::CommType::kUint64: return DType::kU64;
+    case gpu::CommType::kFloat16: return DType::kF16;
+    case gpu::CommType::kFloat32: return DType::kF32;
+    case gpu::CommType::kFloat64: return DType::kF64;
+    case gpu::CommType::kBfloat16: return DType::kBF16;
+  }
+  return DType::kU8;
+}
+
+ReduceOp OpOf(gpu::CommOp op) {
+  switch (op) {
+    case gpu::CommOp::kSum: return ReduceOp::kSum;
+    case gpu::CommOp::kProd: return ReduceOp::kProd;
+    case gpu::CommOp::kMax: return ReduceOp::kMax;
+    case gpu::CommOp::kMin: return ReduceOp::kMin;
+  }
+  return ReduceOp::kSum;
+}
+
+// dst[i] = reduce over k of srcs[k][i], rank order, the engine's element code.
+void ReduceRows(gpu::CommType t, gpu::CommOp op, const std::vector<const void*>& srcs, void* dst, size_t count) {
+  const DType dtype = DTypeOf(t);
+  const size_t w = ByteWidth(dtype);
+  // Gather the rows into one buffer so ReduceAt's strided rows apply (dst may alias a source).
+  std::vector<uint8_t> rows(srcs.size() * count * w);
+  for (size_t k = 0; k < srcs.size(); ++k) std::memcpy(rows.data() + k * count * w, srcs[k], count * w);
+  gpu::ReduceArgs a;
+  a.dtype = dtype;
+  a.op = OpOf(op);
+  a.dst = dst;
+  a.rows = rows.data();
+  a.row_stride = count;
+  a.nrows = static_cast<int>(srcs.size());
+  a.count = count;
+  gpu::DispatchReduce(dtype, a.op, [&]<class R>() {
+    for (size_t i = 0; i < count; ++i) gpu::ReduceAt<R>(a, i);
+  });
+}
+
+size_t Width(gpu::CommType t) { return ByteWidth(DTypeOf(t)); }
+
+}  // namespace
+
+SimComm::~SimComm() = default;
+
+size_t SimComm::operations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t total = 0;
+  for (const auto& c : cliques_) {
+    std::lock_guard<std::mutex> cl(c->mu);
+    total += c->operations;
+  }
+  return total;
+}
+
+Status SimComm::InitAll(std::span<const int> devices, std::vector<gpu::Comm>* comms) {
+  for (size_t a = 0; a < devices.size(); ++a)
+    for (size_t b = a + 1; b < devices.size(); ++b)
+      if (devices[a] == devices[b]) return Status::Internal("sim nccl: Duplicate GPU detected");
+  std::lock_guard<std::mutex> lock(mu_);
+  ++inits_;
+  auto clique = std::make_unique<Clique>();
+  clique->n = static_cast<int>(devices.size());
+  comms->clear();
+  for (int r = 0; r < clique->n; ++r) {
+    auto rank = std::make_unique<Rank>();
+    rank->clique = clique.get();
+    rank->rank = r;
+    comms->push_back(rank.get());
+    ranks_.push_back(std::move(rank));
+  }
+  cliques_.push_back(std::move(clique));
+  return Status::Ok();
+}
+
+Status SimComm::GroupStart() {
+  ++t_group.depth;
+  return Status::Ok();
+}
+
+Status SimComm::GroupEnd() {
+  if (t_group.depth == 0) return Status::Internal("sim nccl: GroupEnd without GroupStart");
+  if (--t_group.depth > 0) return Status::Ok();
+  Pending p = std::move(t_group);
+  t_group = Pending{};
+  if (p.mixed) return Status::Internal("sim nccl: one group mixed communicators or streams");
+  if (p.rank) Submit(p.rank, p.stream, std::move(p.ops));
+  return Status::Ok();
+}
+
+Status SimComm::Issue(Op op, gpu::Comm comm, gpu::Stream stream) {
+  Rank* rank = static_cast<Rank*>(comm);
+  if (!rank) return Status::Internal("sim nccl: no communicator");
+  if (t_group.depth == 0) {
+    Submit(rank, stream, {op});
+    return Status::Ok();
+  }
+  if (t_group.rank && (t_group.rank != rank || t_group.stream != stream)) t_group.mixed = true;
+  t_group.rank = rank;
+  t_group.stream = stream;
+  t_group.ops.push_back(op);
+  return Status::Ok();
+}
+
+void SimComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
+  Clique* c = rank->clique;
+  const int me = rank->rank;
+  SimDevice* dev = &device_;
+  const double timeout = dev->wait_timeout_s();
+  bool p2p = false, coll = false;
+  for (const Op& op : ops) (op.type == Op::kSend || op.type == Op::kRecv ? p2p : coll) = true;
+  if (p2p && coll) dev->Error("sim nccl: a group mixed collectives and point-to-point operations");
+  // Sequence numbers are taken at issue time, on the issuing thread, as NCCL does.
+  std::vector<uint64_t> seqs;
+  for (const Op& op : ops) {
+    if (op.type == Op::kSend) seqs.push_back(rank->sent[op.peer]++);
+    else if (op.type == Op::kRecv) seqs.push_back(rank->received[op.peer]++);
+    else seqs.push_back(rank->next_collective++);
+  }
+  device_.Enqueue(stream, [c, me, dev, timeout, ops = std::move(ops), seqs = std::move(seqs)] {
+    std::unique_lock<std::mutex> lock(c->mu);
+    auto wait = [&](auto pred, const std::string& what) {
+      if (!c->cv.wait_for(lock, std::chrono::duration<double>(timeout), pred))
+        dev->Error("sim nccl: rank " + std::to_string(me) + " waited too long for " + what);
+    };
+    // Point to point: post every send of the group, complete every receive, then wait until the
+    // sends were taken (all operations of a group progress together, as in NCCL).
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].type == Op::kSend) {
+        auto& m = c->messages[{me, ops[i].peer, seqs[i]}];
+        m.data = ops[i].send;
+        m.bytes = ops[i].count * Width(ops[i].ctype);
+        m.posted = true;
+        c->cv.notify_all();
+      }
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].type == Op::kRecv) {
+        const auto key = std::make_tuple(ops[i].peer, me, seqs[i]);
+        wait([&] { return c->messages[key].posted; }, "a send from rank " + std::to_string(ops[i].peer));
+        auto& m = c->messages[key];
+        const size_t bytes = ops[i].count * Width(ops[i].ctype);
+        if (m.bytes != bytes) dev->Error("sim nccl: send and receive sizes differ");
+        else std::memcpy(ops[i].recv, m.data, bytes);
+        m.consumed = true;
+        ++c->operations;
+        c->cv.notify_all();
+      }
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].type == Op::kSend) {
+        const auto key = std::make_tuple(me, ops[i].peer, seqs[i]);
+        wait([&] { return c->messages[key].consumed; }, "rank " + std::to_string(ops[i].peer) + " to receive");
+        c->messages.erase(key);
+      }
+    // Collectives, one after another: each waits for every rank's operation of its sequence number.
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].type == Op::kSend || ops[i].type == Op::kRecv) continue;
+      Clique::Slot& slot = c->slots[seqs[i]];
+      if (slot.ops.empty()) slot.ops.assign(c->n, nullptr);
+      slot.ops[me] = &ops[i];
+      if (++slot.count == c->n) {
+        const Op& o = *slot.ops[0];
+        bool same = true;
+        for (int r = 1; r < c->n; ++r)
+          same = same && slot.ops[r]->type == o.type && slot.ops[r]->count == o.count &&
+                 slot.ops[r]->ctype == o.ctype && slot.ops[r]->op == o.op;
+        if (!same) dev->Error("sim nccl: ranks issued different collectives at sequence " + std::to_string(seqs[i]));
+        const size_t bytes = o.count * Width(o.ctype);
+        if (same && o.type == Op::kAllReduce) {
+          std::vector<std::vector<uint8_t>> copies(c->n);  // recv may alias send
+          std::vector<const void*> srcs;
+          for (int r = 0; r < c->n; ++r) {
+            const uint8_t* p = static_cast<const uint8_t*>(slot.ops[r]->send);
+            copies[r].assign(p, p + bytes);
+            srcs.push_back(copies[r].data());
+          }
+          for (int r = 0; r < c->n; ++r) ReduceRows(o.ctype, o.op, srcs, slot.ops[r]->recv, o.count);
+        } else if (same && o.type == Op::kAllGather) {
+          for (int r = 0; r < c->n; ++r)
+            for (int k = 0; k < c->n; ++k)
+              std::memcpy(static_cast<uint8_t*>(slot.ops[r]->recv) + k * bytes, slot.ops[k]->send, bytes);
+        } else if (same) {  // reduce-scatter
+          for (int r = 0; r < c->n; ++r) {
+            std::vector<const void*> srcs;
+            for (int k = 0; k < c->n; ++k) srcs.push_back(static_cast<const uint8_t*>(slot.ops[k]->send) + r * bytes);
+            ReduceRows(o.ctype, o.op, srcs, slot.ops[r]->recv, o.count);
+          }
+        }
+        c->operations += c->n;
+        slot.done = true;
+        c->cv.notify_all();
+      } else {
+        wait([&] { return slot.done; }, "collective " + std::to_string(seqs[i]));
+      }
+      if (--slot.count == 0) c->slots.erase(seqs[i]);
+    }
+  });
+}
+
+Status SimComm::AllReduce(const void* send, void* recv, size_t count, gpu::CommType type, gpu::CommOp op, gpu::Comm comm,
+                          gpu::Stream stream) {
+  return Issue({Op::kAllReduce, send, recv, count, type, op, -1}, comm, stream);
+}
+Status SimComm::AllGather(const void* send, void* recv, size_t count, gpu::CommType type, gpu::Comm comm,
+                          gpu::Stream stream) {
+  return Issue({Op::kAllGather, send, recv, count, type, gpu::CommOp::kSum, -1}, comm, stream);
+}
+Status SimComm::ReduceScatter(const void* send, void* recv, size_t count, gpu::CommType type, gpu::CommOp op,
+                              gpu::Comm comm, gpu::Stream stream) {
+  return Issue({Op::kReduceScatter, send, recv, count, type, op, -1}, comm, stream);
+}
+Status SimComm::Send(const void* send, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) {
+  return Issue({Op::kSend, send, nullptr, count, type, gpu::CommOp::kSum, peer}, comm, stream);
+}
+Status SimComm::Recv(void* recv, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) {
+  return Issue({Op::kRecv, nullptr, recv, count, type, gpu::CommOp::kSum, peer}, comm, stream);
+}
+
+}  // namespace flexlink::sim

@@ -1,0 +1,260 @@
+#include "tests/cpp/sim/sim_device.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+namespace flexlink::sim {
+
+struct SimDevice::SimStream {
+  int device = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> ops;
+  uint64_t enqueued = 0, done = 0;
+  bool stop = false;
+  std::atomic<int> delay_us{0};
+  std::thread worker;
+};
+
+struct SimDevice::SimEvent {
+  int device = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0;  // Record calls so far (host side)
+  std::map<uint64_t, std::chrono::steady_clock::time_point> done;  // completed records and when
+};
+
+namespace {
+thread_local int t_device = 0;
+}
+
+SimDevice::SimDevice(SimOptions options) : options_(options) {}
+
+SimDevice::~SimDevice() {
+  SynchronizeAll();
+  for (auto& s : streams_) {
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->stop = true;
+    }
+    s->cv.notify_all();
+    s->worker.join();
+  }
+  for (void* p : allocations_) std::free(p);
+}
+
+int SimDevice::DeviceCount(std::string* why) {
+  if (options_.devices == 0 && why) *why = "the simulation has no device";
+  return options_.devices;
+}
+
+Status SimDevice::GetDevice(int* device) {
+  *device = t_device;
+  return Status::Ok();
+}
+
+Status SimDevice::SetDevice(int device) {
+  if (device < 0 || device >= options_.devices) return Status::Internal("sim: no device " + std::to_string(device));
+  t_device = device;
+  return Status::Ok();
+}
+
+Status SimDevice::CreateStream(int device, gpu::Stream* stream) {
+  auto s = std::make_unique<SimStream>();
+  s->device = device;
+  SimStream* raw = s.get();
+  const int jitter = options_.jitter_us;
+  raw->worker = std::thread([raw, jitter] {
+    std::mt19937 rng(static_cast<uint32_t>(reinterpret_cast<uintptr_t>(raw)));
+    std::unique_lock<std::mutex> lock(raw->mu);
+    for (;;) {
+      raw->cv.wait(lock, [&] { return raw->stop || !raw->ops.empty(); });
+      if (raw->ops.empty()) return;
+      std::function<void()> op = std::move(raw->ops.front());
+      raw->ops.pop_front();
+      lock.unlock();
+      const int delay = raw->delay_us.load() + (jitter > 0 ? static_cast<int>(rng() % jitter) : 0);
+      if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+      op();
+      lock.lock();
+      ++raw->done;
+      raw->cv.notify_all();
+    }
+  });
+  std::lock_guard<std::mutex> lock(mu_);
+  *stream = raw;
+  streams_.push_back(std::move(s));
+  return Status::Ok();
+}
+
+Status SimDevice::CreateEvent(int device, bool, gpu::Event* event) {
+  auto e = std::make_unique<SimEvent>();
+  e->device = device;
+  std::lock_guard<std::mutex> lock(mu_);
+  *event = e.get();
+  events_.push_back(std::move(e));
+  return Status::Ok();
+}
+
+Status SimDevice::AllocDevice(int, size_t bytes, void** ptr) { return AllocPinnedHost(bytes, ptr); }
+
+Status SimDevice::AllocPinnedHost(size_t bytes, void** ptr) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+  if (!p) return Status::Internal("sim: out of memory");
+  std::memset(p, 0xA5, bytes);  // garbage, as fresh device memory would be
+  std::lock_guard<std::mutex> lock(mu_);
+  allocations_.push_back(p);
+  *ptr = p;
+  return Status::Ok();
+}
+
+Status SimDevice::PreloadKernels(int) {
+  ++preloads_;
+  return Status::Ok();
+}
+
+void SimDevice::Enqueue(gpu::Stream stream, std::function<void()> f) {
+  SimStream* s = S(stream);
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->ops.push_back(std::move(f));
+    ++s->enqueued;
+  }
+  s->cv.notify_all();
+}
+
+void SimDevice::Error(std::string message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  errors_.push_back(std::move(message));
+}
+
+Status SimDevice::Record(gpu::Event event, gpu::Stream stream) {
+  SimEvent* e = E(event);
+  if (e->device != S(stream)->device) return Status::Internal("sim: event and stream on different devices");
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lock(e->mu);
+    gen = ++e->recorded;
+  }
+  Enqueue(stream, [e, gen] {
+    std::lock_guard<std::mutex> lock(e->mu);
+    e->done[gen] = std::chrono::steady_clock::now();
+    while (e->done.size() > 64) e->done.erase(e->done.begin());
+    e->cv.notify_all();
+  });
+  return Status::Ok();
+}
+
+Status SimDevice::Wait(gpu::Stream stream, gpu::Event event) {
+  SimEvent* e = E(event);
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lock(e->mu);
+    target = e->recorded;  // CUDA: the most recent record at the time of this call
+  }
+  if (target == 0) return Status::Ok();
+  const double timeout = options_.wait_timeout_s;
+  Enqueue(stream, [this, e, target, timeout] {
+    std::unique_lock<std::mutex> lock(e->mu);
+    auto reached = [&] { return e->done.count(target) || (!e->done.empty() && e->done.begin()->first > target); };
+    if (!e->cv.wait_for(lock, std::chrono::duration<double>(timeout), reached))
+      Error("sim: a stream waited more than " + std::to_string(timeout) + " s for an event (deadlock?)");
+  });
+  return Status::Ok();
+}
+
+Status SimDevice::Copy(void* dst, const void* src, size_t bytes, gpu::Stream stream) {
+  if (!bytes) return Status::Ok();
+  if (!dst || !src) return Status::Internal("sim: copy with a null pointer");
+  Enqueue(stream, [dst, src, bytes] { std::memmove(dst, src, bytes); });
+  return Status::Ok();
+}
+
+Status SimDevice::Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                         gpu::Stream stream) {
+  if (width > dpitch || width > spitch) return Status::Internal("sim: copy2d width exceeds a pitch");
+  Enqueue(stream, [=] {
+    for (size_t r = 0; r < height; ++r)
+      std::memmove(static_cast<uint8_t*>(dst) + r * dpitch, static_cast<const uint8_t*>(src) + r * spitch, width);
+  });
+  return Status::Ok();
+}
+
+Status SimDevice::Zero(void* dst, size_t bytes, gpu::Stream stream) {
+  Enqueue(stream, [dst, bytes] { std::memset(dst, 0, bytes); });
+  return Status::Ok();
+}
+
+Status SimDevice::Reduce(const gpu::ReduceArgs& a, gpu::Stream stream) {
+  bool ok = gpu::DispatchReduce(a.dtype, a.op, [&]<class Op>() {
+    Enqueue(stream, [a] {
+      for (size_t i = 0; i < a.count; ++i) gpu::ReduceAt<Op>(a, i);
+    });
+  });
+  return ok ? Status::Ok() : Status::Internal("sim: no reduction for this dtype and op");
+}
+
+Status SimDevice::Layout(const gpu::LayoutArgs& a, gpu::Stream stream) {
+  bool ok = gpu::DispatchWidth(a.width, [&]<class E>() {
+    Enqueue(stream, [a] {
+      for (size_t t = 0; t < a.total(); ++t) gpu::LayoutAt<E>(a, t);
+    });
+  });
+  return ok ? Status::Ok() : Status::Internal("sim: no layout copy of this width");
+}
+
+Status SimDevice::MallocAsync(size_t bytes, gpu::Stream, void** ptr) {
+  *ptr = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+  return *ptr ? Status::Ok() : Status::Internal("sim: out of memory");
+}
+
+Status SimDevice::FreeAsync(void* ptr, gpu::Stream stream) {
+  Enqueue(stream, [ptr] { std::free(ptr); });
+  return Status::Ok();
+}
+
+gpu::Poll SimDevice::Query(gpu::Event event, std::string*) {
+  SimEvent* e = E(event);
+  std::lock_guard<std::mutex> lock(e->mu);
+  if (e->recorded == 0) return gpu::Poll::kDone;
+  return e->done.count(e->recorded) ? gpu::Poll::kDone : gpu::Poll::kPending;
+}
+
+Status SimDevice::ElapsedSeconds(gpu::Event start, gpu::Event stop, double* seconds) {
+  SimEvent *a = E(start), *b = E(stop);
+  std::scoped_lock lock(a->mu, b->mu);
+  auto ia = a->done.find(a->recorded), ib = b->done.find(b->recorded);
+  if (ia == a->done.end() || ib == b->done.end()) return Status::Internal("sim: elapsed time of an event not done");
+  *seconds = std::chrono::duration<double>(ib->second - ia->second).count();
+  return Status::Ok();
+}
+
+void SimDevice::Synchronize(gpu::Stream stream) {
+  SimStream* s = S(stream);
+  std::unique_lock<std::mutex> lock(s->mu);
+  const uint64_t target = s->enqueued;
+  s->cv.wait(lock, [&] { return s->done >= target; });
+}
+
+void SimDevice::SynchronizeAll() {
+  std::vector<SimStream*> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& s : streams_) all.push_back(s.get());
+  }
+  // Twice: a stream may be waiting for another that gets work from a third.
+  for (int round = 0; round < 2; ++round)
+    for (SimStream* s : all) Synchronize(s);
+}
+
+std::vector<std::string> SimDevice::TakeErrors() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  out.swap(errors_);
+  return out;
+}
+
+void SimDevice::SetStreamDelay(gpu::Stream stream, int delay_us) { S(stream)->delay_us.store(delay_us); }
+
+}  // namespace flexlink::sim

@@ -1,0 +1,87 @@
+// A simulated GPU for the CPU-only tests of the GPU engine: streams are host threads that run their
+// operations in order, events follow CUDA's rules (a wait binds to the event's most recent record
+// at the time of the wait call; waiting on an event never recorded returns at once), "device"
+// memory is host memory, and the kernels run the same element code as the CUDA kernels
+// (xla_ffi/cuda/kernel_args.h). Everything the engine enqueues therefore runs in the order the
+// engine asked for — a missing dependency shows as a race, which `jitter_us` (a random delay before
+// every operation) makes likely to bite. A wait that does not complete in `wait_timeout_s` records
+// an error instead of hanging the test.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla_ffi/cuda/device_api.h"
+
+namespace flexlink::sim {
+
+struct SimOptions {
+  int devices = 8;
+  int jitter_us = 0;
+  double wait_timeout_s = 30;
+};
+
+class SimDevice : public gpu::DeviceApi {
+ public:
+  explicit SimDevice(SimOptions options);
+  ~SimDevice() override;
+
+  int DeviceCount(std::string* why) override;
+  Status GetDevice(int* device) override;
+  Status SetDevice(int device) override;
+  Status CreateStream(int device, gpu::Stream* stream) override;
+  Status CreateEvent(int device, bool timing, gpu::Event* event) override;
+  Status AllocDevice(int device, size_t bytes, void** ptr) override;
+  Status AllocPinnedHost(size_t bytes, void** ptr) override;
+  Status PreloadKernels(int device) override;
+  Status Record(gpu::Event event, gpu::Stream stream) override;
+  Status Wait(gpu::Stream stream, gpu::Event event) override;
+  Status Copy(void* dst, const void* src, size_t bytes, gpu::Stream stream) override;
+  Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                gpu::Stream stream) override;
+  Status Zero(void* dst, size_t bytes, gpu::Stream stream) override;
+  Status Reduce(const gpu::ReduceArgs& args, gpu::Stream stream) override;
+  Status Layout(const gpu::LayoutArgs& args, gpu::Stream stream) override;
+  Status MallocAsync(size_t bytes, gpu::Stream stream, void** ptr) override;
+  Status FreeAsync(void* ptr, gpu::Stream stream) override;
+  gpu::Poll Query(gpu::Event event, std::string* error) override;
+  Status ElapsedSeconds(gpu::Event start, gpu::Event stop, double* seconds) override;
+
+  // Test helpers (the engine never calls these).
+  void Synchronize(gpu::Stream stream);  // until the stream ran everything enqueued so far
+  void SynchronizeAll();
+  std::vector<std::string> TakeErrors();
+  int preloads() const { return preloads_.load(); }
+  // Makes a stream's worker sleep before each operation (a slow link).
+  void SetStreamDelay(gpu::Stream stream, int delay_us);
+  // Adds an operation that runs `f` on the stream (the simulated NCCL's collectives).
+  void Enqueue(gpu::Stream stream, std::function<void()> f);
+  void Error(std::string message);
+  double wait_timeout_s() const { return options_.wait_timeout_s; }
+
+ private:
+  struct SimStream;
+  struct SimEvent;
+  SimStream* S(gpu::Stream s) { return static_cast<SimStream*>(s); }
+  SimEvent* E(gpu::Event e) { return static_cast<SimEvent*>(e); }
+
+  const SimOptions options_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<SimStream>> streams_;
+  std::vector<std::unique_ptr<SimEvent>> events_;
+  std::vector<void*> allocations_;
+  std::vector<std::string> errors_;
+  std::atomic<int> preloads_{0};
+};
+
+}  // namespace flexlink::sim

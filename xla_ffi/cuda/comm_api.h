@@ -1,0 +1,53 @@
+// The collective library the nccl link drives, behind one interface: nccl_comm.cc implements it
+// with NCCL (the CUDA module), tests/cpp/sim with a host simulation that also checks every rank
+// issues the same sequence of operations. Types and ops are NCCL's, by their own names.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "xla_ffi/core/status.h"
+#include "xla_ffi/cuda/device_api.h"
+
+namespace flexlink::gpu {
+
+using Comm = void*;  // ncclComm_t / the simulation's communicator
+
+enum class CommType { kInt8, kUint8, kInt32, kUint32, kInt64, kUint64, kFloat16, kFloat32, kFloat64, kBfloat16 };
+enum class CommOp { kSum, kProd, kMax, kMin };
+
+class CommApi {
+ public:
+  virtual ~CommApi() = default;
+  // One communicator per device of `devices` (rank order), made together from the calling thread
+  // (ncclCommInitAll): no rank's collective can be in flight while they are made.
+  virtual Status InitAll(std::span<const int> devices, std::vector<Comm>* comms) = 0;
+  // Operations between GroupStart and GroupEnd on this thread are issued together (send/recv sets).
+  virtual Status GroupStart() = 0;
+  virtual Status GroupEnd() = 0;
+  virtual Status AllReduce(const void* send, void* recv, size_t count, CommType type, CommOp op, Comm comm,
+                           Stream stream) = 0;
+  // recv holds the ranks' `count` elements one after another, rank order.
+  virtual Status AllGather(const void* send, void* recv, size_t count, CommType type, Comm comm,
+                           Stream stream) = 0;
+  // send holds one block of `count` elements per rank; rank r receives the reduction of block r.
+  virtual Status ReduceScatter(const void* send, void* recv, size_t count, CommType type, CommOp op,
+                               Comm comm, Stream stream) = 0;
+  virtual Status Send(const void* send, size_t count, CommType type, int peer, Comm comm, Stream stream) = 0;
+  virtual Status Recv(void* recv, size_t count, CommType type, int peer, Comm comm, Stream stream) = 0;
+};
+
+// How the nccl link runs a reduction of (dtype, op): natively (NCCL's type and op, `lanes`
+// NCCL elements per element: complex sums are sums of their float parts), or not at all
+// (int16/uint16, complex products: NCCL has no such reduction; the link gathers and reduces with
+// the engine's kernel instead).
+struct NcclReduction {
+  bool native = false;
+  CommType type = CommType::kUint8;
+  CommOp op = CommOp::kSum;
+  size_t lanes = 1;
+};
+NcclReduction NcclReductionOf(DType dtype, ReduceOp op);
+
+}  // namespace flexlink::gpu

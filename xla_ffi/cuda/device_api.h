@@ -1,0 +1,86 @@
+// The device operations the GPU engine uses, behind one interface. The engine, its links and its
+// executor are plain C++ written against it: cuda_device.cc implements it with the CUDA runtime (the
+// CUDA module), tests/cpp/sim with host threads standing in for streams, so every line of the
+// GPU engine's scheduling (which stream waits for which event, which byte goes where) runs in the
+// CPU-only tests too.
+//
+// Rules the engine keeps (docs/cuda.md): resources (streams, events, memory) are made only at a
+// group's setup, never on a call's path; a call's path only enqueues (Record, Wait, copies, kernels)
+// and polls (Query) — nothing here blocks the calling thread on the device.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "xla_ffi/core/status.h"
+#include "xla_ffi/cuda/kernel_args.h"
+
+namespace flexlink::gpu {
+
+using Stream = void*;  // cudaStream_t / the simulation's stream
+using Event = void*;   // cudaEvent_t / the simulation's event
+
+enum class Poll { kDone, kPending, kError };
+
+class DeviceApi {
+ public:
+  virtual ~DeviceApi() = default;
+
+  // Devices this process can use; 0 with `why` filled when there is none (no driver, no GPU).
+  virtual int DeviceCount(std::string* why) = 0;
+  virtual Status GetDevice(int* device) = 0;
+  virtual Status SetDevice(int device) = 0;
+
+  // Setup only (a group's first call, all its ranks waiting at the host).
+  virtual Status CreateStream(int device, Stream* stream) = 0;
+  // timing: the event can be an end of ElapsedSeconds (costs a little more to record).
+  virtual Status CreateEvent(int device, bool timing, Event* event) = 0;
+  virtual Status AllocDevice(int device, size_t bytes, void** ptr) = 0;
+  // Pinned (page-locked) host memory every device can copy to and from.
+  virtual Status AllocPinnedHost(size_t bytes, void** ptr) = 0;
+  // Loads the engine's kernels on `device` now: loading one lazily at its first launch, while
+  // another kernel waits on a peer, can deadlock (CUDA's lazy loading).
+  virtual Status PreloadKernels(int device) = 0;
+
+  // A call's path: enqueue on `stream` (whose device is current) and return.
+  // Record captures the stream's work so far in `event`; a Wait made later waits for that capture
+  // (the most recent Record at the time of the Wait, as CUDA events do), across devices too.
+  virtual Status Record(Event event, Stream stream) = 0;
+  virtual Status Wait(Stream stream, Event event) = 0;
+  virtual Status Copy(void* dst, const void* src, size_t bytes, Stream stream) = 0;
+  // `height` rows of `width` bytes, rows `dpitch` / `spitch` bytes apart.
+  virtual Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                        Stream stream) = 0;
+  virtual Status Zero(void* dst, size_t bytes, Stream stream) = 0;
+  virtual Status Reduce(const ReduceArgs& args, Stream stream) = 0;
+  virtual Status Layout(const LayoutArgs& args, Stream stream) = 0;
+  // Stream-ordered scratch (stage 1's buffers): usable by work ordered after the allocation on
+  // `stream`, freed once the work before the FreeAsync on `stream` is done. No host synchronisation.
+  virtual Status MallocAsync(size_t bytes, Stream stream, void** ptr) = 0;
+  virtual Status FreeAsync(void* ptr, Stream stream) = 0;
+
+  // Never blocks: whether the work captured by the event's last Record has completed.
+  virtual Poll Query(Event event, std::string* error) = 0;
+  // Seconds between two completed timing events of one device.
+  virtual Status ElapsedSeconds(Event start, Event stop, double* seconds) = 0;
+};
+
+// Restores the calling thread's current device on every way out (XLA's device threads keep their
+// own device current; setup switches between devices).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(DeviceApi& api) : api_(api) { ok_ = api_.GetDevice(&saved_).ok(); }
+  ~DeviceGuard() {
+    if (ok_) (void)api_.SetDevice(saved_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  DeviceApi& api_;
+  int saved_ = 0;
+  bool ok_ = false;
+};
+
+}  // namespace flexlink::gpu

@@ -1,0 +1,199 @@
+#include "xla_ffi/cuda/gpu_engine.h"
+
+#include <algorithm>
+#include <new>
+#include <tuple>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/stats.h"
+
+namespace flexlink::gpu {
+namespace {
+
+Status CheckDistinct(std::span<const int64_t> devices, std::string_view label) {
+  std::vector<int64_t> sorted(devices.begin(), devices.end());
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) return Status::Ok();
+  return Status::InvalidArgument(ErrorPrefix(label) + "group " + FormatIds(devices) + " names a device more than once");
+}
+
+Status CheckEvenGroups(std::span<const int64_t> group_sizes, std::string_view label) {
+  for (int64_t s : group_sizes)
+    if (s != group_sizes[0])
+      return Status::InvalidArgument(ErrorPrefix(label) + "all_to_all: groups must all have the same size, got sizes " +
+                                     FormatIds(group_sizes));
+  return Status::Ok();
+}
+
+uint8_t* Bytes(const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p)); }
+
+}  // namespace
+
+GpuEngine::GpuEngine(DeviceApi* api, CommApi* comm, GpuEngineOptions options)
+    : api_(*api), comm_(*comm), options_(std::move(options)) {}
+
+std::shared_ptr<const GpuLinkSet> GpuEngine::CurrentLinks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!links_) {
+    Status s = MakeGpuLinkSet(kDefaultGpuLinks, next_version_++, &api_, &comm_, &links_);
+    (void)s;  // cannot fail: the default always parses
+    for (const std::string& name : links_->names()) MarkLinkHealth(name, true);
+  }
+  return links_;
+}
+
+Status GpuEngine::ConfigureLinks(std::string_view spec) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_ptr<const GpuLinkSet> set;
+  FLEXLINK_RETURN_IF_ERROR(MakeGpuLinkSet(spec, next_version_, &api_, &comm_, &set));
+  ++next_version_;
+  for (const std::string& name : set->names()) MarkLinkHealth(name, true);
+  links_ = std::move(set);
+  overrides_.clear();
+  return Status::Ok();
+}
+
+std::unique_ptr<GpuExecutor> GpuEngine::MakeGroup(std::shared_ptr<const GpuLinkSet> links,
+                                                  const std::vector<int64_t>& ids) {
+  GroupInfo info;
+  info.ids = ids;
+  for (int64_t id : ids) info.devices.push_back(options_.device_of(id));
+  plan::BalancerOptions options;
+  options.profile_from_bytes = AutotuneMinBytes();
+  options.profile_max_bytes = TuneMaxBytes();
+  auto ex = std::make_unique<GpuExecutor>(std::move(info), std::move(links), options, &api_, &splits_);
+  for (const auto& [key, shares] : overrides_)
+    (void)ex->balancer().SetShares(key.first, key.second, shares.first, shares.second);
+  return ex;
+}
+
+Status GpuEngine::GetGroup(std::span<const int64_t> devices, std::string_view label, GpuExecutor** out) {
+  std::shared_ptr<const GpuLinkSet> links = CurrentLinks();
+  thread_local std::vector<std::tuple<const GpuEngine*, uint64_t, std::vector<int64_t>, GpuExecutor*>> cache;
+  for (const auto& [engine, version, ids, ex] : cache)
+    if (engine == this && version == links->version && std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
+      *out = ex;
+      return Status::Ok();
+    }
+  std::vector<int64_t> key(devices.begin(), devices.end());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = groups_.find({links->version, key});
+    if (it == groups_.end()) {
+      FLEXLINK_RETURN_IF_ERROR(CheckDistinct(devices, label));
+      std::string why;
+      const int count = api_.DeviceCount(&why);
+      for (int64_t id : devices) {
+        const int dev = options_.device_of(id);
+        if (dev < 0 || dev >= count)
+          return Status::InvalidArgument(
+              ErrorPrefix(label) + "device " + std::to_string(id) + " of group " + FormatIds(devices) +
+              " is not a CUDA device of this process (" + std::to_string(count) + " visible" +
+              (why.empty() ? std::string() : ": " + why) +
+              "); FlexLink on GPU runs groups of the devices of one process");
+      }
+      it = groups_.emplace(std::make_pair(links->version, key), MakeGroup(links, key)).first;
+    }
+    *out = it->second.get();
+  }
+  cache.emplace_back(this, links->version, std::move(key), *out);
+  return Status::Ok();
+}
+
+Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
+  std::span<const int64_t> members;
+  int rank = 0;
+  FLEXLINK_RETURN_IF_ERROR(ResolveGroup(args.groups, args.group_sizes, args.device, args.label, &members, &rank));
+  const int n = static_cast<int>(members.size());
+  if (args.request.kind == Kind::kAllToAll) FLEXLINK_RETURN_IF_ERROR(CheckEvenGroups(args.group_sizes, args.label));
+  thread_local CallDesc desc;
+  FLEXLINK_RETURN_IF_ERROR(DescribeCall(args.request, n, args.label, &desc));
+  if (desc.total_units() == 0) return Status::Ok();
+  DeviceGuard guard(api_);
+  FLEXLINK_RETURN_IF_ERROR(api_.SetDevice(options_.device_of(args.device)));
+  if (n == 1) {
+    // The identity (ppermute without the pair (0, 0): zeros), enqueued on XLA's stream.
+    const bool zeros = desc.kind == Kind::kPpermute && desc.sources[0] < 0;
+    for (const Part& p : desc.parts) {
+      Status s = zeros ? api_.Zero(p.out, p.bytes(), stream)
+                       : (p.out == p.in ? Status::Ok() : api_.Copy(p.out, Bytes(p.in), p.bytes(), stream));
+      if (!s.ok()) return Status::Internal(ErrorPrefix(args.label) + std::string(Name(desc.kind)) + ": " + s.message());
+    }
+    return Status::Ok();
+  }
+  GpuExecutor* group = nullptr;
+  FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
+  std::shared_ptr<CallContext> call = group->comm().Join(rank, args.run_id, args.label);
+  return group->Run(*call, rank, desc, stream);
+}
+
+Status GpuEngine::Run(const CollectiveArgs& args, Stream stream) {
+  // No input may abort the process (the CPU engine's rule): exceptions become this rank's error.
+  try {
+    return RunOrThrow(args, stream);
+  } catch (const std::bad_alloc&) {
+    return Status::Internal(ErrorPrefix(args.label) + std::string(Name(args.request.kind)) +
+                            ": out of host memory for the engine's state of this call");
+  } catch (const std::exception& e) {
+    return Status::Internal(ErrorPrefix(args.label) + std::string(Name(args.request.kind)) + ": " + e.what());
+  }
+}
+
+template <class F>
+void GpuEngine::ForEachCurrent(F&& f) {
+  const uint64_t version = links_ ? links_->version : 0;
+  for (auto& [key, ex] : groups_)
+    if (key.first == version) f(key.second, *ex);
+}
+
+Status GpuEngine::SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned) {
+  std::shared_ptr<const GpuLinkSet> set = CurrentLinks();
+  if (shares.size() != set->links.size())
+    return Status::InvalidArgument("set_shares: " + std::to_string(shares.size()) + " shares for " +
+                                   std::to_string(set->links.size()) + " links");
+  std::lock_guard<std::mutex> lock(mu_);
+  overrides_[{kind, bucket_bytes}] = {shares, pinned};
+  Status status;
+  ForEachCurrent([&](const std::vector<int64_t>&, GpuExecutor& ex) {
+    Status s = ex.balancer().SetShares(kind, bucket_bytes, shares, pinned);
+    if (status.ok()) status = s;
+  });
+  return status;
+}
+
+void GpuEngine::ForgetModel(Kind kind) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ForEachCurrent([&](const std::vector<int64_t>&, GpuExecutor& ex) { ex.balancer().ForgetKind(kind); });
+}
+
+std::optional<plan::CostModel> GpuEngine::GroupModel(std::span<const int64_t> devices) {
+  CurrentLinks();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = groups_.find({links_->version, std::vector<int64_t>(devices.begin(), devices.end())});
+  if (it == groups_.end()) return std::nullopt;
+  return it->second->balancer().Model();
+}
+
+void GpuEngine::SetTuneMax(uint64_t bytes) {
+  SetTuneMaxBytes(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, ex] : groups_) ex->balancer().SetProfileMaxBytes(bytes);
+}
+
+void GpuEngine::SetAutotune(uint64_t bytes) {
+  SetAutotuneMinBytes(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, ex] : groups_) ex->balancer().SetProfileFromBytes(bytes);
+}
+
+std::vector<PlanSnapshot> GpuEngine::SnapshotPlans() {
+  CurrentLinks();
+  std::vector<PlanSnapshot> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  ForEachCurrent([&](const std::vector<int64_t>& ids, GpuExecutor& ex) {
+    for (const auto& p : ex.balancer().Plans()) out.push_back(PlanSnapshot{ids, *p, ex.balancer().links()});
+  });
+  return out;
+}
+
+}  // namespace flexlink::gpu

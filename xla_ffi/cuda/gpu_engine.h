@@ -1,0 +1,80 @@
+// The GPU engine's entry point: one rank's part of one collective call on a GPU, from the CUDA
+// FFI handlers (cuda/handlers.cc) or a test driving ranks as threads (tests/cpp). The same checks
+// and messages as the CPU engine (core/call.h, core/rendezvous.h), then the GPU executor of the
+// group. An engine owns its link set, its groups and their state; the CUDA module has one, over
+// the CUDA runtime and NCCL; the tests make theirs over the simulated device.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/status.h"
+#include "xla_ffi/cuda/comm_api.h"
+#include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/gpu_executor.h"
+#include "xla_ffi/cuda/gpu_link_set.h"
+#include "xla_ffi/plan/balancer.h"
+
+namespace flexlink::gpu {
+
+struct GpuEngineOptions {
+  // The CUDA device of a group member (its id in `groups`). Under XLA the ids are the handlers'
+  // DeviceOrdinal, i.e. CUDA ordinals: identity. Tests put several ranks on one device.
+  std::function<int(int64_t)> device_of = [](int64_t id) { return static_cast<int>(id); };
+};
+
+class GpuEngine {
+ public:
+  GpuEngine(DeviceApi* api, CommApi* comm, GpuEngineOptions options = {});
+  GpuEngine(const GpuEngine&) = delete;
+  GpuEngine& operator=(const GpuEngine&) = delete;
+
+  DeviceApi& api() { return api_; }
+
+  // Returns once this rank's work is enqueued on `stream` (or with the error that stopped it).
+  Status Run(const CollectiveArgs& args, Stream stream);
+
+  // Links (kinds nccl, pcie; rdma is refused): calls must not be running while they change.
+  Status ConfigureLinks(std::string_view spec);
+  std::shared_ptr<const GpuLinkSet> CurrentLinks();
+
+  Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned);
+  void ForgetModel(Kind kind);
+  std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices);
+  void SetTuneMax(uint64_t bytes);
+  void SetAutotune(uint64_t bytes);
+  std::vector<PlanSnapshot> SnapshotPlans();
+  SplitLog& splits() { return splits_; }
+
+ private:
+  Status RunOrThrow(const CollectiveArgs& args, Stream stream);
+  Status GetGroup(std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
+  std::unique_ptr<GpuExecutor> MakeGroup(std::shared_ptr<const GpuLinkSet> links, const std::vector<int64_t>& ids);
+  // Executors of the current link set (under mu_).
+  template <class F>
+  void ForEachCurrent(F&& f);
+
+  DeviceApi& api_;
+  CommApi& comm_;
+  const GpuEngineOptions options_;
+  SplitLog splits_;
+  std::mutex mu_;
+  std::shared_ptr<const GpuLinkSet> links_;
+  uint64_t next_version_ = 1;
+  std::map<std::pair<Kind, uint64_t>, std::pair<std::vector<double>, bool>> overrides_;
+  // Never erased: device threads cache raw pointers; reconfigured links make new groups.
+  std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<GpuExecutor>> groups_;
+};
+
+}  // namespace flexlink::gpu

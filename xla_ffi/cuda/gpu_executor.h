@@ -1,0 +1,127 @@
+// The GPU executor: one group's calls, split across its links, enqueued on XLA's stream.
+//
+// Per call (every rank on its own XLA device thread, concurrently):
+//   1. poll: this rank reads its completed timing events of earlier calls (never blocks); a call
+//      every rank has read is reported to the balancer (stage 2) and the statistics (gpu_timing.h);
+//   2. the call's first rank takes the plan (one per call, shared through the CallContext, so all
+//      ranks cut identical ranges) and stage 1's decision for this call (gpu_profile.cc);
+//   3. arrival: the host rendezvous of the group's ranks (core/rendezvous.h: every rank's
+//      descriptor, the same checks and messages as on CPU, the deadline);
+//   4. the group's first call sets everything up here, once, for all ranks (streams, events,
+//      NCCL communicators, pinned pools, scratch, kernels loaded), while the others wait;
+//   5. enqueue: stage 1's profile when this call runs it (on its own stream, before the call's
+//      work); a timing event on XLA's stream; each link with a range either directly on XLA's
+//      stream (one link) or on its own side stream, forked from XLA's stream with that event and
+//      joined back with the link's end event; then return. The host never waits for the device.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/core/call.h"
+#include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/rendezvous.h"
+#include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/gpu_link.h"
+#include "xla_ffi/cuda/gpu_link_set.h"
+#include "xla_ffi/cuda/gpu_profile.h"
+#include "xla_ffi/cuda/gpu_timing.h"
+#include "xla_ffi/plan/balancer.h"
+#include "xla_ffi/plan/ranges.h"
+
+namespace flexlink::gpu {
+
+class SplitLog;
+
+class GpuExecutor {
+ public:
+  GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> links, plan::BalancerOptions options,
+              DeviceApi* api, SplitLog* splits);
+  GpuExecutor(const GpuExecutor&) = delete;
+  GpuExecutor& operator=(const GpuExecutor&) = delete;
+
+  const GroupInfo& group() const { return group_; }
+  Communicator& comm() { return comm_; }
+  plan::Balancer& balancer() { return balancer_; }
+  const std::vector<std::string>& link_names() const { return names_; }
+
+  // One rank's part of one call: returns once its work is enqueued on `stream`.
+  Status Run(CallContext& ctx, int rank, const CallDesc& desc, Stream stream);
+
+  // Timing ring per rank: how many calls may be in flight on the device, per rank, before the
+  // oldest one's times are given up.
+  static constexpr size_t kTimingSlots = 16;
+
+ private:
+  friend class GpuProfiler;
+  struct Slot {
+    Event start = nullptr;
+    std::vector<Event> stop;  // per link
+    std::vector<size_t> used;
+    uint64_t record = 0;
+    bool busy = false;
+  };
+  struct Rank {
+    std::vector<Stream> side;  // per link
+    Stream profile = nullptr;
+    Event profile_fork = nullptr, profile_join = nullptr;
+    std::vector<Event> profile_events;  // stage 1's timing events, made when a profile first needs them
+    std::vector<Slot> slots;
+    size_t next_slot = 0;
+  };
+  struct CallState {
+    std::shared_ptr<const plan::Plan> plan;
+    std::vector<plan::UnitRange> ranges;  // per link, of the call's virtual bytes
+    uint64_t record = 0;                  // its timing record
+    ProfileAction profile;                // stage 1's part of this call, if any
+  };
+
+  Status EnsureSetup(int rank, std::string_view label);
+  Status SetupAll();
+  Status Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state);
+  void PollTimings(int rank);
+  // Reads a slot whose events completed: true when it was read (or given up on error).
+  bool ReadSlot(int rank, Slot& slot);
+  void Report(const TimingRecord& record);
+
+  const GroupInfo group_;
+  const std::shared_ptr<const GpuLinkSet> links_;
+  const std::vector<std::string> names_;
+  DeviceApi& api_;
+  SplitLog* const splits_;
+  Communicator comm_;
+  plan::Balancer balancer_;
+  std::vector<std::unique_ptr<GpuChannel>> channels_;
+  std::vector<Rank> ranks_;
+  TimingBook timings_;
+  GpuProfiler profiler_;
+
+  std::mutex setup_mu_;
+  std::condition_variable setup_cv_;
+  bool setup_started_ = false;
+  std::atomic<bool> ready_{false};
+  bool setup_done_ = false;
+  Status setup_status_;
+};
+
+// Per-rank ranges of recent calls (tests of "one split per call"); off unless enabled.
+class SplitLog {
+ public:
+  void SetEnabled(bool on) { on_.store(on); }
+  bool enabled() const { return on_.load(std::memory_order_relaxed); }
+  void Add(SplitRecord record);
+  std::vector<SplitRecord> Take();
+
+ private:
+  std::atomic<bool> on_{false};
+  std::mutex mu_;
+  std::vector<SplitRecord> records_;
+};
+
+}  // namespace flexlink::gpu

@@ -1,0 +1,76 @@
+// A group's setup, once, inside its first call's rendezvous: every rank has arrived and none has
+// enqueued anything of this group, so NCCL's communicators are made with no peer's collective in
+// flight (jax-ml/jax#11637), and nothing that allocates or loads code runs on a later call's path
+// (openxla/xla#6825). One rank does it all, for every rank's device; the others wait, with the
+// deadline, and all return its verdict. A failed setup fails every later call of the group at once.
+#include <algorithm>
+#include <chrono>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/cuda/gpu_executor.h"
+
+namespace flexlink::gpu {
+
+Status GpuExecutor::EnsureSetup(int rank, std::string_view label) {
+  if (ready_.load(std::memory_order_acquire)) return Status::Ok();
+  std::unique_lock<std::mutex> lock(setup_mu_);
+  if (!setup_started_) {
+    setup_started_ = true;
+    lock.unlock();
+    Status s;
+    try {
+      DeviceGuard guard(api_);
+      s = SetupAll();
+    } catch (const std::exception& e) {
+      s = Status::Internal(std::string("flexlink: setting up group ") + FormatIds(group_.ids) + ": " + e.what());
+    }
+    lock.lock();
+    setup_status_ = s;
+    setup_done_ = true;
+    if (s.ok()) ready_.store(true, std::memory_order_release);
+    setup_cv_.notify_all();
+    return s;
+  }
+  const double timeout = TimeoutSeconds();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::min(timeout, 1e9)));
+  if (!setup_cv_.wait_until(lock, deadline, [&] { return setup_done_; }))
+    return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " timed out after " +
+                                    std::to_string(timeout) + " s waiting for the setup of group " +
+                                    FormatIds(group_.ids) + " (NCCL communicators, pinned memory)");
+  if (setup_status_.ok()) return setup_status_;
+  return Status(setup_status_.code(), ErrorPrefix(label) + "the setup of group " + FormatIds(group_.ids) +
+                                          " failed: " + setup_status_.message());
+}
+
+Status GpuExecutor::SetupAll() {
+  const std::string where = "flexlink: setting up group " + FormatIds(group_.ids) + ": ";
+  auto check = [&](Status s) { return s.ok() ? s : Status(s.code(), where + s.message()); };
+  std::vector<int> loaded;
+  for (int r = 0; r < group_.size(); ++r) {
+    const int dev = group_.devices[r];
+    Rank& k = ranks_[r];
+    FLEXLINK_RETURN_IF_ERROR(check(api_.SetDevice(dev)));
+    if (std::find(loaded.begin(), loaded.end(), dev) == loaded.end()) {
+      FLEXLINK_RETURN_IF_ERROR(check(api_.PreloadKernels(dev)));
+      loaded.push_back(dev);
+    }
+    k.side.assign(names_.size(), nullptr);
+    if (names_.size() > 1)
+      for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
+    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &k.profile)));
+    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile_fork)));
+    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile_join)));
+    k.slots.resize(kTimingSlots);
+    for (Slot& slot : k.slots) {
+      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &slot.start)));
+      slot.stop.assign(names_.size(), nullptr);
+      for (Event& e : slot.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &e)));
+    }
+  }
+  for (auto& channel : channels_) FLEXLINK_RETURN_IF_ERROR(channel->Setup());
+  return Status::Ok();
+}
+
+}  // namespace flexlink::gpu

@@ -1,0 +1,70 @@
+#include "xla_ffi/cuda/pcie_gate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "xla_ffi/core/config.h"
+
+namespace flexlink::gpu {
+
+PcieGate::PcieGate(int ranks) : n_(ranks), recorded_(ranks * kNumKinds), waited_(ranks * kNumKinds) {
+  for (auto& v : recorded_) v.store(0);
+  for (auto& v : waited_) v.store(0);
+}
+
+void PcieGate::Publish(Table* t, int rank, Kind kind, uint64_t seq) {
+  (*t)[rank * kNumKinds + kind].store(seq + 1, std::memory_order_release);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    { std::lock_guard<std::mutex> lock(mu_); }  // a sleeper between its check and its wait sees it
+    cv_.notify_all();
+  }
+}
+
+void PcieGate::Abort() {
+  aborted_.store(true);
+  { std::lock_guard<std::mutex> lock(mu_); }
+  cv_.notify_all();
+}
+
+template <class Ready>
+Status PcieGate::Await(Ready ready, std::string_view where, std::string_view what) {
+  // The peers run the same loop a few microseconds apart: a short spin catches nearly every case
+  // without a sleep; then sleep on the condition variable until the deadline.
+  for (int i = 0; i < 64; ++i) {
+    if (ready()) return Status::Ok();
+    if (aborted_.load()) break;
+  }
+  const double timeout = TimeoutSeconds();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::min(timeout, 1e9)));
+  std::unique_lock<std::mutex> lock(mu_);
+  sleepers_.fetch_add(1);
+  const bool ok = cv_.wait_until(lock, deadline, [&] { return ready() || aborted_.load(); });
+  sleepers_.fetch_sub(1);
+  if (ok && ready()) return Status::Ok();
+  if (aborted_.load())
+    return Status::Internal(std::string(where) + "a peer rank failed while the ranks were enqueuing their copies");
+  return Status::DeadlineExceeded(std::string(where) + "timed out after " + std::to_string(timeout) +
+                                  " s waiting for " + std::string(what) +
+                                  " (a rank that stopped issuing this call; the deadline is FLEXLINK_TIMEOUT_S)");
+}
+
+Status PcieGate::AwaitRecorded(int peer, Kind kind, uint64_t seq, std::string_view where) {
+  const auto& v = recorded_[peer * kNumKinds + kind];
+  return Await([&] { return v.load(std::memory_order_acquire) > seq; }, where,
+               "rank " + std::to_string(peer) + " to issue its copies");
+}
+
+Status PcieGate::AwaitWaitedByAll(Kind kind, uint64_t seq, std::string_view where) {
+  return Await(
+      [&] {
+        for (int r = 0; r < n_; ++r)
+          if (waited_[r * kNumKinds + kind].load(std::memory_order_acquire) <= seq) return false;
+        return true;
+      },
+      where, "every rank to issue its waits");
+}
+
+}  // namespace flexlink::gpu
