@@ -15,5 +15,14 @@ class Expected(NamedTuple):
   reason: str
 
 
-# Empty: every test that passes natively passes under replacement (docs/jax_suite.md, "Fixed").
-EXPECTED: list[Expected] = []
+# At jax-v0.10.2 none: every test that passes natively passes under replacement (docs/jax_suite.md,
+# "Fixed"). Patterns of tests that exist at one tag only match nothing (and are not stale) at others.
+EXPECTED: list[Expected] = [
+    # jax-v0.11.0 (run on jax 0.11.2): test_all_reduce_rgv3, ..._multiple_meshes, test_all_gather_rgv3,
+    # test_all_to_all_rgv3, test_reduce_scatter_rgv3_{simple,multidim_mesh,multidim_mesh_tuple_sharding}.
+    Expected("shard_map_test.py::ShardMapTest::test_*_rgv3*",
+             "by design: after checking the result (which passes under replacement) the test asserts that "
+             "the lowered module holds XLA's collective with jax 0.11's mesh-axes replica groups "
+             "(config.use_rgv3: replica_group_mesh_axes); under replacement FlexLink's custom call "
+             "stands in for that collective"),
+]
