@@ -192,7 +192,8 @@ def render(out: str, total: str | None = None) -> str:
     bad = [r["name"] for r in rows if r["result"] in ("FAIL", "TIMEOUT")]
     gpus = (_read(out, "gpus.txt") or "").splitlines()
     env = _read(out, "environment.txt") or ""
-    commit = env.split("# git\n", 1)[1].splitlines()[0] if "# git\n" in env else "?"
+    after_git = env.split("# git\n", 1)[1].splitlines() if "# git\n" in env else []
+    commit = after_git[0] if after_git and not after_git[0].startswith("#") else "?"
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = ["# gpu_check summary", "",
              f"{when}; commit `{commit}`; total {total or '?'} s; "

@@ -493,8 +493,17 @@ def _nvml_gpu(q: _Nvml, index: int, sysfs: _Sysfs) -> tuple[Gpu, Any] | None:
     return gpu, handle
 
 
-def _nvlinks(q: _Nvml, gpu: Gpu, handle, gpu_bus_ids: dict[str, int]):
-    """The GPU's active links: (GpuNvlink, {peer GPU index: links}, set of switch bus ids)."""
+def _is_nvswitch(sysfs: _Sysfs, bus_id: str | None) -> bool:
+    """An NVIDIA non-PCI bridge (class 0x0680) in /sys: how hwloc recognises an NVSwitch."""
+    if not bus_id:
+        return False
+    base = sysfs.pci_device_dir(bus_id)
+    return ((sysfs.read(base, "vendor") or "").lower() == "0x10de"
+            and (sysfs.read(base, "class") or "").lower().startswith("0x0680"))
+
+
+def _nvlinks(q: _Nvml, gpu: Gpu, handle, gpu_bus_ids: dict[str, int], sysfs: _Sysfs):
+    """The GPU's active links: (GpuNvlink, {peer GPU index: links})."""
     nvml = q.nvml
     max_links = getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)
     enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
@@ -523,6 +532,8 @@ def _nvlinks(q: _Nvml, gpu: Gpu, handle, gpu_bus_ids: dict[str, int]):
         except ValueError:
             remote_id = None
         kind = q.call(f"GPU {gpu.index} NVLink {link}", "nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
+        if kind is None and _is_nvswitch(sysfs, remote_id):  # older drivers: no remote device type
+            kind = t_switch
         if remote_id in gpu_bus_ids and kind in (None, t_gpu):
             to_gpu += 1
             peer = gpu_bus_ids[remote_id]
@@ -615,7 +626,7 @@ def _discover_nvml(nvml, fs: _Sysfs, notes: list[str]):
         bus_ids = {g.pci_bus_id: g.index for g, _ in found if g.pci_bus_id}
         gpus, direct = [], {}
         for g, handle in found:
-            link_info, peers = _nvlinks(q, g, handle, bus_ids)
+            link_info, peers = _nvlinks(q, g, handle, bus_ids, fs)
             gpus.append(dataclasses.replace(g, nvlink=link_info))
             direct[g.index] = peers
         info = NvmlInfo(available=bool(gpus), error=None if gpus else "NVML sees no GPU",
@@ -727,6 +738,9 @@ def describe_nominal(topo: Topology, gpus: Iterable[int] | None = None) -> dict[
                                     f"direction), {how}: {bw:g} GB/s"}
         else:
             missing.append("nccl: NVLink generation unknown")
+    elif n >= 2 and any(g.nvlink.to_other for g in group):
+        missing.append("nccl: GPUs have NVLinks whose far end NVML did not name, so which GPUs they join "
+                       "is unknown")
     elif n >= 2 and pcie is not None:
         nv = [p for i, a in enumerate(group) for b in group[i + 1:] if (p := topo.pair(a.index, b.index))]
         out["nccl"] = {"gbps": pcie, "wire": "pcie",

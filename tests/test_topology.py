@@ -146,6 +146,19 @@ def test_nvlink_generation_from_nvml_code_when_the_architecture_is_unknown(tmp_p
     assert "missing" in T.describe_nominal(topo) and "nccl" not in T.nominal_links(topo)
 
 
+def test_nvswitch_recognised_in_sys_when_nvml_cannot_say(tmp_path):
+    """A driver without nvmlDeviceGetNvLinkRemoteDeviceType: the remote's /sys class (an NVIDIA
+    bridge, 0x0680) says NVSwitch; without /sys the links go to "other" and no pair is claimed."""
+    fail = {"nvmlDeviceGetNvLinkRemoteDeviceType": tf.NVML_ERROR_NOT_SUPPORTED}
+    topo, _, _ = _discover(tmp_path, "8xH100", fail=fail)
+    assert {(g.nvlink.to_switch, g.nvlink.to_other) for g in topo.gpus} == {(18, 0)}
+    assert len(topo.nvlink_pairs) == 28 and topo.notes == ()
+    bare = T.discover(nvml=tf.FakeNvml(tf.h100(), fail=fail), sysfs=str(tmp_path / "empty"))
+    assert {(g.nvlink.links, g.nvlink.to_switch, g.nvlink.to_other) for g in bare.gpus} == {(18, 0, 18)}
+    assert bare.nvlink_pairs == () and "nccl" not in T.nominal_links(bare)
+    assert "far end NVML did not name" in T.describe_nominal(bare)["missing"]["basis"]
+
+
 def test_nvml_only_without_sys(tmp_path):
     """NVML's answers alone (an empty /sys, as in some containers): no NUMA from /sys, NVML's."""
     machine = tf.h100()
