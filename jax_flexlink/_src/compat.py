@@ -40,7 +40,6 @@ ordered_effects = effects.ordered_effects
 abstract_token = core.abstract_token
 primitive_jvps = ad.primitive_jvps
 Zero = ad.Zero
-UndefinedPrimal = ad.UndefinedPrimal
 zero_tangent_like = ad_util.p2tz
 primitive_transposes = ad.primitive_transposes
 fancy_primitive_batchers = batching.fancy_primitive_batchers
@@ -286,9 +285,3 @@ def new_eqn(invars, outvars, prim, params, effects, source_info, ctx):
 def lowering_for_export(ctx) -> bool:
   """Whether the module being lowered is for jax.export (serialized, run elsewhere)."""
   return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
-
-
-def native_lowering(prim: Primitive, platform: str):
-  """lax's lowering rule for `prim` on `platform` (platform-specific first, then the default)."""
-  entry = mlir._platform_specific_lowerings[platform].get(prim) or mlir._lowerings.get(prim)
-  return None if entry is None else entry.rule
