@@ -284,8 +284,8 @@ inline std::vector<Case> StandardCases(int n, size_t big) {
   // Several operands of mixed dtypes and shapes in one call.
   cases.push_back({Kind::kAllReduce, ReduceOp::kSum, {DType::kF32, DType::kBF16, DType::kS32}, {{B / 3}, {7}, {1}}, 0, {}, false});
   cases.push_back({Kind::kAllGather, ReduceOp::kSum, {DType::kF32, DType::kS8}, {{4, B / 8}, {13}}, 1, {}, false});
-  cases.push_back({Kind::kReduceScatter, ReduceOp::kSum, {DType::kF64, DType::kU16}, {{N * 9}, {2, N * 3}}, 1, {}, false});
-  cases.push_back({Kind::kAllToAll, ReduceOp::kSum, {DType::kF32, DType::kU8}, {{N * 64}, {3, N, 11}}, 1, {}, false});
+  cases.push_back({Kind::kReduceScatter, ReduceOp::kSum, {DType::kF64, DType::kU16}, {{2, N * 9}, {2, N * 3}}, 1, {}, false});
+  cases.push_back({Kind::kAllToAll, ReduceOp::kSum, {DType::kF32, DType::kU8}, {{2, N * 64}, {3, N, 11}}, 1, {}, false});
   return cases;
 }
 

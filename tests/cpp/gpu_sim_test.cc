@@ -119,6 +119,8 @@ void TestLayoutRoundTrip() {
     }
   Expect(ok, "layout: pack reads x[o, j, i] into row j");
   a.direction = gpu::LayoutArgs::kUnpack;
+  // Every element starts different from its layout value, so only written ones can match.
+  for (size_t e = 0; e < layout.size(); ++e) back[e] = ~layout[e];
   a.layout = back.data();
   for (size_t t = 0; t < a.total(); ++t) gpu::LayoutAt<uint32_t>(a, t);
   size_t same = 0;
@@ -170,8 +172,10 @@ void TestPcieChunks() {
 
 void TestNcclMapping() {
   auto nat = [](DType t, ReduceOp op) { return gpu::NcclReductionOf(t, op); };
-  Expect(nat(DType::kBF16, ReduceOp::kSum).native && nat(DType::kBF16, ReduceOp::kSum).type == gpu::CommType::kBfloat16,
-         "nccl: bfloat16 sums natively");
+  Expect(!nat(DType::kBF16, ReduceOp::kSum).native && !nat(DType::kF16, ReduceOp::kProd).native,
+         "nccl: bfloat16/float16 sums and products in float32 with the engine's kernel, not NCCL's");
+  Expect(nat(DType::kBF16, ReduceOp::kMax).native && nat(DType::kBF16, ReduceOp::kMax).type == gpu::CommType::kBfloat16,
+         "nccl: bfloat16 max natively (no rounding)");
   Expect(nat(DType::kC64, ReduceOp::kSum).lanes == 2 && nat(DType::kC64, ReduceOp::kSum).type == gpu::CommType::kFloat32,
          "nccl: complex64 sums as pairs of float32");
   Expect(!nat(DType::kC64, ReduceOp::kProd).native, "nccl: no complex product");
@@ -184,8 +188,8 @@ void TestLinkSpecs() {
   Sim s(2);
   Status st = s.engine->ConfigureLinks("nccl;rdma");
   Expect(!st.ok() && st.message().find("rdma link") != std::string::npos &&
-             st.message().find("not built yet") != std::string::npos && st.message().find("docs/cuda.md") != std::string::npos,
-         "links: rdma is refused, saying it is designed but not built: " + st.message());
+             st.message().find("not implemented yet") != std::string::npos && st.message().find("docs/cuda.md") != std::string::npos,
+         "links: rdma is refused, saying it is not implemented yet and where its design is: " + st.message());
   st = s.engine->ConfigureLinks("nccl;shm");
   Expect(!st.ok() && st.message().find("unknown link kind \"shm\"") != std::string::npos &&
              st.message().find("nccl, pcie, rdma") != std::string::npos,
@@ -256,7 +260,9 @@ void TestNcclRefusesSharedDevice() {
 
 void TestErrors() {
   SetTimeoutSeconds(1);
-  Sim s(2);
+  sim::SimOptions two;
+  two.devices = 2;  // so that device 7 below is not one of this process's
+  Sim s(2, two);
   Expect(s.engine->ConfigureLinks("pcie").ok(), "errors: configure");
   // A device that is not one of this process's.
   {

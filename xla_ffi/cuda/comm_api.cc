@@ -29,9 +29,16 @@ NcclReduction NcclReductionOf(DType dtype, ReduceOp op) {
     case DType::kU32: return Native(CommType::kUint32, o);
     case DType::kS64: return Native(CommType::kInt64, o);
     case DType::kU64: return Native(CommType::kUint64, o);
-    // As XLA's own NCCL collectives do: NCCL reduces float16/bfloat16 itself.
-    case DType::kF16: return Native(CommType::kFloat16, o);
-    case DType::kBF16: return Native(CommType::kBfloat16, o);
+    // NCCL reduces float16/bfloat16 in their own precision, rounding at every step of its ring;
+    // FlexLink's contract is float32 accumulation in rank order, rounded once (the CPU engine's and
+    // the pcie link's result, bitwise), so these gather and reduce with the engine's kernel. max/min
+    // round nothing and stay native.
+    case DType::kF16:
+      if (op == ReduceOp::kMax || op == ReduceOp::kMin) return Native(CommType::kFloat16, o);
+      return {};
+    case DType::kBF16:
+      if (op == ReduceOp::kMax || op == ReduceOp::kMin) return Native(CommType::kBfloat16, o);
+      return {};
     case DType::kF32: return Native(CommType::kFloat32, o);
     case DType::kF64: return Native(CommType::kFloat64, o);
     case DType::kC64:

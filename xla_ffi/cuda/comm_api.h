@@ -40,8 +40,9 @@ class CommApi {
 
 // How the nccl link runs a reduction of (dtype, op): natively (NCCL's type and op, `lanes`
 // NCCL elements per element: complex sums are sums of their float parts), or not at all
-// (int16/uint16, complex products: NCCL has no such reduction; the link gathers and reduces with
-// the engine's kernel instead).
+// (int16/uint16, complex products: NCCL has no such reduction; float16/bfloat16 sums and products:
+// NCCL's rounding differs from float32 accumulation; the link gathers and reduces with the engine's
+// kernel instead).
 struct NcclReduction {
   bool native = false;
   CommType type = CommType::kUint8;

@@ -28,8 +28,8 @@ Status MakeGpuLinkSet(std::string_view text, uint64_t version, DeviceApi* api, C
       s = PcieLink::FromSpec(spec, api, &link);
     } else {
       s = Status::InvalidArgument(
-          "the rdma link (NIC loopback through the switch) is designed but not built yet (docs/cuda.md, "
-          "\"The rdma link\"); use nccl and pcie");
+          "the rdma link (NIC loopback through the switch) is not implemented yet; its design is in "
+          "docs/cuda.md, \"The rdma link\"; use nccl and pcie");
     }
     if (!s.ok()) return Status::InvalidArgument("flexlink: links \"" + std::string(text) + "\": " + s.message());
     set->links.push_back(std::move(link));

@@ -324,10 +324,10 @@ void GpuProfiler::Poll(int rank) {
   DeviceApi& api = ex_.api_;
   std::string error;
   const size_t steps = s->steps.size();
-  const Poll p = api.Query(k.profile_events[2 * steps - 1], &error);  // the phase's last stop
-  if (p == Poll::kPending) return;
+  const gpu::Poll p = api.Query(k.profile_events[2 * steps - 1], &error);  // the phase's last stop
+  if (p == gpu::Poll::kPending) return;
   std::vector<double> times(steps, 0.0);
-  bool ok = p == Poll::kDone;
+  bool ok = p == gpu::Poll::kDone;
   for (size_t t = 0; ok && t < steps; ++t)
     ok = api.ElapsedSeconds(k.profile_events[2 * t], k.profile_events[2 * t + 1], &times[t]).ok();
   std::lock_guard<std::mutex> lock(mu_);

@@ -41,7 +41,7 @@ struct LayoutArgs {
   size_t packed_stride = 0;
   void* packed = nullptr;  // written by kPack
   void* layout = nullptr;  // written by kUnpack
-  size_t total() const { return units * blocks; }
+  FLEXLINK_HD size_t total() const { return units * blocks; }
 };
 
 template <class Op>

@@ -262,7 +262,7 @@ Status NcclChannel::EnqueueStaged(Call& c, const Piece& piece) {
       const struct { uint8_t* src; size_t first, count; } parts[] = {
           {recv, 0, mode == Staged::kGather ? nn : static_cast<size_t>(r)},
           {recv + (r + 1) * row, static_cast<size_t>(r + 1), mode == Staged::kGather ? 0 : nn - r - 1},
-          {send + r * row, static_cast<size_t>(r), mode == Staged::kGather ? 0 : 1}};
+          {send + r * row, static_cast<size_t>(r), mode == Staged::kGather ? size_t{0} : size_t{1}}};
       for (const auto& q : parts) {
         if (!q.count) continue;
         LayoutArgs a{LayoutArgs::kUnpack, w, nn, p.inner, cb, cu, q.first, q.count, cu, q.src, p.out};

@@ -35,7 +35,7 @@ Status PcieChannel::AllReduce(Call& c) {
     uint8_t* y = Bytes(p.out) + ch.begin * w;
     const uint64_t s = base1 + ci;
     uint8_t* host = HostSlot(1, s);  // cells [slice j], laid out as the chunk itself
-    PCIE_TRY(ProduceBegin(c, 1, s, others));
+    PCIE_TRY(ProduceBegin(c, 1, s));
     PCIE_TRY(api_.Wait(k.d2h, k.kernel_done[ci % 2]));
     if (sl.size(r)) PCIE_TRY(api_.Copy(host + sl.begin(r) * w, y + sl.begin(r) * w, sl.size(r) * w, k.d2h));
     PCIE_TRY(ProduceEnd(c, 1, s));
@@ -61,7 +61,7 @@ Status PcieChannel::AllReduce(Call& c) {
 
     // Round 0, producer: slice j of this chunk to cell [j][r], for every j but r. Runs of full
     // slices go as one 2-D copy.
-    PCIE_TRY(ProduceBegin(c, 0, s, others));
+    PCIE_TRY(ProduceBegin(c, 0, s));
     for (int j = 0; j < n;) {
       if (j == r || sl.size(j) == 0) {
         ++j;
@@ -136,7 +136,7 @@ Status PcieChannel::AllGather(Call& c) {
     const uint64_t s = base + ci;
     uint8_t* host = HostSlot(0, s);  // cells [producer p]
     const int lp = static_cast<int>(ci % 2);
-    PCIE_TRY(ProduceBegin(c, 0, s, others));
+    PCIE_TRY(ProduceBegin(c, 0, s));
     PCIE_TRY(api_.Copy(host + r * cell, Bytes(p.in) + ch.begin * w, cell, k.d2h));
     PCIE_TRY(ProduceEnd(c, 0, s));
     PCIE_TRY(ConsumeBegin(c, 0, s, others));
@@ -179,7 +179,7 @@ Status PcieChannel::Ppermute(Call& c) {
     if (src == r) PCIE_TRY(api_.Copy(Bytes(p.out) + b * w, Bytes(p.in) + b * w, len * w, k.comp));
     if (src < 0) PCIE_TRY(api_.Zero(Bytes(p.out) + b * w, len * w, k.comp));
   }
-  const std::vector<int> readers = dst >= 0 && dst != r ? std::vector<int>{dst} : std::vector<int>{};
+  const bool sends = dst >= 0 && dst != r;
   const std::vector<int> producers = src >= 0 && src != r ? std::vector<int>{src} : std::vector<int>{};
   const uint64_t base = k.seq[0];
   for (size_t ci = 0; ci < c.chunks.size(); ++ci) {
@@ -188,8 +188,8 @@ Status PcieChannel::Ppermute(Call& c) {
     const size_t w = p.width(), cell = ch.units * w;
     const uint64_t s = base + ci;
     uint8_t* host = HostSlot(0, s);  // cells [producer p]
-    PCIE_TRY(ProduceBegin(c, 0, s, readers));
-    if (!readers.empty()) PCIE_TRY(api_.Copy(host + r * cell, Bytes(p.in) + ch.begin * w, cell, k.d2h));
+    PCIE_TRY(ProduceBegin(c, 0, s));
+    if (sends) PCIE_TRY(api_.Copy(host + r * cell, Bytes(p.in) + ch.begin * w, cell, k.d2h));
     PCIE_TRY(ProduceEnd(c, 0, s));
     PCIE_TRY(ConsumeBegin(c, 0, s, producers));
     if (!producers.empty()) PCIE_TRY(api_.Copy(Bytes(p.out) + ch.begin * w, host + src * cell, cell, k.h2d));
@@ -240,7 +240,7 @@ Status PcieChannel::ReduceScatterOrAllToAll(Call& c) {
     // Producer: row j (x[o, j, i] over the chunk's units) to cell [j][r], for every j but r.
     const uint8_t* rows = packed ? Bytes(k.send[lp]) : Bytes(p.in) + ch.begin * w;
     const size_t pitch = packed ? cell : row;
-    PCIE_TRY(ProduceBegin(c, 0, s, others));
+    PCIE_TRY(ProduceBegin(c, 0, s));
     if (packed) PCIE_TRY(api_.Wait(k.d2h, k.packed[lp]));
     PCIE_TRY(CopyRows(host + r * cell, n * cell, rows, pitch, cell, r, k.d2h));
     PCIE_TRY(CopyRows(host + ((r + 1) * n + r) * cell, n * cell, rows + (r + 1) * pitch, pitch, cell, n - r - 1, k.d2h));

@@ -98,20 +98,21 @@ Status PcieChannel::CopyRows(void* dst, size_t dpitch, const void* src, size_t s
   return api_.Copy2D(dst, dpitch, src, spitch, width, rows, s);
 }
 
-// Producer side of chunk `s` of `round`: this rank is about to copy into its cells of host slot
-// s % 2, which its readers of chunk s - 2 must have finished copying out.
-Status PcieChannel::ProduceBegin(Call& c, int round, uint64_t s, const std::vector<int>& readers) {
+// Producer side of chunk `s` of `round`: this rank is about to copy into host slot s % 2, which
+// every rank (itself included) must have finished copying out of for chunk s - 2. Every rank, not
+// only this rank's readers: cells are laid out by each chunk's own size (and the previous user of
+// the slot may have been another call, of another kind), so this rank's cells of chunk s can cover
+// any rank's cells of chunk s - 2. The sim test caught the narrower wait as corrupted ppermutes.
+Status PcieChannel::ProduceBegin(Call& c, int round, uint64_t s) {
   Rank& k = *c.rank;
   const PcieGate::Kind consumed = PcieGate::Consumed(round);
-  std::vector<int>& last = k.readers[round][s % 2];
   if (s >= 2) {
-    for (int q : last) {
+    for (int q = 0; q < c.n; ++q) {
       FLEXLINK_RETURN_IF_ERROR(gate_.AwaitRecorded(q, consumed, s - 2, c.where));
       FLEXLINK_RETURN_IF_ERROR(api_.Wait(k.d2h, ranks_[q].ring[consumed][(s - 2) % kRing]));
     }
     gate_.PublishWaited(c.r, consumed, s - 2);
   }
-  last = readers;
   return Status::Ok();
 }
 

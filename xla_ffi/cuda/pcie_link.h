@@ -69,7 +69,6 @@ class PcieChannel : public GpuChannel {
     void* recv[2] = {};
     void* send[2] = {};
     uint64_t seq[2] = {0, 0};                // chunks of round 0 / 1 so far (the same on every rank)
-    std::vector<int> readers[2][2];          // [round][host parity]: who read this rank's cells last
   };
   // One rank's view of one call, for the per-kind schedules (pcie_kinds.cc).
   struct Call {
@@ -87,7 +86,7 @@ class PcieChannel : public GpuChannel {
   Status Ppermute(Call& c);
 
   // The cross-rank protocol of one chunk of a round (pcie_link.cc).
-  Status ProduceBegin(Call& c, int round, uint64_t s, const std::vector<int>& readers);
+  Status ProduceBegin(Call& c, int round, uint64_t s);
   Status ProduceEnd(Call& c, int round, uint64_t s);
   Status ConsumeBegin(Call& c, int round, uint64_t s, const std::vector<int>& producers);
   Status ConsumeEnd(Call& c, int round, uint64_t s);

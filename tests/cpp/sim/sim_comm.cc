@@ -110,6 +110,7 @@ size_t Width(gpu::CommType t) { return ByteWidth(DTypeOf(t)); }
 
 }  // namespace
 
+SimComm::SimComm(SimDevice* device) : device_(*device) {}
 SimComm::~SimComm() = default;
 
 size_t SimComm::operations() const {

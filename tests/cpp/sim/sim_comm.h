@@ -19,7 +19,7 @@ namespace flexlink::sim {
 
 class SimComm : public gpu::CommApi {
  public:
-  explicit SimComm(SimDevice* device) : device_(*device) {}
+  explicit SimComm(SimDevice* device);
   ~SimComm() override;
 
   Status InitAll(std::span<const int> devices, std::vector<gpu::Comm>* comms) override;

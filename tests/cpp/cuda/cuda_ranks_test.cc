@@ -1,0 +1,72 @@
+// The GPU engine on a real GPU (benchmarks/gpu_check.sh runs it; it needs one): every collective of
+// gpu_cases.h's StandardCases, each rank a thread with its own stream and buffers as XLA runs them,
+// checked against the independent reference.
+//   - pcie with 2, 3 and 8 virtual ranks on device 0: the link's cross-rank protocol (events between
+//     ranks' streams, host slots, chunking) on one GPU's copy engines;
+//   - with 2+ GPUs, one rank per GPU: nccl alone, pcie alone, and both with pinned shares (NCCL's
+//     float reductions are compared with a tolerance: its order is not rank order).
+// NCCL refuses two ranks of one communicator on one device, so nccl needs 2+ GPUs (a SKIP line).
+#include <chrono>
+#include <cstdio>
+
+#include "tests/cpp/cuda/cuda_harness.h"
+#include "xla_ffi/core/config.h"
+
+namespace flexlink::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void Suite(gpu::GpuEngine& engine, Harness& h, const std::string& links, const std::vector<double>& shares,
+           size_t big, const std::string& what, bool approx) {
+  const auto t0 = Clock::now();
+  const int before = g_failed;
+  Status st = engine.ConfigureLinks(links);
+  Expect(st.ok(), what + ": configure " + links + ": " + st.message());
+  if (!st.ok()) return;
+  const auto cases = StandardCases(h.ranks, big);
+  for (const Case& c : cases) {
+    if (!shares.empty()) PinShares(engine, c, h.ranks, shares);
+    CheckCase(engine, h, c, what, approx);
+  }
+  std::printf("  %-52s %4zu cases %7.2f s  %s\n", what.c_str(), cases.size(),
+              std::chrono::duration<double>(Clock::now() - t0).count(), g_failed == before ? "ok" : "FAILED");
+}
+
+}  // namespace
+}  // namespace flexlink::testing
+
+int main() {
+  using namespace flexlink::testing;
+  flexlink::SetTimeoutSeconds(60);
+  flexlink::SetAutotuneMinBytes(0);  // pinned shares; stage 1 is the sim test's and the Python tests'
+  flexlink::SetTuneUseCache(false);
+  UseNcclLibrary();
+  std::string why;
+  const int gpus = flexlink::gpu::ProcessDevice().DeviceCount(&why);
+  if (gpus < 1) {
+    std::printf("FAIL: no CUDA device: %s\n", why.c_str());
+    return 1;
+  }
+  std::printf("cuda_ranks_test: %d GPU(s)\n", gpus);
+  flexlink::gpu::GpuEngineOptions one_device;
+  one_device.device_of = [](int64_t) { return 0; };
+  for (int n : {2, 3, 8}) {
+    flexlink::gpu::GpuEngine engine(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl(), one_device);
+    Harness h = CudaHarness(n, one_device.device_of);
+    Suite(engine, h, "pcie@slot_mib=0.25", {}, 300000,
+          std::to_string(n) + " virtual ranks on GPU 0, pcie", false);
+  }
+  if (gpus >= 2) {
+    flexlink::gpu::GpuEngine engine(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl());
+    Harness h = CudaHarness(gpus, [](int64_t id) { return static_cast<int>(id); });
+    const std::string n = std::to_string(gpus) + " GPUs, ";
+    Suite(engine, h, "nccl", {}, 1 << 20, n + "nccl", true);
+    Suite(engine, h, "pcie", {}, 1 << 20, n + "pcie", false);
+    Suite(engine, h, "nccl;pcie", {0.7, 0.3}, 1 << 20, n + "nccl;pcie 70/30", true);
+    Suite(engine, h, "nccl@staging_mib=0.0625", {}, 1 << 18, n + "nccl staged in 64 KiB", true);
+  } else {
+    std::printf("SKIP: nccl needs 2+ GPUs (NCCL refuses two ranks of one communicator on one GPU)\n");
+  }
+  return Summary();
+}

@@ -1,0 +1,123 @@
+#include "xla_ffi/cuda/runtime/cuda_device.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "xla_ffi/cuda/runtime/kernels.h"
+
+namespace flexlink::gpu {
+namespace {
+
+cudaStream_t S(Stream s) { return static_cast<cudaStream_t>(s); }
+cudaEvent_t E(Event e) { return static_cast<cudaEvent_t>(e); }
+
+Status Check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::Internal(std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+}  // namespace
+
+int CudaDevice::DeviceCount(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    if (why) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
+    (void)cudaGetLastError();  // not sticky: leave no error behind for XLA's next check
+    return 0;
+  }
+  return count;
+}
+
+Status CudaDevice::GetDevice(int* device) { return Check(cudaGetDevice(device), "cudaGetDevice"); }
+Status CudaDevice::SetDevice(int device) { return Check(cudaSetDevice(device), "cudaSetDevice"); }
+
+Status CudaDevice::CreateStream(int device, Stream* stream) {
+  FLEXLINK_RETURN_IF_ERROR(SetDevice(device));
+  cudaStream_t s = nullptr;
+  FLEXLINK_RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
+  *stream = s;
+  return Status::Ok();
+}
+
+Status CudaDevice::CreateEvent(int device, bool timing, Event* event) {
+  FLEXLINK_RETURN_IF_ERROR(SetDevice(device));
+  cudaEvent_t e = nullptr;
+  FLEXLINK_RETURN_IF_ERROR(
+      Check(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreateWithFlags"));
+  *event = e;
+  return Status::Ok();
+}
+
+Status CudaDevice::AllocDevice(int device, size_t bytes, void** ptr) {
+  FLEXLINK_RETURN_IF_ERROR(SetDevice(device));
+  return Check(cudaMalloc(ptr, bytes), "cudaMalloc");
+}
+
+Status CudaDevice::AllocPinnedHost(size_t bytes, void** ptr) {
+  // Portable: every device's copy engines may read and write it as pinned memory.
+  return Check(cudaHostAlloc(ptr, bytes, cudaHostAllocPortable), "cudaHostAlloc");
+}
+
+Status CudaDevice::PreloadKernels(int device) {
+  FLEXLINK_RETURN_IF_ERROR(SetDevice(device));
+  return Check(PreloadAllKernels(), "loading the engine's kernels");
+}
+
+Status CudaDevice::Record(Event event, Stream stream) { return Check(cudaEventRecord(E(event), S(stream)), "cudaEventRecord"); }
+
+Status CudaDevice::Wait(Stream stream, Event event) {
+  return Check(cudaStreamWaitEvent(S(stream), E(event), 0), "cudaStreamWaitEvent");
+}
+
+Status CudaDevice::Copy(void* dst, const void* src, size_t bytes, Stream stream) {
+  if (bytes == 0) return Status::Ok();
+  return Check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, S(stream)), "cudaMemcpyAsync");
+}
+
+Status CudaDevice::Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                          Stream stream) {
+  if (width == 0 || height == 0) return Status::Ok();
+  return Check(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault, S(stream)),
+               "cudaMemcpy2DAsync");
+}
+
+Status CudaDevice::Zero(void* dst, size_t bytes, Stream stream) {
+  if (bytes == 0) return Status::Ok();
+  return Check(cudaMemsetAsync(dst, 0, bytes, S(stream)), "cudaMemsetAsync");
+}
+
+Status CudaDevice::Reduce(const ReduceArgs& args, Stream stream) {
+  return Check(LaunchReduce(args, S(stream)), "the reduction kernel");
+}
+
+Status CudaDevice::Layout(const LayoutArgs& args, Stream stream) {
+  return Check(LaunchLayout(args, S(stream)), "the layout kernel");
+}
+
+Status CudaDevice::MallocAsync(size_t bytes, Stream stream, void** ptr) {
+  return Check(cudaMallocAsync(ptr, bytes, S(stream)), "cudaMallocAsync");
+}
+
+Status CudaDevice::FreeAsync(void* ptr, Stream stream) { return Check(cudaFreeAsync(ptr, S(stream)), "cudaFreeAsync"); }
+
+Poll CudaDevice::Query(Event event, std::string* error) {
+  const cudaError_t err = cudaEventQuery(E(event));
+  if (err == cudaSuccess) return Poll::kDone;
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // cudaErrorNotReady is not an error; clear it
+    return Poll::kPending;
+  }
+  if (error) *error = std::string("cudaEventQuery: ") + cudaGetErrorString(err);
+  return Poll::kError;
+}
+
+Status CudaDevice::ElapsedSeconds(Event start, Event stop, double* seconds) {
+  float ms = 0;
+  FLEXLINK_RETURN_IF_ERROR(Check(cudaEventElapsedTime(&ms, E(start), E(stop)), "cudaEventElapsedTime"));
+  *seconds = ms * 1e-3;
+  return Status::Ok();
+}
+
+}  // namespace flexlink::gpu

@@ -1,0 +1,35 @@
+// DeviceApi over the CUDA runtime (cudart, linked statically: it loads the driver at its first call,
+// so the module imports on a machine without one). Streams are non-blocking (no implicit ordering
+// with the legacy default stream); events without timing unless asked, which makes them cheaper to
+// record and wait on.
+#pragma once
+
+#include "xla_ffi/cuda/device_api.h"
+
+namespace flexlink::gpu {
+
+class CudaDevice : public DeviceApi {
+ public:
+  int DeviceCount(std::string* why) override;
+  Status GetDevice(int* device) override;
+  Status SetDevice(int device) override;
+  Status CreateStream(int device, Stream* stream) override;
+  Status CreateEvent(int device, bool timing, Event* event) override;
+  Status AllocDevice(int device, size_t bytes, void** ptr) override;
+  Status AllocPinnedHost(size_t bytes, void** ptr) override;
+  Status PreloadKernels(int device) override;
+  Status Record(Event event, Stream stream) override;
+  Status Wait(Stream stream, Event event) override;
+  Status Copy(void* dst, const void* src, size_t bytes, Stream stream) override;
+  Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                Stream stream) override;
+  Status Zero(void* dst, size_t bytes, Stream stream) override;
+  Status Reduce(const ReduceArgs& args, Stream stream) override;
+  Status Layout(const LayoutArgs& args, Stream stream) override;
+  Status MallocAsync(size_t bytes, Stream stream, void** ptr) override;
+  Status FreeAsync(void* ptr, Stream stream) override;
+  Poll Query(Event event, std::string* error) override;
+  Status ElapsedSeconds(Event start, Event stop, double* seconds) override;
+};
+
+}  // namespace flexlink::gpu

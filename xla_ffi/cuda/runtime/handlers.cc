@@ -1,0 +1,99 @@
+// FFI boundary on CUDA: decode the call frame exactly as on CPU (ffi/decode.h), take XLA's stream,
+// hand over to the GPU engine, which enqueues the call's work on that stream and returns. Nothing
+// here or below waits for the device (docs/cuda.md, "Stream ordering").
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "xla_ffi/cuda/runtime/handlers.h"
+#include "xla_ffi/cuda/runtime/process.h"
+#include "xla_ffi/ffi/decode.h"
+
+namespace ffi = xla::ffi;
+
+namespace flexlink::gpu {
+namespace {
+
+ffi::Error Run(Kind kind, cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
+               ffi::RemainingRets rets, ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
+               std::string_view reduction, int64_t axis, std::string_view label, std::span<const int64_t> pairs = {}) {
+  CollectiveArgs a;
+  ffi::Error decoded = DecodeOperands(kind, label, args, rets, &a.request.operands);
+  if (decoded.failure()) return decoded;
+  a.groups = AsSpan(groups);
+  a.group_sizes = AsSpan(group_sizes);
+  a.device = device;
+  a.run_id = run_id.run_id;
+  a.label = label;
+  a.request.kind = kind;
+  a.request.reduction = reduction;
+  a.request.axis = axis;
+  a.request.pairs = pairs;
+  return ToFfi(ProcessEngine().Run(a, stream));
+}
+
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                         ffi::Span<const int64_t> group_sizes, std::string_view reduction, std::string_view label) {
+  return Run(Kind::kAllReduce, stream, device, run_id, args, rets, groups, group_sizes, reduction, 0, label);
+}
+
+ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                         ffi::Span<const int64_t> group_sizes, int64_t axis, std::string_view label) {
+  return Run(Kind::kAllGather, stream, device, run_id, args, rets, groups, group_sizes, "", axis, label);
+}
+
+ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
+                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                             ffi::Span<const int64_t> group_sizes, std::string_view reduction, int64_t axis,
+                             std::string_view label) {
+  return Run(Kind::kReduceScatter, stream, device, run_id, args, rets, groups, group_sizes, reduction, axis, label);
+}
+
+ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                        ffi::Span<const int64_t> group_sizes, ffi::Span<const int64_t> pairs, std::string_view label) {
+  return Run(Kind::kPpermute, stream, device, run_id, args, rets, groups, group_sizes, "", 0, label, AsSpan(pairs));
+}
+
+ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                        ffi::Span<const int64_t> group_sizes, int64_t axis, std::string_view label) {
+  return Run(Kind::kAllToAll, stream, device, run_id, args, rets, groups, group_sizes, "", axis, label);
+}
+
+auto Bind() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::RunId>()
+      .RemainingArgs()
+      .RemainingRets()
+      .Attr<ffi::Span<const int64_t>>("groups")
+      .Attr<ffi::Span<const int64_t>>("group_sizes");
+}
+
+}  // namespace
+}  // namespace flexlink::gpu
+
+// Traits: none, deliberately not ffi::Traits::kCmdBufferCompatible. Every call runs host logic that
+// must run per call (the rendezvous of the group's device threads, the balancer's plan, the pcie
+// link's host-side ordering, polling timing events); inside a CUDA graph the handler would run once
+// at capture and its enqueued work would be replayed with a stale plan and stale host state. XLA
+// therefore keeps these custom calls out of command buffers.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexlinkCudaAllReduce, flexlink::gpu::AllReduceImpl,
+                              flexlink::gpu::Bind().Attr<std::string_view>("reduction").Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexlinkCudaAllGather, flexlink::gpu::AllGatherImpl,
+                              flexlink::gpu::Bind().Attr<int64_t>("axis").Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexlinkCudaReduceScatter, flexlink::gpu::ReduceScatterImpl,
+                              flexlink::gpu::Bind()
+                                  .Attr<std::string_view>("reduction")
+                                  .Attr<int64_t>("axis")
+                                  .Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexlinkCudaPpermute, flexlink::gpu::PpermuteImpl,
+                              flexlink::gpu::Bind().Attr<ffi::Span<const int64_t>>("pairs").Attr<std::string_view>("label"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexlinkCudaAllToAll, flexlink::gpu::AllToAllImpl,
+                              flexlink::gpu::Bind().Attr<int64_t>("axis").Attr<std::string_view>("label"));

@@ -1,0 +1,19 @@
+// Launchers of the GPU engine's two kernels (kernels.cu, compiled by nvcc), for cuda_device.cc.
+// The element code they run is kernel_args.h's, the same the simulated device runs in the tests.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "xla_ffi/cuda/kernel_args.h"
+
+namespace flexlink::gpu {
+
+// cudaErrorInvalidValue when (dtype, op) has no kernel (the engine never asks for one).
+cudaError_t LaunchReduce(const ReduceArgs& args, cudaStream_t stream);
+cudaError_t LaunchLayout(const LayoutArgs& args, cudaStream_t stream);
+// Loads every kernel instance on the current device now (cudaFuncGetAttributes loads a function
+// under CUDA's lazy loading): loading one at its first launch while a peer's kernel waits on this
+// device can deadlock.
+cudaError_t PreloadAllKernels();
+
+}  // namespace flexlink::gpu

@@ -1,0 +1,174 @@
+// The nanobind module jax_flexlink._flexlink_cuda: the CUDA platform's FFI handler capsules and the
+// control surface of its engine, under the CPU module's names where they mean the same (ffi/module.cc,
+// ffi/control.cc) so that Python applies one configuration to both. Importing it needs no driver,
+// no GPU and no NCCL: the CUDA runtime and NCCL are first touched by a handler call or by
+// device_count()/nccl_version().
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/stats.h"
+#include "xla_ffi/cuda/runtime/handlers.h"
+#include "xla_ffi/cuda/runtime/process.h"
+#include "xla_ffi/plan/tuning_cache.h"
+
+namespace nb = nanobind;
+
+namespace flexlink::gpu {
+namespace {
+
+void Check(const Status& s) {
+  if (!s.ok()) throw nb::value_error(s.message().c_str());
+}
+
+Kind KindOf(const std::string& name) {
+  auto k = ParseKind(name);
+  if (!k)
+    throw nb::value_error(("unknown collective '" + name +
+                           "' (all_reduce, all_gather, reduce_scatter, ppermute, all_to_all)").c_str());
+  return *k;
+}
+
+nb::dict Registrations() {
+  nb::dict d;
+  d["flexlink_all_reduce"] = nb::capsule(reinterpret_cast<void*>(FlexlinkCudaAllReduce));
+  d["flexlink_all_gather"] = nb::capsule(reinterpret_cast<void*>(FlexlinkCudaAllGather));
+  d["flexlink_reduce_scatter"] = nb::capsule(reinterpret_cast<void*>(FlexlinkCudaReduceScatter));
+  d["flexlink_ppermute"] = nb::capsule(reinterpret_cast<void*>(FlexlinkCudaPpermute));
+  d["flexlink_all_to_all"] = nb::capsule(reinterpret_cast<void*>(FlexlinkCudaAllToAll));
+  return d;
+}
+
+nb::dict Stats() {
+  ProcessEngine().CurrentLinks();
+  nb::dict links;
+  for (const LinkStatsSnapshot& s : SnapshotLinkStats()) {
+    nb::dict e;
+    e["bytes"] = s.bytes;
+    e["calls"] = s.calls;
+    e["seconds"] = s.seconds;
+    e["healthy"] = s.healthy;
+    links[s.name.c_str()] = e;
+  }
+  nb::dict out;
+  out["links"] = links;
+  return out;
+}
+
+nb::list Plans() {
+  nb::list out;
+  for (const PlanSnapshot& p : ProcessEngine().SnapshotPlans()) {
+    nb::dict shares;
+    for (size_t i = 0; i < p.links.size() && i < p.plan.shares.size(); ++i) shares[p.links[i].c_str()] = p.plan.shares[i];
+    nb::dict d;
+    d["collective"] = std::string(Name(p.plan.kind));
+    d["bucket_bytes"] = p.plan.bucket_bytes;
+    d["shares"] = shares;
+    d["mode"] = std::string(plan::Name(p.plan.mode));
+    d["epoch"] = p.plan.epoch;
+    d["group"] = p.group;
+    d["platform"] = "cuda";
+    out.append(d);
+  }
+  return out;
+}
+
+nb::list SplitRecords() {
+  nb::list out;
+  for (const SplitRecord& r : ProcessEngine().splits().Take()) {
+    nb::dict d;
+    d["group"] = r.group;
+    d["run_id"] = r.run_id;
+    d["call"] = r.call;
+    d["rank"] = r.rank;
+    d["ranges"] = r.ranges;
+    out.append(d);
+  }
+  return out;
+}
+
+nb::object GroupFits(const std::vector<int64_t>& devices) {
+  auto model = ProcessEngine().GroupModel(devices);
+  if (!model) return nb::none();
+  nb::dict fits, thresholds, profiled;
+  for (Kind kind : kAllKinds) {
+    if (!model->Has(kind)) continue;
+    std::vector<std::pair<double, double>> f;
+    for (const auto& fit : model->Fits(kind)) f.emplace_back(fit.alpha, fit.beta);
+    const std::string name(Name(kind));
+    fits[name.c_str()] = f;
+    if (auto t = model->MeasuredThreshold(kind)) thresholds[name.c_str()] = nb::int_(*t);
+    profiled[name.c_str()] = nb::int_(model->ProfiledBytes(kind));
+  }
+  nb::dict result;
+  result["fits"] = fits;
+  result["split_min_bytes"] = thresholds;
+  result["profiled_bytes"] = profiled;
+  return result;
+}
+
+}  // namespace
+}  // namespace flexlink::gpu
+
+NB_MODULE(_flexlink_cuda, m) {
+  using namespace flexlink;
+  using namespace flexlink::gpu;
+  m.doc() = "FlexLink collectives for XLA:GPU (CUDA FFI handlers and engine control)";
+  m.def("registrations", &Registrations,
+        "FFI target name -> PyCapsule of the execute-stage XLA_FFI_Handler for platform CUDA (not "
+        "command-buffer compatible: per-call host logic).");
+  m.def(
+      "set_timeout",
+      [](double seconds) {
+        if (!(seconds > 0)) throw nb::value_error("set_timeout: seconds must be positive");
+        SetTimeoutSeconds(seconds);
+      },
+      nb::arg("seconds"), "Deadline of every host wait in the GPU engine, in seconds.");
+  m.def("timeout", &TimeoutSeconds);
+  m.def("set_debug_level", &SetDebugLevel, nb::arg("level"));
+  m.def("configure_links", [](const std::string& spec) { Check(ProcessEngine().ConfigureLinks(spec)); },
+        nb::arg("spec"), "Selects the GPU links (kinds nccl, pcie; rdma is refused); calls must not be running.");
+  m.def("links", [] { return ProcessEngine().CurrentLinks()->names(); });
+  m.def("links_spec", [] { return ProcessEngine().CurrentLinks()->spec; });
+  m.def("stats", &Stats, "{'links': {name: {bytes, calls, seconds, healthy}}}; a call's times are read from "
+        "its CUDA events by a later call, so the counters trail the calls enqueued.");
+  m.def("reset_stats", &ResetLinkStats);
+  m.def("plans", &Plans);
+  m.def(
+      "set_shares",
+      [](const std::string& kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned) {
+        Check(ProcessEngine().SetShares(KindOf(kind), bucket_bytes, std::move(shares), pinned));
+      },
+      nb::arg("collective"), nb::arg("bucket_bytes"), nb::arg("shares"), nb::arg("pinned") = true);
+  m.def("set_autotune_min_bytes", [](uint64_t b) { ProcessEngine().SetAutotune(b); }, nb::arg("bytes"));
+  m.def("autotune_min_bytes", &AutotuneMinBytes);
+  m.def("set_tune_max_bytes", [](uint64_t b) { ProcessEngine().SetTuneMax(b); }, nb::arg("bytes"));
+  m.def("tune_max_bytes", &TuneMaxBytes);
+  m.def("set_tune_use_cache", &SetTuneUseCache, nb::arg("on"));
+  m.def("tune_use_cache", &TuneUseCache);
+  m.def("set_tune_cache_path", &SetTuneCachePath, nb::arg("path"));
+  m.def("forget_model", [](const std::string& kind) { ProcessEngine().ForgetModel(KindOf(kind)); },
+        nb::arg("collective"));
+  m.def("group_fits", &GroupFits, nb::arg("devices"));
+  m.def("set_record_splits", [](bool on) { ProcessEngine().splits().SetEnabled(on); }, nb::arg("on"));
+  m.def("take_split_records", &SplitRecords);
+  m.def("set_nccl_library", [](const std::string& path) { ProcessNccl().SetLibrary(path); }, nb::arg("path"),
+        "The libnccl.so.2 to load when the process has none loaded yet (Python passes the "
+        "nvidia-nccl-cu13 wheel's).");
+  m.def("nccl_library", [] { return ProcessNccl().LoadedFrom(); }, "Where NCCL was loaded from ('' before use).");
+  m.def("nccl_version", [] { return ProcessNccl().Version(); }, "NCCL's version code (loads NCCL; 0 if none).");
+  m.def(
+      "device_count",
+      [] {
+        std::string why;
+        const int n = ProcessDevice().DeviceCount(&why);
+        return std::make_pair(n, why);
+      },
+      "(CUDA devices visible, why none) through the CUDA runtime.");
+}

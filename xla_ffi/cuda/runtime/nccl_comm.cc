@@ -1,0 +1,198 @@
+#include "xla_ffi/cuda/runtime/nccl_comm.h"
+
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <link.h>
+#include <nccl.h>
+
+#include <string>
+
+namespace flexlink::gpu {
+
+// NCCL's entry points, resolved from the loaded library; the header gives their types only.
+struct NcclComm::Symbols {
+  decltype(&ncclGetVersion) GetVersion;
+  decltype(&ncclGetErrorString) GetErrorString;
+  decltype(&ncclGetUniqueId) GetUniqueId;
+  decltype(&ncclCommInitRank) CommInitRank;
+  decltype(&ncclGroupStart) GroupStart;
+  decltype(&ncclGroupEnd) GroupEnd;
+  decltype(&ncclAllReduce) AllReduce;
+  decltype(&ncclAllGather) AllGather;
+  decltype(&ncclReduceScatter) ReduceScatter;
+  decltype(&ncclSend) Send;
+  decltype(&ncclRecv) Recv;
+};
+
+namespace {
+
+ncclDataType_t TypeOf(CommType t) {
+  switch (t) {
+    case CommType::kInt8: return ncclInt8;
+    case CommType::kUint8: return ncclUint8;
+    case CommType::kInt32: return ncclInt32;
+    case CommType::kUint32: return ncclUint32;
+    case CommType::kInt64: return ncclInt64;
+    case CommType::kUint64: return ncclUint64;
+    case CommType::kFloat16: return ncclFloat16;
+    case CommType::kFloat32: return ncclFloat32;
+    case CommType::kFloat64: return ncclFloat64;
+    case CommType::kBfloat16: return ncclBfloat16;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t OpOf(CommOp op) {
+  switch (op) {
+    case CommOp::kSum: return ncclSum;
+    case CommOp::kProd: return ncclProd;
+    case CommOp::kMax: return ncclMax;
+    case CommOp::kMin: return ncclMin;
+  }
+  return ncclSum;
+}
+
+template <class F>
+bool Resolve(void* lib, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  return *out != nullptr;
+}
+
+std::string PathOf(void* lib) {
+  struct link_map* map = nullptr;
+  if (dlinfo(lib, RTLD_DI_LINKMAP, &map) == 0 && map && map->l_name) return map->l_name;
+  return "libnccl.so.2";
+}
+
+}  // namespace
+
+void NcclComm::SetLibrary(std::string path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  configured_ = std::move(path);
+}
+
+std::string NcclComm::LoadedFrom() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return loaded_from_;
+}
+
+int NcclComm::Version() {
+  if (!Load().ok()) return 0;
+  int v = 0;
+  return sym_->GetVersion(&v) == ncclSuccess ? v : 0;
+}
+
+Status NcclComm::Load() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sym_) return Status::Ok();
+  std::string tried;
+  void* lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
+  if (!lib && !configured_.empty()) {
+    lib = dlopen(configured_.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!lib) tried += std::string("; ") + dlerror();
+  }
+  if (!lib) {
+    lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) tried += std::string("; ") + dlerror();
+  }
+  if (!lib)
+    return Status::FailedPrecondition(
+        "the nccl link needs NCCL (libnccl.so.2: the nvidia-nccl-cu13 wheel jax's CUDA plugin depends on) and "
+        "none could be loaded" + tried);
+  static Symbols s;  // one NCCL per process
+  const bool ok = Resolve(lib, "ncclGetVersion", &s.GetVersion) && Resolve(lib, "ncclGetErrorString", &s.GetErrorString) &&
+                  Resolve(lib, "ncclGetUniqueId", &s.GetUniqueId) && Resolve(lib, "ncclCommInitRank", &s.CommInitRank) &&
+                  Resolve(lib, "ncclGroupStart", &s.GroupStart) && Resolve(lib, "ncclGroupEnd", &s.GroupEnd) &&
+                  Resolve(lib, "ncclAllReduce", &s.AllReduce) && Resolve(lib, "ncclAllGather", &s.AllGather) &&
+                  Resolve(lib, "ncclReduceScatter", &s.ReduceScatter) && Resolve(lib, "ncclSend", &s.Send) &&
+                  Resolve(lib, "ncclRecv", &s.Recv);
+  if (!ok)
+    return Status::FailedPrecondition("the NCCL loaded from " + PathOf(lib) +
+                                      " lacks an entry point FlexLink needs (NCCL 2.7 or later has them all)");
+  loaded_from_ = PathOf(lib);
+  sym_ = &s;
+  return Status::Ok();
+}
+
+#define FLEXLINK_NCCL(call, what)                                                                   \
+  do {                                                                                             \
+    const ncclResult_t r_ = (call);                                                                \
+    if (r_ != ncclSuccess) return Status::Internal(std::string(what) + ": " + sym_->GetErrorString(r_)); \
+  } while (0)
+
+Status NcclComm::InitAll(std::span<const int> devices, std::vector<Comm>* comms) {
+  FLEXLINK_RETURN_IF_ERROR(Load());
+  ncclUniqueId id;
+  FLEXLINK_NCCL(sym_->GetUniqueId(&id), "ncclGetUniqueId");
+  const int n = static_cast<int>(devices.size());
+  std::vector<ncclComm_t> made(n, nullptr);
+  // All ranks' communicators in one group from this thread: NCCL initialises them together, and no
+  // rank of the group has anything in flight (the executor's setup runs inside the first call's
+  // rendezvous, before any rank enqueues; jax-ml/jax#11637).
+  FLEXLINK_NCCL(sym_->GroupStart(), "ncclGroupStart");
+  for (int r = 0; r < n; ++r) {
+    if (cudaSetDevice(devices[r]) != cudaSuccess) {
+      (void)sym_->GroupEnd();
+      return Status::Internal("cudaSetDevice(" + std::to_string(devices[r]) + ") for NCCL's communicator of rank " +
+                              std::to_string(r));
+    }
+    const ncclResult_t res = sym_->CommInitRank(&made[r], n, id, r);
+    if (res != ncclSuccess) {
+      (void)sym_->GroupEnd();
+      return Status::Internal(std::string("ncclCommInitRank: ") + sym_->GetErrorString(res));
+    }
+  }
+  FLEXLINK_NCCL(sym_->GroupEnd(), "ncclGroupEnd (creating the communicators)");
+  comms->assign(made.begin(), made.end());
+  return Status::Ok();
+}
+
+Status NcclComm::GroupStart() {
+  FLEXLINK_RETURN_IF_ERROR(Load());
+  FLEXLINK_NCCL(sym_->GroupStart(), "ncclGroupStart");
+  return Status::Ok();
+}
+
+Status NcclComm::GroupEnd() {
+  FLEXLINK_NCCL(sym_->GroupEnd(), "ncclGroupEnd");
+  return Status::Ok();
+}
+
+Status NcclComm::AllReduce(const void* send, void* recv, size_t count, CommType type, CommOp op, Comm comm,
+                           Stream stream) {
+  FLEXLINK_NCCL(sym_->AllReduce(send, recv, count, TypeOf(type), OpOf(op), static_cast<ncclComm_t>(comm),
+                                static_cast<cudaStream_t>(stream)),
+                "ncclAllReduce");
+  return Status::Ok();
+}
+
+Status NcclComm::AllGather(const void* send, void* recv, size_t count, CommType type, Comm comm, Stream stream) {
+  FLEXLINK_NCCL(sym_->AllGather(send, recv, count, TypeOf(type), static_cast<ncclComm_t>(comm),
+                                static_cast<cudaStream_t>(stream)),
+                "ncclAllGather");
+  return Status::Ok();
+}
+
+Status NcclComm::ReduceScatter(const void* send, void* recv, size_t count, CommType type, CommOp op, Comm comm,
+                               Stream stream) {
+  FLEXLINK_NCCL(sym_->ReduceScatter(send, recv, count, TypeOf(type), OpOf(op), static_cast<ncclComm_t>(comm),
+                                    static_cast<cudaStream_t>(stream)),
+                "ncclReduceScatter");
+  return Status::Ok();
+}
+
+Status NcclComm::Send(const void* send, size_t count, CommType type, int peer, Comm comm, Stream stream) {
+  FLEXLINK_NCCL(sym_->Send(send, count, TypeOf(type), peer, static_cast<ncclComm_t>(comm),
+                           static_cast<cudaStream_t>(stream)),
+                "ncclSend");
+  return Status::Ok();
+}
+
+Status NcclComm::Recv(void* recv, size_t count, CommType type, int peer, Comm comm, Stream stream) {
+  FLEXLINK_NCCL(sym_->Recv(recv, count, TypeOf(type), peer, static_cast<ncclComm_t>(comm),
+                           static_cast<cudaStream_t>(stream)),
+                "ncclRecv");
+  return Status::Ok();
+}
+
+}  // namespace flexlink::gpu

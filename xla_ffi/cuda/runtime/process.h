@@ -1,0 +1,15 @@
+// The CUDA module's one engine per process, over the CUDA runtime and NCCL; made at first use (the
+// first handler call or control function), so importing the module touches neither.
+#pragma once
+
+#include "xla_ffi/cuda/gpu_engine.h"
+#include "xla_ffi/cuda/runtime/cuda_device.h"
+#include "xla_ffi/cuda/runtime/nccl_comm.h"
+
+namespace flexlink::gpu {
+
+CudaDevice& ProcessDevice();
+NcclComm& ProcessNccl();
+GpuEngine& ProcessEngine();
+
+}  // namespace flexlink::gpu
