@@ -192,6 +192,8 @@ def test_exported_program_keeps_xla_collectives():
         export.export(make(flx))(jax.ShapeDtypeStruct(x.shape, x.dtype))
 
 
+@pytest.mark.skipif(flx._native.cuda_module() is not None,
+                    reason="this build has the CUDA module (test_gpu_lowering_with_the_cuda_module covers it)")
 def test_gpu_lowering_without_a_cuda_build():
     """Lowered for CUDA (cross-platform lowering, no GPU needed) by a build without the CUDA
     module: replacement keeps XLA's collective, marked with the reason, and the explicit API names
@@ -209,3 +211,76 @@ def test_gpu_lowering_without_a_cuda_build():
     assert text.count("FLEXLINK_CUDA=ON") == 2 and not FLEX_CALL.search(text)
     with pytest.raises(NotImplementedError, match="FLEXLINK_CUDA=ON"):
         make(flx).trace(x).lower(lowering_platforms=("cuda",))
+
+
+def _cuda_module_path():
+    """The CUDA module of a FLEXLINK_CUDA=ON build: FLEXLINK_CUDA_MODULE (CI points it at its CMake
+    build), else one built in place by `pip install -e . -C cmake.define.FLEXLINK_CUDA=ON`."""
+    import glob
+    import os
+    import sysconfig
+    if os.environ.get("FLEXLINK_CUDA_MODULE"):
+        return os.environ["FLEXLINK_CUDA_MODULE"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    name = "_flexlink_cuda" + sysconfig.get_config_var("EXT_SUFFIX")  # this Python's build only
+    found = sorted(glob.glob(os.path.join(root, "build", "*", name)) +
+                   glob.glob(os.path.join(root, "jax_flexlink", name)))
+    return found[0] if found else None
+
+
+def test_gpu_lowering_with_the_cuda_module():
+    """With the CUDA module (loaded in a fresh interpreter before jax_flexlink, as an installed one
+    would be), lowering for CUDA (no GPU needed) emits FlexLink's custom calls, for the explicit API
+    and under replacement; the CPU lowering is unchanged, and GPU link specs go to the CUDA module."""
+    import os
+    path = _cuda_module_path()
+    if not path or not os.path.exists(path):
+        pytest.skip("no FLEXLINK_CUDA=ON build here: set FLEXLINK_CUDA_MODULE to its _flexlink_cuda*.so "
+                    "(CI does) or build in place with `pip install -e . -C cmake.define.FLEXLINK_CUDA=ON`")
+    result = run_python(f"""
+        import importlib.util, re, sys
+        spec = importlib.util.spec_from_file_location("jax_flexlink._flexlink_cuda", {path!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["jax_flexlink._flexlink_cuda"] = module
+        import jax, numpy as np
+        from jax import lax
+        from jax.sharding import PartitionSpec as P
+        import jax_flexlink as flx
+        assert flx._native.cuda_module() is module
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+        def make(mod):
+            return jax.jit(jax.shard_map(
+                lambda v: (mod.psum(v, "x"), mod.ppermute(v, "x", [(0, 1)]),
+                           mod.psum_scatter(v, "x", tiled=True)),
+                mesh=mesh, in_specs=P("x"), out_specs=(P(), P("x"), P("x"))))
+        x = np.arange(128, dtype=np.float32)  # 16 per device: psum_scatter's 8 blocks
+        calls = re.compile(r'custom_call_target="(flexlink_\\w+)"|custom_call @(flexlink_\\w+)')
+        def targets(text):
+            return sorted({{a or b for a, b in calls.findall(text)}})
+        for platform in ("cuda", "cpu"):
+            text = make(flx).trace(x).lower(lowering_platforms=(platform,)).as_text()
+            assert targets(text) == ["flexlink_all_reduce", "flexlink_ppermute", "flexlink_reduce_scatter"], (platform, text)
+            with flx.replace_collectives():
+                text = make(lax).trace(x).lower(lowering_platforms=(platform,)).as_text()
+            assert targets(text) == ["flexlink_all_reduce", "flexlink_ppermute", "flexlink_reduce_scatter"], (platform, text)
+            assert "stablehlo.all_reduce" not in text and "FLEXLINK_CUDA=ON" not in text
+        np.testing.assert_array_equal(np.asarray(make(flx)(x)[0]), np.asarray(make(lax)(x)[0]))  # CPU runs
+        flx.configure(links="nccl;pcie")
+        assert module.links() == ["nccl", "pcie"] and flx._flexlink.links() == ["shm"], flx._flexlink.links()
+        assert set(flx.stats()["links"]) == {{"shm", "nccl", "pcie"}}, flx.stats()
+        try:
+            flx.configure(links="nccl;rdma")
+        except ValueError as e:
+            assert "not implemented yet" in str(e) and "docs/cuda.md" in str(e), e
+        else:
+            raise AssertionError("rdma accepted")
+        try:
+            flx.configure(links="shm;pcie")
+        except ValueError as e:
+            assert "mix GPU links" in str(e), e
+        else:
+            raise AssertionError("a mixed spec accepted")
+        print("OK")
+    """)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr

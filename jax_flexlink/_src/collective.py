@@ -198,8 +198,12 @@ def define(spec: Collective) -> compat.Primitive:
   from jax_flexlink._src import lowering  # noqa: PLC0415 - lowering imports this module
   compat.register_lowering(prim, lowering.rule(prim, spec, platform="cpu"), platform="cpu",
                            cacheable=False)
-  # Any other platform (this build has no CUDA module): lax's lowering, or the reason for an
-  # explicit call.
+  from jax_flexlink._src import native  # noqa: PLC0415 - native loads the extension modules
+  if native.cuda_module() is not None:  # the CUDA module's handlers take the same custom calls
+    compat.register_lowering(prim, lowering.rule(prim, spec, platform="cuda"), platform="cuda",
+                             cacheable=False)
+  # Any other platform (and cuda in a build without the CUDA module): lax's lowering, or the
+  # reason for an explicit call.
   compat.register_lowering(prim, lowering.rule(prim, spec, platform=None), cacheable=False)
   routing.install(lax_prim, prim, spec.axis_names)
   return prim

@@ -1,6 +1,7 @@
 """Loads the C++ extension and registers its FFI handlers with XLA, once per process."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import jax
@@ -17,6 +18,18 @@ except ImportError as e:  # the usual cause: Python found the source tree before
       f"`pip install .` ({e})") from e
 from jax_flexlink._src.config import ENV
 
+
+def _load_cuda_module():
+  """The CUDA module, built only with FLEXLINK_CUDA=ON; None when this build has none. A module
+  that is there but does not import is an error, not a silent CPU-only build."""
+  if importlib.util.find_spec("jax_flexlink._flexlink_cuda") is None:
+    return None
+  from jax_flexlink import _flexlink_cuda  # noqa: PLC0415 - optional
+  return _flexlink_cuda
+
+
+_flexlink_cuda = _load_cuda_module()
+
 ALL_REDUCE = "flexlink_all_reduce"
 ALL_GATHER = "flexlink_all_gather"
 REDUCE_SCATTER = "flexlink_reduce_scatter"
@@ -24,7 +37,56 @@ PPERMUTE = "flexlink_ppermute"
 ALL_TO_ALL = "flexlink_all_to_all"
 TARGETS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, PPERMUTE, ALL_TO_ALL)
 
+# Link kinds of each module (plan/link_spec.h names them; xla_ffi/cuda/gpu_link_set.h for CUDA).
+GPU_LINK_KINDS = ("nccl", "pcie", "rdma")
+
 _registered = False
+
+
+def cuda_module():
+  """jax_flexlink._flexlink_cuda, or None in a build without it."""
+  return _flexlink_cuda
+
+
+def modules():
+  """The native modules of this build: the CPU one, then the CUDA one if built."""
+  return (_flexlink,) if _flexlink_cuda is None else (_flexlink, _flexlink_cuda)
+
+
+def link_kinds(spec: str) -> list[str]:
+  """The link kinds of a FLEXLINK_LINKS spec, e.g. "nccl;pcie@slot_mib=4" -> ["nccl", "pcie"]."""
+  kinds = []
+  for item in spec.split(";"):
+    item = item.strip()
+    if item:
+      kinds.append(item.split("@", 1)[0].split(":", 1)[0].strip())
+  return kinds
+
+
+def module_for_links(spec: str):
+  """The module whose engine takes these links: GPU kinds go to the CUDA module, the others to the
+  CPU module; one spec names the links of one platform."""
+  kinds = link_kinds(spec)
+  gpu = [k for k in kinds if k in GPU_LINK_KINDS]
+  if not gpu:
+    return _flexlink
+  if len(gpu) != len(kinds):
+    raise ValueError(f"links {spec!r} mix GPU links ({', '.join(GPU_LINK_KINDS)}) with CPU links; "
+                     "configure each platform's links with its own spec")
+  if _flexlink_cuda is None:
+    raise ValueError(f"links {spec!r} are GPU links, and this build of jax_flexlink has no CUDA module "
+                     "(build it with `pip install -e . -C cmake.define.FLEXLINK_CUDA=ON`)")
+  return _flexlink_cuda
+
+
+def _nccl_wheel_library() -> str:
+  """libnccl.so.2 of the nvidia-nccl-cu13 wheel (what jax's CUDA plugin loads), or ""."""
+  spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+  for base in (spec.submodule_search_locations or []) if spec else []:
+    path = os.path.join(base, "lib", "libnccl.so.2")
+    if os.path.exists(path):
+      return path
+  return ""
 
 
 def tune_cache_path() -> str:
@@ -42,13 +104,23 @@ def register_targets() -> None:
                       "rebuild it (pip install .)")
   for name, capsule in targets.items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-  _flexlink.set_timeout(ENV.timeout_s)
-  _flexlink.set_debug_level(ENV.debug_level)
-  _flexlink.set_autotune_min_bytes(ENV.autotune_min_bytes)
-  _flexlink.set_tune_max_bytes(ENV.tune_max_bytes)  # the engine profiles at least two sizes anyway
-  _flexlink.set_tune_cache_path(tune_cache_path())
+  if _flexlink_cuda is not None:
+    cuda_targets = _flexlink_cuda.registrations()
+    missing = set(TARGETS) - set(cuda_targets)
+    if missing:
+      raise ImportError(f"jax_flexlink's CUDA module lacks FFI targets {sorted(missing)}; rebuild it "
+                        "(pip install -e . -C cmake.define.FLEXLINK_CUDA=ON)")
+    for name, capsule in cuda_targets.items():
+      jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    _flexlink_cuda.set_nccl_library(_nccl_wheel_library())  # used only if XLA loaded no NCCL
+  for module in modules():
+    module.set_timeout(ENV.timeout_s)
+    module.set_debug_level(ENV.debug_level)
+    module.set_autotune_min_bytes(ENV.autotune_min_bytes)
+    module.set_tune_max_bytes(ENV.tune_max_bytes)  # the engine profiles at least two sizes anyway
+    module.set_tune_cache_path(tune_cache_path())
   try:
-    _flexlink.configure_links(ENV.links)
+    module_for_links(ENV.links).configure_links(ENV.links)
   except ValueError as e:
     raise ValueError(f"FLEXLINK_LINKS: {e}") from None
   _registered = True

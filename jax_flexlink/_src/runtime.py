@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from jax_flexlink import _flexlink
+from jax_flexlink._src import native
 from jax_flexlink._src.config import parse_bytes, parse_profile_bytes
 
 
@@ -13,6 +14,9 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     separated by `;`, the first being the primary, e.g. "shm;tcp" or
     "emulated:nvlink@gbps=2.0,latency_us=5;emulated:pcie@gbps=0.6,latency_us=10". Kinds: shm, tcp,
     emulated (a real link, shm by default, paced to `gbps` bus bandwidth and `latency_us` per call).
+    GPU links (a build with the CUDA module, docs/cuda.md): nccl (NVLink through NCCL) and pcie
+    (pinned host staging), e.g. "nccl;pcie"; a spec names one platform's links, and each platform
+    keeps its own (CPU collectives keep theirs when the GPU links change).
   timeout_s: the deadline of every wait in a collective (default: FLEXLINK_TIMEOUT_S or 300 s).
   autotune_min_bytes: with several links, the first call of a collective of at least this size
     (nccl-tests bytes; 1M, 64K or a number) that has no stage-1 fits runs stage 1 inside the engine:
@@ -26,14 +30,18 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
   if timeout_s is not None:
     if not timeout_s > 0:
       raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-    _flexlink.set_timeout(float(timeout_s))
-  if autotune_min_bytes is not None:
-    _flexlink.set_autotune_min_bytes(parse_bytes(autotune_min_bytes, "autotune_min_bytes"))
-  if tune_max_bytes is not None:
-    _flexlink.set_tune_max_bytes(parse_profile_bytes(tune_max_bytes, "tune_max_bytes"))
-  if links is not None:
-    _flexlink.configure_links(links)
-    load_cached_model()
+  target = native.module_for_links(links) if links is not None else None  # errors before any change
+  for module in native.modules():
+    if timeout_s is not None:
+      module.set_timeout(float(timeout_s))
+    if autotune_min_bytes is not None:
+      module.set_autotune_min_bytes(parse_bytes(autotune_min_bytes, "autotune_min_bytes"))
+    if tune_max_bytes is not None:
+      module.set_tune_max_bytes(parse_profile_bytes(tune_max_bytes, "tune_max_bytes"))
+  if target is not None:
+    target.configure_links(links)
+    if target is _flexlink:
+      load_cached_model()
 
 
 def load_cached_model() -> None:
@@ -47,8 +55,14 @@ def load_cached_model() -> None:
 
 
 def links() -> list[str]:
-  """Names of the configured links, primary first."""
+  """Names of the configured CPU links, primary first."""
   return list(_flexlink.links())
+
+
+def gpu_links() -> list[str]:
+  """Names of the configured GPU links, primary first ([] in a build without the CUDA module)."""
+  cuda = native.cuda_module()
+  return [] if cuda is None else list(cuda.links())
 
 
 def timeout_s() -> float:
@@ -62,17 +76,22 @@ def stats() -> dict:
    "plans": [{"collective", "bucket_bytes", "shares": {name: fraction}, "mode", "group", ...}],
    "offload_fraction": bytes not on the primary link / all bytes}
   """
-  raw = _flexlink.stats()
-  names = links()
-  per_link = {name: raw["links"][name] for name in names if name in raw["links"]}
-  total = sum(s["bytes"] for s in per_link.values())
-  offloaded = sum(s["bytes"] for name, s in per_link.items() if name != names[0])
-  return {
-      "links": per_link,
-      "plans": list(_flexlink.plans()),
-      "offload_fraction": offloaded / total if total else 0.0,
-  }
+  per_link, plans, total, offloaded = {}, [], 0, 0
+  cuda = native.cuda_module()
+  # Each platform's current links; GPU links' counters trail by a call (read from CUDA events).
+  for module, names in ((_flexlink, links()), (cuda, gpu_links())):
+    if module is None or not names:
+      continue
+    raw = module.stats()["links"]
+    for name in names:
+      if name in raw:
+        per_link[name] = raw[name]
+        total += raw[name]["bytes"]
+        offloaded += raw[name]["bytes"] if name != names[0] else 0
+    plans.extend(module.plans())
+  return {"links": per_link, "plans": plans, "offload_fraction": offloaded / total if total else 0.0}
 
 
 def reset_stats() -> None:
-  _flexlink.reset_stats()
+  for module in native.modules():
+    module.reset_stats()

@@ -17,6 +17,19 @@ cc_library(
     includes = ["xla_ffi/include"],
 )
 
+# NCCL's header from the nvidia-nccl-cu13 wheel, if the interpreter has it (only the nvcc build of the
+# CUDA sources uses it; the rest of the build never needs NCCL).
+filegroup(
+    name = "nccl_headers",
+    srcs = glob(["nccl/include/**"]),
+)
+
+# The XLA FFI headers as files (for the nvcc genrule, which is not a cc_* rule).
+filegroup(
+    name = "xla_ffi_header_files",
+    srcs = glob(["xla_ffi/include/**/*.h"]),
+)
+
 # nanobind's core library, built the way nb_combined.cpp documents (one translation unit).
 cc_library(
     name = "nanobind",

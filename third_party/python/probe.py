@@ -26,5 +26,16 @@ try:
     out["jax_version"] = jax.__version__
 except ImportError as e:
     errors.append("jax: %s" % e)
+# Optional: NCCL's header from the nvidia-nccl-cu13 wheel, for //xla_ffi:cuda_runtime_nvcc (the CUDA
+# sources compiled by nvcc, bazel build --config=cuda); "" when the wheel is not installed.
+out["nccl_include"] = ""
+try:
+    import nvidia.nccl
+
+    for base in nvidia.nccl.__path__:
+        if os.path.exists(os.path.join(base, "include", "nccl.h")):
+            out["nccl_include"] = os.path.join(base, "include")
+except ImportError:
+    pass
 out["errors"] = errors
 print(json.dumps(out))

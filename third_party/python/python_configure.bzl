@@ -45,6 +45,10 @@ def _python_configure_impl(rctx):
     rctx.symlink(nb + "/ext/robin_map/include", "nanobind/robin_map/include")
     rctx.symlink(info["include"], "python/include")
     rctx.symlink(info["xla_ffi_include"], "xla_ffi/include")
+    if info.get("nccl_include"):
+        rctx.symlink(info["nccl_include"], "nccl/include")
+    else:
+        rctx.file("nccl/include/MISSING", "no nvidia-nccl-cu13 wheel in %s\n" % python)
 
     bin_dir = python.rpartition("/")[0]
     rctx.template("BUILD.bazel", rctx.attr._build_tpl, {

@@ -196,4 +196,9 @@ std::vector<PlanSnapshot> GpuEngine::SnapshotPlans() {
   return out;
 }
 
+void GpuEngine::PollTimings() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, ex] : groups_) ex->PollAll();
+}
+
 }  // namespace flexlink::gpu

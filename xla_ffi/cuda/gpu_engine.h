@@ -55,6 +55,9 @@ class GpuEngine {
   void SetTuneMax(uint64_t bytes);
   void SetAutotune(uint64_t bytes);
   std::vector<PlanSnapshot> SnapshotPlans();
+  // Reads the completed timing events of every group's earlier calls into the balancer and the
+  // statistics now, rather than at each group's next call; never waits for the device.
+  void PollTimings();
   SplitLog& splits() { return splits_; }
 
  private:

@@ -65,6 +65,7 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   if (state.profile.session) FLEXLINK_RETURN_IF_ERROR(profiler_.Enqueue(state.profile, rank, stream, ctx.label()));
 
   // This call's timing slot; one still in flight from long ago is given up.
+  std::lock_guard<std::mutex> slots_lock(k.slots_mu);
   Slot& slot = k.slots[k.next_slot];
   k.next_slot = (k.next_slot + 1) % k.slots.size();
   if (slot.busy && !ReadSlot(rank, slot)) {
@@ -127,8 +128,14 @@ bool GpuExecutor::ReadSlot(int rank, Slot& slot) {
   return true;
 }
 
+void GpuExecutor::PollAll() {
+  if (!ready_.load(std::memory_order_acquire)) return;
+  for (int r = 0; r < group_.size(); ++r) PollTimings(r);
+}
+
 void GpuExecutor::PollTimings(int rank) {
   Rank& k = ranks_[rank];
+  std::lock_guard<std::mutex> lock(k.slots_mu);
   // Oldest first; calls complete in order on XLA's stream, so the first pending one ends the scan.
   const size_t m = k.slots.size();
   for (size_t j = 0; j < m; ++j) {

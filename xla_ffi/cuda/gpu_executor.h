@@ -53,6 +53,9 @@ class GpuExecutor {
 
   // One rank's part of one call: returns once its work is enqueued on `stream`.
   Status Run(CallContext& ctx, int rank, const CallDesc& desc, Stream stream);
+  // Reads every rank's completed timing events now (stats() from Python, so that the counters do
+  // not wait for the group's next call); never blocks on the device.
+  void PollAll();
 
   // Timing ring per rank: how many calls may be in flight on the device, per rank, before the
   // oldest one's times are given up.
@@ -68,6 +71,8 @@ class GpuExecutor {
     bool busy = false;
   };
   struct Rank {
+    // The rank's timing slots are read by its device thread and by PollAll (another thread).
+    std::mutex slots_mu;
     std::vector<Stream> side;  // per link
     Stream profile = nullptr;
     Event profile_fork = nullptr, profile_join = nullptr;

@@ -47,6 +47,7 @@ nb::dict Registrations() {
 
 nb::dict Stats() {
   ProcessEngine().CurrentLinks();
+  ProcessEngine().PollTimings();  // calls whose events completed since their group's last call
   nb::dict links;
   for (const LinkStatsSnapshot& s : SnapshotLinkStats()) {
     nb::dict e;
@@ -136,8 +137,8 @@ NB_MODULE(_flexlink_cuda, m) {
         nb::arg("spec"), "Selects the GPU links (kinds nccl, pcie; rdma is refused); calls must not be running.");
   m.def("links", [] { return ProcessEngine().CurrentLinks()->names(); });
   m.def("links_spec", [] { return ProcessEngine().CurrentLinks()->spec; });
-  m.def("stats", &Stats, "{'links': {name: {bytes, calls, seconds, healthy}}}; a call's times are read from "
-        "its CUDA events by a later call, so the counters trail the calls enqueued.");
+  m.def("stats", &Stats, "{'links': {name: {bytes, calls, seconds, healthy}}}: the calls whose CUDA events "
+        "have completed (read now, without waiting; calls still running on the device are not counted yet).");
   m.def("reset_stats", &ResetLinkStats);
   m.def("plans", &Plans);
   m.def(
