@@ -266,6 +266,7 @@ def test_gpu_lowering_with_the_cuda_module():
             assert targets(text) == ["flexlink_all_reduce", "flexlink_ppermute", "flexlink_reduce_scatter"], (platform, text)
             assert "stablehlo.all_reduce" not in text and "FLEXLINK_CUDA=ON" not in text
         np.testing.assert_array_equal(np.asarray(make(flx)(x)[0]), np.asarray(make(lax)(x)[0]))  # CPU runs
+        assert set(flx.stats()["links"]) == {{"shm"}}, flx.stats()  # GPU links not chosen, never ran
         flx.configure(links="nccl;pcie")
         assert module.links() == ["nccl", "pcie"] and flx._flexlink.links() == ["shm"], flx._flexlink.links()
         assert set(flx.stats()["links"]) == {{"shm", "nccl", "pcie"}}, flx.stats()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from jax_flexlink import _flexlink
 from jax_flexlink._src import native
-from jax_flexlink._src.config import parse_bytes, parse_profile_bytes
+from jax_flexlink._src.config import ENV, parse_bytes, parse_profile_bytes
 
 
 def configure(*, links: str | None = None, timeout_s: float | None = None,
@@ -42,6 +42,9 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     target.configure_links(links)
     if target is _flexlink:
       load_cached_model()
+    else:
+      global _gpu_links_chosen
+      _gpu_links_chosen = True
 
 
 def load_cached_model() -> None:
@@ -57,6 +60,10 @@ def load_cached_model() -> None:
 def links() -> list[str]:
   """Names of the configured CPU links, primary first."""
   return list(_flexlink.links())
+
+
+# Whether configure() chose GPU links in this process (then stats() lists them before they ran).
+_gpu_links_chosen = False
 
 
 def gpu_links() -> list[str]:
@@ -78,11 +85,16 @@ def stats() -> dict:
   """
   per_link, plans, total, offloaded = {}, [], 0, 0
   cuda = native.cuda_module()
-  # Each platform's current links; GPU links' counters trail by a call (read from CUDA events).
+  # Each platform's current links. The GPU links are listed once they were chosen (configure(),
+  # FLEXLINK_LINKS) or have run, so that a CUDA build used on CPU reports what a CPU build does. Their
+  # counters hold the calls whose CUDA events have completed.
   for module, names in ((_flexlink, links()), (cuda, gpu_links())):
     if module is None or not names:
       continue
     raw = module.stats()["links"]
+    if module is cuda and not (_gpu_links_chosen or native.module_for_links(ENV.links) is cuda
+                               or any(raw[name]["calls"] for name in names if name in raw)):
+      continue
     for name in names:
       if name in raw:
         per_link[name] = raw[name]

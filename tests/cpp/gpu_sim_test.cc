@@ -343,6 +343,33 @@ void TestOneSplitPerCall() {
   s.ExpectNoSimErrors("split");
 }
 
+// Stage 2 on the GPU executor moves bytes towards the faster link: the simulated device's copies
+// are paced to 20 MB/s, which slows the pcie link (device <-> host copies) and not the simulated
+// NCCL, so from equal shares the balancer, fed the links' event times, gives nccl most of the bytes.
+// (That a call is then no slower than the best link alone is the balancer's rule, plan_test's; this
+// checks that the GPU side feeds it the right times.)
+void TestStageTwoFavoursTheFasterLink() {
+  SetAutotuneMinBytes(0);  // no stage 1: equal shares to start
+  Sim s(4, {.copy_gbps = 0.02});
+  Expect(s.engine->ConfigureLinks("nccl;pcie").ok(), "stage 2: configure");
+  Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{1 << 18}}, 0, {}, false};  // 1 MiB per rank
+  auto nccl_share = [&] {
+    double share = -1;
+    for (const auto& p : s.engine->SnapshotPlans())
+      if (p.plan.kind == Kind::kAllReduce && !p.plan.shares.empty()) share = p.plan.shares[0];
+    return share;
+  };
+  CheckCase(*s.engine, s.h, c, "stage 2 first call");
+  const double first = nccl_share();
+  for (int i = 0; i < 15; ++i) CheckCase(*s.engine, s.h, c, "stage 2 call " + std::to_string(i));
+  s.engine->PollTimings();
+  const double last = nccl_share();
+  std::printf("  stage 2: nccl share %.2f after the first call, %.2f after 16\n", first, last);
+  Expect(first > 0.3 && first < 0.7, "stage 2: the first call splits about evenly, nccl share " + std::to_string(first));
+  Expect(last > 0.75, "stage 2: the faster link carries most bytes after 16 calls, nccl share " + std::to_string(last));
+  s.ExpectNoSimErrors("stage 2");
+}
+
 // Stage 1 on the device: profiled by the first large calls, read back later, fits installed,
 // cached; every call's result is right meanwhile.
 void TestStageOne() {
@@ -416,6 +443,7 @@ int main() {
       {"TestErrors", TestErrors},
       {"TestOneSplitPerCall", TestOneSplitPerCall},
       {"TestStageOne", TestStageOne},
+      {"TestStageTwoFavoursTheFasterLink", TestStageTwoFavoursTheFasterLink},
       {"TestCollectives", TestCollectives},
   };
   for (const Test& t : tests) {

@@ -164,17 +164,30 @@ Status SimDevice::Wait(gpu::Stream stream, gpu::Event event) {
   return Status::Ok();
 }
 
+namespace {
+// A copy's time at `gbps` (none when 0).
+void Pace(size_t bytes, double gbps) {
+  if (gbps > 0) std::this_thread::sleep_for(std::chrono::duration<double>(bytes / (gbps * 1e9)));
+}
+}  // namespace
+
 Status SimDevice::Copy(void* dst, const void* src, size_t bytes, gpu::Stream stream) {
   if (!bytes) return Status::Ok();
   if (!dst || !src) return Status::Internal("sim: copy with a null pointer");
-  Enqueue(stream, [dst, src, bytes] { std::memmove(dst, src, bytes); });
+  const double pace = options_.copy_gbps;
+  Enqueue(stream, [dst, src, bytes, pace] {
+    Pace(bytes, pace);
+    std::memmove(dst, src, bytes);
+  });
   return Status::Ok();
 }
 
 Status SimDevice::Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
                          gpu::Stream stream) {
   if (width > dpitch || width > spitch) return Status::Internal("sim: copy2d width exceeds a pitch");
+  const double pace = options_.copy_gbps;
   Enqueue(stream, [=] {
+    Pace(width * height, pace);
     for (size_t r = 0; r < height; ++r)
       std::memmove(static_cast<uint8_t*>(dst) + r * dpitch, static_cast<const uint8_t*>(src) + r * spitch, width);
   });

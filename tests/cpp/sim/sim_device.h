@@ -29,6 +29,9 @@ struct SimOptions {
   int devices = 8;
   int jitter_us = 0;
   double wait_timeout_s = 30;
+  // > 0: Copy and Copy2D take bytes / copy_gbps (a slow PCIe); the simulated NCCL does not copy
+  // through them, so this slows the pcie link alone.
+  double copy_gbps = 0;
 };
 
 class SimDevice : public gpu::DeviceApi {
