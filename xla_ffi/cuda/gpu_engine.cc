@@ -1,6 +1,7 @@
 #include "xla_ffi/cuda/gpu_engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <new>
 #include <tuple>
 
@@ -30,7 +31,12 @@ uint8_t* Bytes(const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p
 }  // namespace
 
 GpuEngine::GpuEngine(DeviceApi* api, CommApi* comm, GpuEngineOptions options)
-    : api_(*api), comm_(*comm), options_(std::move(options)) {}
+    : serial_(NextSerial()), api_(*api), comm_(*comm), options_(std::move(options)) {}
+
+uint64_t GpuEngine::NextSerial() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
+}
 
 std::shared_ptr<const GpuLinkSet> GpuEngine::CurrentLinks() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -69,9 +75,11 @@ std::unique_ptr<GpuExecutor> GpuEngine::MakeGroup(std::shared_ptr<const GpuLinkS
 
 Status GpuEngine::GetGroup(std::span<const int64_t> devices, std::string_view label, GpuExecutor** out) {
   std::shared_ptr<const GpuLinkSet> links = CurrentLinks();
-  thread_local std::vector<std::tuple<const GpuEngine*, uint64_t, std::vector<int64_t>, GpuExecutor*>> cache;
+  // Keyed by the engine's serial, not its address: an engine made where a destroyed one was (tests)
+  // must not find the old one's executors.
+  thread_local std::vector<std::tuple<uint64_t, uint64_t, std::vector<int64_t>, GpuExecutor*>> cache;
   for (const auto& [engine, version, ids, ex] : cache)
-    if (engine == this && version == links->version && std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
+    if (engine == serial_ && version == links->version && std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
       *out = ex;
       return Status::Ok();
     }
@@ -96,7 +104,7 @@ Status GpuEngine::GetGroup(std::span<const int64_t> devices, std::string_view la
     }
     *out = it->second.get();
   }
-  cache.emplace_back(this, links->version, std::move(key), *out);
+  cache.emplace_back(serial_, links->version, std::move(key), *out);
   return Status::Ok();
 }
 

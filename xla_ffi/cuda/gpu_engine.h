@@ -68,6 +68,9 @@ class GpuEngine {
   template <class F>
   void ForEachCurrent(F&& f);
 
+  static uint64_t NextSerial();
+
+  const uint64_t serial_;  // this engine among all made in the process (device threads' cache key)
   DeviceApi& api_;
   CommApi& comm_;
   const GpuEngineOptions options_;
