@@ -174,3 +174,76 @@ def test_pytree_of_13_mixed_leaves_is_one_call(mesh1d):
     report = flx.collectives(f, local)
     assert [c.operands for c in report] == [13]
     assert set(report[0].dtypes) == {"float32", "bfloat16", "int32"}  # lax's psum makes bool int32
+
+
+# ---- in place: a donated operand (or an intermediate) is the result's buffer -------------------
+
+def _entry(text):
+    """The compiled module's entry computation (its instructions, one per line)."""
+    return text[text.index("\nENTRY "):].split("\n}\n")[0].splitlines()
+
+
+def _in_place_program(mod, body, mesh_, donate):
+    return jax.jit(jax.shard_map(body(mod), mesh=mesh_, in_specs=P("x"), out_specs=P("x")),
+                   donate_argnums=0 if donate else ())
+
+
+IN_PLACE_CASES = {
+    **{f"ppermute-{p}": (lambda m, p=p: lambda v: m.ppermute(v, "x", PERMS[p]), (N * 3001,), "int32")
+       for p in ("identity", "ring_forward", "ring_backward", "pairs", "partial")},
+    "ppermute-2d-bf16": (lambda m: lambda v: m.ppermute(v, "x", PERMS["ring_forward"]), (N * 7, 129), "bfloat16"),
+    **{f"all_to_all-axis{a}": (lambda m, a=a: lambda v: m.all_to_all(v, "x", a, a, tiled=True),
+                               (N * 8, 2 * N, N), "float32") for a in (0, 1, 2)},
+    "all_to_all-big": (lambda m: lambda v: m.all_to_all(v, "x", 0, 0, tiled=True), (N * N * 40001,), "uint8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IN_PLACE_CASES))
+def test_donated_operand_is_the_result(case, mesh1d):
+    """Donated (the bench's in-place rows, a training step's buffers): the custom call's result
+    aliases its operand, and the compiled program copies nothing — no `copy` of the result into
+    the donated buffer after the call, as XLA adds when the result is a fresh buffer. The result is
+    lax's, bitwise."""
+    make, shape, dtype = IN_PLACE_CASES[case]
+    x = make_data(dtype, shape, seed=zlib.crc32(case.encode()))
+    sharding = jax.sharding.NamedSharding(mesh1d, P("x"))
+    want = host(_in_place_program(lax, make, mesh1d, donate=False)(jax.device_put(x, sharding)))
+    f = _in_place_program(flx, make, mesh1d, donate=True)
+    text = f.lower(jax.device_put(x, sharding)).compile().as_text()
+    entry = _entry(text)
+    call, = [line for line in entry if "custom_call_target=\"flexlink_" in line]
+    assert "output_to_operand_aliasing={{0}: (0, {})}" in call, call
+    assert not [line for line in entry if " copy(" in line or "copy_fusion" in line], "\n".join(entry)
+    donated = jax.device_put(x, sharding)
+    got = host(f(donated))
+    assert donated.is_deleted()
+    assert_tree_equal(got, want, case)
+
+
+def _operand_aliasing(line):
+    """A custom call's operands (but the token) and whether its result i aliases operand i."""
+    operands = re.search(r"custom-call\(([^)]*)\)", line).group(1).split(", ")[:-1]
+    aliased = {int(i) for i in re.findall(r"\{(\d+)\}: \(\1, \{\}\)", line)}
+    return [(name, i in aliased) for i, name in enumerate(operands)]
+
+
+@pytest.mark.parametrize("kind", ["ppermute", "all_to_all"])
+def test_in_place_rule_is_all_reduce_s(kind, mesh1d):
+    """Aliased under all_reduce's rule: an intermediate operand too, a parameter that is not donated
+    not (XLA would copy it first); a transposed all_to_all operand is a fresh intermediate."""
+    if kind == "ppermute":
+        body = lambda m: lambda v: (m.ppermute(v, "x", PERMS["ring_forward"]),
+                                    m.ppermute(v * 2, "x", PERMS["pairs"]))
+    else:
+        body = lambda m: lambda v: (m.all_to_all(v, "x", 0, 0, tiled=True),
+                                    m.all_to_all(v * 2, "x", 0, 0, tiled=True),
+                                    m.all_to_all(v, "x", 0, 1, tiled=True))
+    x = make_data("float32", (N * N * 4, N), seed=14)
+    want = host(_in_place_program(lax, body, mesh1d, donate=False)(x))
+    f = _in_place_program(flx, body, mesh1d, donate=False)
+    assert_tree_equal(host(f(x)), want, kind)
+    text = f.lower(x).compile().as_text()
+    operands = [o for line in _entry(text) if f"custom_call_target=\"flexlink_{kind}\"" in line
+                for o in _operand_aliasing(line)]
+    assert len(operands) == (2 if kind == "ppermute" else 3), operands
+    assert all(aliased == (name != "%param.1") for name, aliased in operands), operands

@@ -30,8 +30,11 @@ def _lower(ctx, operands, *, axis_name, perm):
   # lax numbers a group's members by sorted partition index (_pcollectives_lowering_common).
   partitions = [sorted(g) for g in partition_groups(axis_context, names, None, "ppermute")]
   groups, sizes = to_device_ids(axis_context, partitions)
+  # In place under all_reduce's rule (collective.in_place); the engine keeps every rank from
+  # overwriting what its destination has not read yet (docs/engine.md, "In place").
   return collective.emit_custom_call(
-      ctx, native.PPERMUTE, operands, groups=groups, group_sizes=sizes,
+      ctx, native.PPERMUTE, operands, aliases=[i for i, x in enumerate(operands) if collective.in_place(x)],
+      groups=groups, group_sizes=sizes,
       pairs=_pairs(perm, int(sizes[0])), label=f"ppermute over axes {names}")
 
 
