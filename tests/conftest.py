@@ -37,6 +37,37 @@ from jax.sharding import Mesh  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "large: a 64 MiB-per-device case")
+    config.addinivalue_line(
+        "markers", "gpu: needs a GPU, i.e. jax.devices('gpu') non-empty under a jax with a CUDA plugin; "
+        "skipped with the reason otherwise. The suite's JAX_PLATFORMS default is cpu: run them with "
+        "JAX_PLATFORMS=cpu,cuda (cpu stays the default backend), as benchmarks/gpu_check.sh does")
+
+
+def gpu_devices():
+    """(jax's GPUs, "") or ([], why there are none)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    names = {p.strip() for p in platforms.split(",") if p.strip()}
+    if names and not names & {"cuda", "gpu"}:
+        return [], (f"no GPU: JAX_PLATFORMS={platforms!r} leaves out CUDA (the suite's default is 'cpu'; "
+                    "run GPU tests with JAX_PLATFORMS=cpu,cuda)")
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError as e:
+        return [], f"no GPU: jax.devices('gpu') failed: {str(e).splitlines()[0]}"
+    if not devices:
+        return [], "no GPU: jax.devices('gpu') is empty"
+    return devices, ""
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    devices, reason = gpu_devices()
+    if not devices:
+        skip = pytest.mark.skip(reason=reason)
+        for item in marked:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,6 +75,15 @@ def _eight_devices():
     devices = jax.devices()
     assert len(devices) == _DEVICES, f"expected {_DEVICES} host devices, got {devices}"
     assert jax.config.jax_enable_x64
+    return devices
+
+
+@pytest.fixture(scope="session")
+def gpus():
+    """jax's GPUs (tests that take this fixture are marked gpu, so they only run when there are some)."""
+    devices, reason = gpu_devices()
+    if not devices:
+        pytest.skip(reason)
     return devices
 
 

@@ -15,7 +15,7 @@ import jax_flexlink as flx
 from helpers import N, assert_tree_equal, host, make_data, run_python
 
 P = jax.sharding.PartitionSpec
-FLEX_CALL = re.compile(r'custom_call_target="flexlink_\w+"')
+FLEX_CALL = re.compile(r'custom_call_target="flexlink_\w+"|custom_call @flexlink_\w+')
 
 
 @pytest.fixture(autouse=True)
@@ -190,3 +190,22 @@ def test_exported_program_keeps_xla_collectives():
     np.testing.assert_array_equal(np.asarray(jax.jit(exp.call)(sharded)), np.asarray(make(lax)(x)))
     with pytest.raises(NotImplementedError, match="jax.export serializes"):
         export.export(make(flx))(jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+
+def test_gpu_lowering_without_a_cuda_build():
+    """Lowered for CUDA (cross-platform lowering, no GPU needed) by a build without the CUDA
+    module: replacement keeps XLA's collective, marked with the reason, and the explicit API names
+    the build option."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+
+    def make(mod):
+        return jax.jit(jax.shard_map(lambda v: (mod.psum(v, "x"), mod.ppermute(v, "x", [(0, 1)])),
+                                     mesh=mesh, in_specs=P("x"), out_specs=(P(), P("x"))))
+
+    x = np.arange(N * 2, dtype=np.float32)
+    with flx.replace_collectives():
+        text = make(lax).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.all_reduce" in text and "stablehlo.collective_permute" in text
+    assert text.count("FLEXLINK_CUDA=ON") == 2 and not FLEX_CALL.search(text)
+    with pytest.raises(NotImplementedError, match="FLEXLINK_CUDA=ON"):
+        make(flx).trace(x).lower(lowering_platforms=("cuda",))

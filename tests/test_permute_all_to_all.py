@@ -12,7 +12,8 @@ import pytest
 from jax import lax
 
 import jax_flexlink as flx
-from helpers import ALL_DTYPES, N, assert_tree_equal, compare_with_lax, host, make_data, mesh
+from helpers import (ALL_DTYPES, N, assert_tree_equal, compare_with_lax, host, make_data, mesh,
+                     per_device)
 
 P = jax.sharding.PartitionSpec
 
@@ -55,7 +56,14 @@ def test_ppermute_2d_mesh(axes):
     n = size[axes] if isinstance(axes, str) else 8
     perm = [(i, (i + 1) % n) for i in range(n)] + ([(0, 0)] if n == 1 else [])
     x = make_data("int64", (2, 4, 6), seed=7)
-    compare_with_lax(lambda m: lambda v: m.ppermute(v, axes, perm), m24, (x,))
+    make = lambda m: lambda v: m.ppermute(v, axes, perm)  # noqa: E731
+    try:
+        jax.block_until_ready(per_device(make(lax), m24)(x))
+    except RuntimeError as e:  # jax 0.11 refuses axis names out of the mesh's order
+        with pytest.raises(RuntimeError, match=re.escape(str(e).splitlines()[0][:60])):
+            jax.block_until_ready(per_device(make(flx), m24)(x))
+        return
+    compare_with_lax(make, m24, (x,))
 
 
 def test_ppermute_rejects_duplicates_like_lax(mesh1d):

@@ -91,8 +91,10 @@ def check_dtype(api_name: str, aval, reduction: str | None) -> None:
     accepted = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
     raise TypeError(f"{api_name} does not accept dtype {dtype}. Accepted dtypes are: {accepted}.")
   if reduction == "sum" and dtype == np.bool_:
-    # lax's psum converts bool first; psum_scatter's reducer is lax.add, which rejects bool.
-    lax.add(np.bool_(True), np.bool_(True))
+    # lax's psum converts bool first; psum_scatter's reducer is lax.add, which rejects bool (with
+    # these words; calling lax.add here would need a trace, which jax 0.11 has none of here).
+    raise TypeError("add does not accept dtype bool at position 0. Accepted dtypes at position 0 "
+                    "are subtypes of integer, floating, complexfloating.")
   if reduction in ("max", "min") and np.issubdtype(dtype, np.complexfloating):
     raise TypeError(f"{api_name} does not accept dtype {dtype}: complex numbers have no order, so "
                     f"{reduction} is not defined for them.")

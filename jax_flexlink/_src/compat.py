@@ -40,7 +40,6 @@ ordered_effects = effects.ordered_effects
 abstract_token = core.abstract_token
 primitive_jvps = ad.primitive_jvps
 Zero = ad.Zero
-UndefinedPrimal = ad.UndefinedPrimal
 zero_tangent_like = ad_util.p2tz
 primitive_transposes = ad.primitive_transposes
 fancy_primitive_batchers = batching.fancy_primitive_batchers
@@ -229,6 +228,14 @@ def replica_groups(axis_context, axis_names, axis_index_groups):
   return lax_parallel._replica_groups(axis_context, axis_names, axis_index_groups)
 
 
+def ppermute_partition_pairs(ctx, axis_names, perm):
+  """lax's (source, destination) partition pairs of a ppermute, group after group, checked as lax
+  checks them (its errors)."""
+  pairs, _ = lax_parallel._pcollectives_lowering_common(ctx, axis_name=tuple(axis_names),
+                                                        perm=perm, op_name="ppermute")
+  return pairs
+
+
 def spmd_mesh(axis_context):
   """The mesh of a shard_map/pmap body being lowered, or None outside one."""
   if isinstance(axis_context, SPMDAxisContext):
@@ -278,9 +285,3 @@ def new_eqn(invars, outvars, prim, params, effects, source_info, ctx):
 def lowering_for_export(ctx) -> bool:
   """Whether the module being lowered is for jax.export (serialized, run elsewhere)."""
   return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
-
-
-def native_lowering(prim: Primitive, platform: str):
-  """lax's lowering rule for `prim` on `platform` (platform-specific first, then the default)."""
-  entry = mlir._platform_specific_lowerings[platform].get(prim) or mlir._lowerings.get(prim)
-  return None if entry is None else entry.rule

@@ -15,27 +15,28 @@ def axis_names(params) -> tuple:
   return tuple(name) if isinstance(name, (tuple, list)) else (name,)
 
 
-def _pairs(perm, group_size: int) -> np.ndarray:
-  """lax's (source, destination) pairs as flat ranks within a group, checked as lax checks them."""
-  pairs = [(int(s) % group_size, int(d) % group_size) for s, d in perm]
-  sources, destinations = [s for s, _ in pairs], [d for _, d in pairs]
-  if len(set(sources)) != len(sources) or len(set(destinations)) != len(destinations):
-    raise ValueError(f"ppermute sources and destinations must be unique, got {perm}.")
-  return np.array(pairs, dtype=np.int64).reshape(-1)
-
-
 def _lower(ctx, operands, *, axis_name, perm):
   names = axis_names({"axis_name": axis_name})
   axis_context = ctx.module_context.axis_context
-  # lax numbers a group's members by sorted partition index (_pcollectives_lowering_common).
-  partitions = [sorted(g) for g in partition_groups(axis_context, names, None, "ppermute")]
+  partitions = partition_groups(axis_context, names, None, "ppermute")
+  # lax's own (source, destination) partitions: its checks, its errors, and its numbering of a
+  # group's members, which changed between jax versions (sorted partition ids in 0.10; lax's rank
+  # order in 0.11, with an error where the two differ).
+  full = np.asarray(compat.ppermute_partition_pairs(ctx, names, perm), dtype=np.int64)
+  full = full.reshape(len(partitions), len(perm), 2)
+  pairs = []
+  for group, group_pairs in zip(partitions, full):
+    rank = {int(p): r for r, p in enumerate(group)}
+    pairs.append([(rank[int(s)], rank[int(d)]) for s, d in group_pairs])
+  if any(p != pairs[0] for p in pairs):
+    raise collective.NotLowerable("ppermute's pairs differ between its groups")
   groups, sizes = to_device_ids(axis_context, partitions)
   # In place under all_reduce's rule (collective.in_place); the engine keeps every rank from
   # overwriting what its destination has not read yet (docs/engine.md, "In place").
   return collective.emit_custom_call(
       ctx, native.PPERMUTE, operands, aliases=[i for i, x in enumerate(operands) if collective.in_place(x)],
       groups=groups, group_sizes=sizes,
-      pairs=_pairs(perm, int(sizes[0])), label=f"ppermute over axes {names}")
+      pairs=np.array(pairs[0], dtype=np.int64).reshape(-1), label=f"ppermute over axes {names}")
 
 
 ppermute_p = collective.define(collective.Collective(

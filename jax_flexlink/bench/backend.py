@@ -154,9 +154,21 @@ def native_body(collective: str, op: str, nranks: int):
     return body, f"jnp.{op}(lax.all_to_all(x)) (lax has no {op} reduce-scatter)"
 
 
-def make_mesh(nranks: int):
+def make_mesh(nranks: int, platform: str = "cpu"):
+    """A 1-D mesh over the first nranks devices: jax's default devices (host devices), or with
+    platform "gpu" jax's GPUs (nranks 0: all of them)."""
     import numpy as np
     from jax.sharding import Mesh
+    if platform == "gpu":
+        try:
+            devices = jax.devices("gpu")
+        except RuntimeError as e:
+            raise BenchError(f"--scenario gpu: jax sees no GPU ({str(e).splitlines()[0]}); it needs a jax "
+                             "with a CUDA plugin on a machine with NVIDIA GPUs, and JAX_PLATFORMS unset or "
+                             "naming cuda") from None
+        if len(devices) < nranks:
+            raise BenchError(f"{nranks} GPUs requested but jax sees {len(devices)}")
+        return Mesh(np.array(devices[:nranks or len(devices)]), (AXIS,))
     devices = jax.devices()
     if len(devices) < nranks:
         raise BenchError(f"{nranks} devices requested but jax sees {len(devices)} "

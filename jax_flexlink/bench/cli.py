@@ -27,7 +27,7 @@ class Config:
     iters: int | None          # None: auto, scaled with the size (timing.auto_iters)
     warmup: int
     check: bool
-    devices: int
+    devices: int               # 0: every device of the platform (the gpu scenario's default)
     links: str | None
     modes: list[bool]          # inplace flags, out-of-place first (as nccl-tests prints)
     baseline: str
@@ -39,6 +39,7 @@ class Config:
     argv: list[str]
     settings: dict
     stat: str = "median"       # the time a table shows and speedups use: "median" or "mean"
+    platform: str = "cpu"      # "cpu" (host devices) or "gpu" (jax.devices("gpu")), from the scenario
 
 
 def _size_arg(text: str) -> int:
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scenario", default=scenarios.DEFAULT_SCENARIO, help="named setup, see below "
                    f"(default {scenarios.DEFAULT_SCENARIO})")
     g.add_argument("--devices", type=int, help="number of host devices; sets XLA_FLAGS "
-                   "--xla_force_host_platform_device_count before jax starts (default: the scenario's, 8)")
+                   "--xla_force_host_platform_device_count before jax starts (default: the scenario's, 8); "
+                   "with --scenario gpu: the first N GPUs (default all)")
     g.add_argument("--links", help="link spec in FLEXLINK_LINKS syntax, e.g. 'shm;tcp'; passed to "
                    "jax_flexlink.configure(links=...) (default: the scenario's, else the library default)")
     mode = g.add_mutually_exclusive_group()
@@ -154,9 +156,9 @@ def parse(argv: list[str] | None = None) -> Config:
         p.error(str(e))
     if not colls or not ops or not dtypes:
         p.error("nothing to run: empty --collective, --op or --datatype")
-    devices = a.devices if a.devices is not None else scen.devices
-    if devices < 1:
+    if a.devices is not None and a.devices < 1:
         p.error("--devices must be >= 1")
+    devices = a.devices if a.devices is not None else (scen.devices or 0)
     if a.plot:
         from . import report
         try:
@@ -172,7 +174,8 @@ def parse(argv: list[str] | None = None) -> Config:
     return Config(sizes=sweep, collectives=colls, ops=ops, dtypes=dtypes, iters=a.iters or None,
                   warmup=pick("warmup_iters"), check=bool(a.check), devices=devices, links=links, modes=modes,
                   baseline=a.baseline, json_path=a.json, plot_path=a.plot, scenario=scen.name,
-                  seed=a.seed, impl=a.impl, argv=argv, settings=settings, stat=a.stat)
+                  seed=a.seed, impl=a.impl, argv=argv, settings=settings, stat=a.stat,
+                  platform=scen.platform)
 
 
 _DEVCOUNT_RE = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -226,6 +229,7 @@ def ensure_device_count(n: int, may_restart: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
-    ensure_device_count(cfg.devices, may_restart=argv is None)
+    if cfg.platform == "cpu":  # GPUs are what the machine has; XLA_FLAGS counts host devices only
+        ensure_device_count(cfg.devices, may_restart=argv is None)
     from . import runner  # imports jax, now that XLA_FLAGS is final
     return runner.run(cfg)

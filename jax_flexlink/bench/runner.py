@@ -89,8 +89,9 @@ class Runner:
                 if self.scenario.requires and cfg.links == self.scenario.links:
                     raise BenchError(f"{scenarios.requirement(self.scenario)}: {e}") from e
                 raise
-        self.mesh = backend.make_mesh(cfg.devices)
+        self.mesh = backend.make_mesh(cfg.devices, cfg.platform)
         self.mesh_devices = list(self.mesh.devices.flat)
+        cfg.devices = len(self.mesh_devices)  # the gpu scenario's 0 ("all") resolved
         self.sharding = NamedSharding(self.mesh, P(backend.AXIS))
         self.copy_gbps = timing.memcpy_gbps()
         self.started = _now()

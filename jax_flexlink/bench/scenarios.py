@@ -9,7 +9,8 @@ import dataclasses
 class Scenario:
     name: str
     description: str
-    devices: int = 8
+    devices: int | None = 8             # None: every device of the platform
+    platform: str = "cpu"               # "cpu": host devices (--devices sets XLA_FLAGS); "gpu": jax's GPUs
     links: str | None = None            # FLEXLINK_LINKS syntax; None = the library's default links
     requires: str | None = None         # link kinds the installed jax_flexlink must have, see check()
     defaults: dict = dataclasses.field(default_factory=dict)  # flag defaults this scenario changes
@@ -33,6 +34,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              links=H800_LINKS, requires="emulated",
              # Warm-up calls double as the balancer's stage-2 convergence before timing.
              defaults={"minbytes": "64K", "maxbytes": "64M", "stepfactor": 4.0, "warmup_iters": 12}),
+    Scenario("gpu",
+             "every local GPU (jax.devices('gpu')) in one process, or the first --devices N; the CUDA "
+             "module's links. Needs a jax with a CUDA plugin; a build without the CUDA module skips the "
+             "FlexLink side (benchmarks/gpu_check.sh).",
+             devices=None, platform="gpu",
+             defaults={"minbytes": "4K", "maxbytes": "256M", "stepfactor": 4.0}),
     Scenario("multiprocess", "several processes, one host device each (later issue).",
              unavailable="scenario 'multiprocess' is not implemented yet (a later issue)"),
 ]}

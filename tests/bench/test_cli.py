@@ -42,6 +42,14 @@ def test_scenario_defaults_and_overrides():
     assert cli.parse(["--scenario", "emulated-h800", "-b", "1M", "-e", "1M"]).sizes == [1 << 20]
 
 
+def test_gpu_scenario():
+    c = cli.parse(["--scenario", "gpu"])
+    assert (c.platform, c.devices, c.links) == ("gpu", 0, None)  # 0: every GPU jax sees
+    assert c.sizes[0] == 4 << 10 and c.sizes[-1] == 256 << 20 and len(c.sizes) == 9
+    assert cli.parse(["--scenario", "gpu", "--devices", "2"]).devices == 2
+    assert cli.parse([]).platform == "cpu"
+
+
 @pytest.mark.parametrize("argv", [["-b", "4X"], ["-b", "1M", "-e", "1K"], ["-o", "avg"], ["-d", "fp8"],
                                   ["-C", "bcast"], ["--scenario", "nope"], ["--inplace", "--outofplace"],
                                   ["--baseline", "nccl"], ["-c", "2"], ["--devices", "0"], ["-n", "-1"]])

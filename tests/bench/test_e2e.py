@@ -331,3 +331,14 @@ def test_emulated_scenario_without_emulated_links_fails_clearly():
 def test_unavailable_scenario_fails_clearly():
     p = _bench(["--scenario", "multiprocess"], timeout=120)
     assert p.returncode == 2 and "not implemented yet" in p.stderr
+
+
+def test_gpu_scenario_without_a_gpu_fails_clearly():
+    """This machine has no GPU: exit status 2 and a sentence that says so, no traceback."""
+    env = dict(_env())
+    env.pop("JAX_PLATFORMS", None)  # as on a GPU machine; jax skips CUDA without one
+    p = subprocess.run([sys.executable, "-m", "jax_flexlink.bench", "--scenario", "gpu", "-b", "4K", "-e", "4K"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "jax_flexlink.bench: error: --scenario gpu: jax sees no GPU (" in p.stderr
+    assert "Traceback" not in p.stderr

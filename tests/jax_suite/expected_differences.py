@@ -15,5 +15,11 @@ class Expected(NamedTuple):
   reason: str
 
 
-# Empty: every test that passes natively passes under replacement (docs/jax_suite.md, "Fixed").
-EXPECTED: list[Expected] = []
+# At jax-v0.10.2: none (docs/jax_suite.md, "Fixed"). At jax-v0.11.0 (run on jax 0.11.2): the tests
+# of XLA's "replica groups v3" lowering, which assert the StableHLO of lax's own collective.
+EXPECTED: list[Expected] = [
+    Expected("shard_map_test.py::ShardMapTest::test_*_rgv3*",
+             "by design: asserts the StableHLO form of XLA's own collective (replica_groups = "
+             "#stablehlo.replica_group_mesh_axes<...>, jax 0.11's use_rgv3); under replacement the "
+             "collective is FlexLink's custom call, and the test's results still match"),
+]
