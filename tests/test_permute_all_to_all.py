@@ -255,3 +255,58 @@ def test_in_place_rule_is_all_reduce_s(kind, mesh1d):
                 for o in _operand_aliasing(line)]
     assert len(operands) == (2 if kind == "ppermute" else 3), operands
     assert all(aliased == (name != "%param.1") for name, aliased in operands), operands
+
+
+EXCHANGES = {
+    "ppermute": (lambda m: lambda v: m.ppermute(v, "x", PERMS["ring_backward"]), (N * 20011,)),
+    "all_to_all": (lambda m: lambda v: m.all_to_all(v, "x", 0, 0, tiled=True), (N * N * 2503,)),
+}
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("kind", sorted(EXCHANGES))
+def test_every_dtype_in_place_and_out_of_place(kind, dtype, mesh1d):
+    """Every dtype, donated (in place: the call aliases its operand) and not: bitwise lax's result.
+    Per-device sizes above the shm link's staging size, so the in-place path runs its chunks."""
+    make, shape = EXCHANGES[kind]
+    x = make_data(dtype, shape, seed=zlib.crc32((kind + dtype).encode()))
+    sharding = jax.sharding.NamedSharding(mesh1d, P("x"))
+    want = np.asarray(host(_in_place_program(lax, make, mesh1d, donate=False)(jax.device_put(x, sharding))))
+    for donate in (True, False):
+        f = _in_place_program(flx, make, mesh1d, donate=donate)
+        call, = [line for line in _entry(f.lower(jax.device_put(x, sharding)).compile().as_text())
+                 if "custom_call_target=\"flexlink_" in line]
+        assert ("output_to_operand_aliasing" in call) == donate, call
+        got = np.asarray(host(f(jax.device_put(x, sharding))))
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"{kind} {dtype} donate={donate}"
+
+
+@pytest.mark.parametrize("links", ["tcp", "shm;tcp"])
+def test_donated_over_tcp_and_split(links, mesh1d):
+    """In place over tcp alone and split 60/40 over shm and tcp (each link's range runs its own
+    in-place scheme): lax's result, bitwise, the result aliasing the donated operand."""
+    from jax_flexlink import _flexlink
+    saved = _flexlink.autotune_min_bytes()
+    flx.configure(links=links, autotune_min_bytes=0)
+    _flexlink.set_record_splits(True)
+    _flexlink.take_split_records()
+    try:
+        for kind, (make, shape) in sorted(EXCHANGES.items()):
+            x = make_data("int32", shape, seed=zlib.crc32((kind + links).encode()))
+            if ";" in links:
+                nbytes = x.nbytes // N  # nccl-tests bytes of both: the per-rank buffer
+                _flexlink.set_shares(kind, 1 << (nbytes.bit_length() - 1), [0.6, 0.4], pinned=True)
+            before = _flexlink.stats()["links"].get("tcp", {}).get("calls", 0)
+            sharding = jax.sharding.NamedSharding(mesh1d, P("x"))
+            want = np.asarray(host(_in_place_program(lax, make, mesh1d, donate=False)(jax.device_put(x, sharding))))
+            f = _in_place_program(flx, make, mesh1d, donate=True)
+            got = np.asarray(host(f(jax.device_put(x, sharding))))
+            assert got.tobytes() == want.tobytes(), f"{kind} over {links}"
+            assert _flexlink.stats()["links"]["tcp"]["calls"] > before, "tcp carried part of the call"
+            if ";" in links:
+                records = _flexlink.take_split_records()
+                assert len(records) == N and all(
+                    [e > b for b, e in r["ranges"]] == [True, True] for r in records), records
+    finally:
+        _flexlink.set_record_splits(False)
+        flx.configure(links="shm", autotune_min_bytes=saved)

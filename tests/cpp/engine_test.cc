@@ -1488,6 +1488,70 @@ void TestInPlaceDeadline() {
   Expect(ok, "in-place ppermute after a timed-out one works: " + st[0].message());
 }
 
+// The ordering guard itself: one rank starts its part late (after its peers could have finished
+// theirs), so any rank that overwrote its buffer without waiting for its readers would hand the late
+// rank the wrong bytes. Deterministic: without CallContext::WaitProgress before each chunk's write
+// (links/shm_inplace.cc) this fails for every late rank that reads someone's buffer (checked by
+// removing it). Several chunks, each rank in turn the late one, and a late rank whose output is
+// separate (it still reads an in-place peer).
+void TestInPlaceOrdering() {
+  const int n = 4;
+  Communicator comm({50, 51, 52, 53});
+  comm.AddChannel(std::make_unique<ShmChannel>(n, "shm"));
+  const size_t len = 4 * 75001;  // per rank, n blocks of all_to_all; several 256 KiB chunks
+  for (Kind kind : {Kind::kPpermute, Kind::kAllToAll})
+    for (int late = 0; late < n; ++late)
+      for (bool late_separate : {false, true}) {
+        std::vector<std::vector<uint32_t>> buf(n, std::vector<uint32_t>(len)), sep(n, std::vector<uint32_t>(len));
+        for (int r = 0; r < n; ++r)
+          for (size_t i = 0; i < len; ++i) buf[r][i] = static_cast<uint32_t>(r) << 24 | static_cast<uint32_t>(i);
+        const std::vector<std::vector<uint32_t>> x = buf;
+        std::vector<CallDesc> descs(n);
+        for (int r = 0; r < n; ++r) {
+          descs[r].kind = kind;
+          if (kind == Kind::kPpermute) descs[r].sources = {3, 0, 1, 2};  // ring +1
+          Part p;
+          p.dtype = DType::kU32;
+          p.outer = 1;
+          p.units = kind == Kind::kPpermute ? len : len / n;
+          p.inner = p.units;
+          p.in = buf[r].data();
+          p.out = late_separate && r == late ? sep[r].data() : buf[r].data();
+          descs[r].AddPart(p);
+        }
+        const int64_t run = NextRunId();
+        auto st = OnThreads(n, [&](int r) {
+          auto call = comm.Join(r, run, "ordering");
+          Status s = call->Arrive(r, descs[r], "shm");
+          if (r == late) std::this_thread::sleep_for(std::chrono::milliseconds(60));
+          const Piece piece{0, {0, descs[r].parts[0].units}};
+          if (s.ok()) s = comm.channel(0).Run(*call, r, 0, {&piece, 1});
+          return s;
+        });
+        bool ok = true;
+        std::string why;
+        for (int r = 0; r < n && ok; ++r) {
+          const std::vector<uint32_t>& got = late_separate && r == late ? sep[r] : buf[r];
+          for (size_t i = 0; i < len && ok; ++i) {
+            uint32_t want;
+            if (kind == Kind::kPpermute) {
+              want = x[(r + n - 1) % n][i];
+            } else {  // [n, len / n]: block j of rank r is block r of rank j
+              const size_t b = len / n, j = i / b;
+              want = x[j][r * b + i % b];
+            }
+            if (!st[r].ok() || got[i] != want) {
+              ok = false;
+              why = "rank " + std::to_string(r) + " element " + std::to_string(i) + " " + st[r].message();
+            }
+          }
+        }
+        Expect(ok, std::string(Name(kind)) + " in place, rank " + std::to_string(late) + " late" +
+                       (late_separate ? " (separate output)" : "") + ": every rank read its sources' bytes " +
+                       "before they were overwritten: " + why);
+      }
+}
+
 // In place on emulated links (over shm and over tcp), the call split between them.
 void TestInPlaceEmulated() {
   Expect(ConfigureLinks("emulated:e1@gbps=100;emulated:e2@gbps=100,base=tcp").ok(), "configure emulated links");
@@ -1738,6 +1802,7 @@ int main(int argc, char** argv) {
   Timed("TestPpermuteInPlace", TestPpermuteInPlace);
   Timed("TestAllToAllInPlace", TestAllToAllInPlace);
   Timed("TestInPlaceDeadline", TestInPlaceDeadline);
+  Timed("TestInPlaceOrdering", TestInPlaceOrdering);
   Timed("TestExchangeValidation", TestExchangeValidation);
   Timed("TestMultiOperandExchange", TestMultiOperandExchange);
   Timed("TestOutOfMemoryIsAnError", TestOutOfMemoryIsAnError);
