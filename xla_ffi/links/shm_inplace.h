@@ -10,7 +10,7 @@
 // rank reads chunk c of what its output needs (from its sources' buffers) into a private bounce
 // buffer, announces it (CallContext::Advance on its lane), and overwrites chunk c of its own buffer
 // only once the ranks that read its buffer have announced chunk c (CallContext::WaitProgress) — with
-// kSlots chunks read ahead, so a rank rarely waits. Memory traffic per rank stays read N + write N
+// kSlots bounce slots (chunk c is read before chunk c - kSlots + 1 is written), so a rank rarely waits. Memory traffic per rank stays read N + write N
 // (the bounce buffer lives in the cache) and a ppermute rank waits only for its destination.
 // No rank can deadlock: announcing chunk c needs only the writes of chunks <= c - kSlots, which need
 // only announcements of those chunks. Ranks whose output is a separate buffer (in-place-ness may
