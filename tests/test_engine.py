@@ -586,10 +586,75 @@ def test_ppermute_mismatched_pairs_fail_every_rank():
     assert all("disagree" in str(e) and "0->1" in str(e) and "1->0" in str(e) for e in errors.values())
 
 
-def test_ppermute_in_place_is_an_error():
-    with pytest.raises(RuntimeError, match="overlaps the input"):
-        x = np.ones(4, np.float32)
-        fl.engine_run("ppermute", "", [0, 1], [2], 0, next(_run_ids), x, x, pairs=[(0, 1)])
+def run_ppermute_in_place(group, pairs, bufs, in_place=None):
+    """ppermute with `out` aliasing `x` (the array itself) for the operands `in_place` picks (all by
+    default); returns each device's results (its buffers, or the separate outputs)."""
+    k = len(bufs[group[0]]) if isinstance(bufs[group[0]], list) else None
+    pick = (lambda i: True) if in_place is None else (lambda i: i in in_place)
+    if k is None:
+        outs = {d: bufs[d] for d in group}
+    else:
+        outs = {d: [b if pick(i) else np.full_like(b, 7) for i, b in enumerate(bufs[d])] for d in group}
+    run_id = next(_run_ids)
+    errors = {}
+
+    def work(d):
+        try:
+            fl.engine_run("ppermute", "", list(group), [len(group)], d, run_id, bufs[d], outs[d], pairs=pairs)
+        except Exception as e:  # noqa: BLE001
+            errors[d] = e
+
+    threads = [threading.Thread(target=work, args=(d,), daemon=True) for d in group]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    return outs
+
+
+@pytest.mark.parametrize("pairs", list(PAIR_SETS), ids=list(PAIR_SETS))
+def test_ppermute_in_place(links, pairs):
+    """`out` aliasing `x` (the array itself): the result is bitwise the out-of-place one, staged
+    (small), one chunk and many chunks (links/shm_inplace.h), on every link set and split."""
+    group = [3, 1, 4, 0, 6, 2, 7, 5]
+    pin_split(links, "ppermute", 300007 * 4)
+    for dtype, shape in (("float32", (300007,)), ("bfloat16", (7, 3)), ("int8", (40001,)),
+                         ("complex128", (129, 3))):
+        xs = {d: make_data(dtype, shape, seed=650 + d) for d in range(N)}
+        want, errors = run_ppermute(group, PAIR_SETS[pairs], xs)
+        assert not errors, errors
+        bufs = {d: xs[d].copy() for d in range(N)}
+        got = run_ppermute_in_place(group, PAIR_SETS[pairs], bufs)
+        for d in group:
+            assert got[d] is bufs[d]
+            assert got[d].tobytes() == want[d].tobytes(), f"{dtype} device {d}"
+            assert want[d].tobytes() == ppermute_reference(group, PAIR_SETS[pairs], xs, d).tobytes()
+
+
+def test_ppermute_in_place_subset_of_several_operands(links):
+    xs = leaves(660)
+    pairs = PAIR_SETS["shift+1"]
+    pin_split(links, "ppermute", message_bytes("all_reduce", xs[0]))
+    bufs = {d: [x.copy() for x in xs[d]] for d in range(N)}
+    got = run_ppermute_in_place(list(range(N)), pairs, bufs, in_place={0, 3, 6, 9, 12})
+    for d in range(N):
+        for i in range(len(LEAVES)):
+            want = ppermute_reference(list(range(N)), pairs, {r: xs[r][i] for r in range(N)}, d)
+            assert got[d][i].tobytes() == want.tobytes(), f"device {d} operand {i}"
+        assert got[d][6] is bufs[d][6] and got[d][7] is not bufs[d][7]
+
+
+def test_output_overlapping_the_input_is_an_error():
+    """In place means the output *is* the input; any other overlap is refused (by every kind but
+    all_reduce), before any rendezvous."""
+    b = np.ones(9, np.float32)
+    for kind, kw in (("ppermute", {"pairs": [(0, 1)]}), ("all_to_all", {})):
+        with pytest.raises(RuntimeError, match="overlaps the input.*the input buffer itself"):
+            fl.engine_run(kind, "", [0, 1], [2], 0, next(_run_ids), b[:8], b[1:], **kw)
+    with pytest.raises(RuntimeError, match="overlaps the input.*only all_reduce, ppermute and all_to_all"):
+        fl.engine_run("all_gather", "", [0, 1], [2], 0, next(_run_ids), b[:4], b[:8])
 
 
 def all_to_all_reference(xs, group, axis, d):
@@ -639,6 +704,37 @@ def test_all_to_all_of_several_operands(links):
         for d in range(N):
             want = all_to_all_reference({r: xs[r][i] for r in range(N)}, list(range(N)), 1, d)
             assert outs[d][i].tobytes() == want.tobytes(), f"device {d} operand {i}"
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_all_to_all_in_place(links, axis):
+    """`out` aliasing `x`: bitwise the out-of-place result, every axis, one and many chunks."""
+    group = [2, 7, 0, 5, 1, 4, 3, 6]
+    for base in ([3, 5, 7], [30, 41, 70]):
+        shape = list(base)
+        shape[axis] *= N
+        pin_split(links, "all_to_all", int(np.prod(shape)) * 4)
+        for dtype in ("float32", "bfloat16", "int64", "bool"):
+            xs = {d: make_data(dtype, tuple(shape), seed=760 + d) for d in range(N)}
+            bufs = {d: xs[d].copy() for d in range(N)}
+            assert not run_ranks("all_to_all", "", group, [N], bufs, bufs, axis=axis)
+            for d in group:
+                want = all_to_all_reference(xs, group, axis, d)
+                assert bufs[d].tobytes() == want.tobytes(), f"{dtype} {shape} device {d}"
+
+
+def test_all_to_all_in_place_subset_of_several_operands(links):
+    specs = [("float32", (8, 40)), ("bfloat16", (16, 8)), ("int64", (8, 8 * 3001)), ("uint16", (24, 8))]
+    xs = leaves(780, specs)
+    pin_split(links, "all_to_all", sum(x.nbytes for x in xs[0]) * N)
+    bufs = {d: [x.copy() for x in xs[d]] for d in range(N)}
+    outs = {d: [b if i in (0, 2) else np.empty_like(b) for i, b in enumerate(bufs[d])] for d in range(N)}
+    assert not run_ranks("all_to_all", "", range(N), [N], bufs, outs, axis=1)
+    for i in range(len(specs)):
+        for d in range(N):
+            want = all_to_all_reference({r: xs[r][i] for r in range(N)}, list(range(N)), 1, d)
+            assert outs[d][i].tobytes() == want.tobytes(), f"device {d} operand {i}"
+    assert outs[0][2] is bufs[0][2]
 
 
 def test_all_to_all_errors():

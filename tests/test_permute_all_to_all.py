@@ -182,3 +182,131 @@ def test_pytree_of_13_mixed_leaves_is_one_call(mesh1d):
     report = flx.collectives(f, local)
     assert [c.operands for c in report] == [13]
     assert set(report[0].dtypes) == {"float32", "bfloat16", "int32"}  # lax's psum makes bool int32
+
+
+# ---- in place: a donated operand (or an intermediate) is the result's buffer -------------------
+
+def _entry(text):
+    """The compiled module's entry computation (its instructions, one per line)."""
+    return text[text.index("\nENTRY "):].split("\n}\n")[0].splitlines()
+
+
+def _in_place_program(mod, body, mesh_, donate):
+    return jax.jit(jax.shard_map(body(mod), mesh=mesh_, in_specs=P("x"), out_specs=P("x")),
+                   donate_argnums=0 if donate else ())
+
+
+IN_PLACE_CASES = {
+    **{f"ppermute-{p}": (lambda m, p=p: lambda v: m.ppermute(v, "x", PERMS[p]), (N * 3001,), "int32")
+       for p in ("identity", "ring_forward", "ring_backward", "pairs", "partial")},
+    "ppermute-2d-bf16": (lambda m: lambda v: m.ppermute(v, "x", PERMS["ring_forward"]), (N * 7, 129), "bfloat16"),
+    **{f"all_to_all-axis{a}": (lambda m, a=a: lambda v: m.all_to_all(v, "x", a, a, tiled=True),
+                               (N * 8, 2 * N, N), "float32") for a in (0, 1, 2)},
+    "all_to_all-big": (lambda m: lambda v: m.all_to_all(v, "x", 0, 0, tiled=True), (N * N * 40001,), "uint8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IN_PLACE_CASES))
+def test_donated_operand_is_the_result(case, mesh1d):
+    """Donated (the bench's in-place rows, a training step's buffers): the custom call's result
+    aliases its operand, and the compiled program copies nothing — no `copy` of the result into
+    the donated buffer after the call, as XLA adds when the result is a fresh buffer. The result is
+    lax's, bitwise."""
+    make, shape, dtype = IN_PLACE_CASES[case]
+    x = make_data(dtype, shape, seed=zlib.crc32(case.encode()))
+    sharding = jax.sharding.NamedSharding(mesh1d, P("x"))
+    want = host(_in_place_program(lax, make, mesh1d, donate=False)(jax.device_put(x, sharding)))
+    f = _in_place_program(flx, make, mesh1d, donate=True)
+    text = f.lower(jax.device_put(x, sharding)).compile().as_text()
+    entry = _entry(text)
+    call, = [line for line in entry if "custom_call_target=\"flexlink_" in line]
+    assert "output_to_operand_aliasing={{0}: (0, {})}" in call, call
+    assert not [line for line in entry if " copy(" in line or "copy_fusion" in line], "\n".join(entry)
+    donated = jax.device_put(x, sharding)
+    got = host(f(donated))
+    assert donated.is_deleted()
+    assert_tree_equal(got, want, case)
+
+
+def _operand_aliasing(line):
+    """A custom call's operands (but the token) and whether its result i aliases operand i."""
+    operands = re.search(r"custom-call\(([^)]*)\)", line).group(1).split(", ")[:-1]
+    aliased = {int(i) for i in re.findall(r"\{(\d+)\}: \(\1, \{\}\)", line)}
+    return [(name, i in aliased) for i, name in enumerate(operands)]
+
+
+@pytest.mark.parametrize("kind", ["ppermute", "all_to_all"])
+def test_in_place_rule_is_all_reduce_s(kind, mesh1d):
+    """Aliased under all_reduce's rule: an intermediate operand too, a parameter that is not donated
+    not (XLA would copy it first); a transposed all_to_all operand is a fresh intermediate."""
+    if kind == "ppermute":
+        body = lambda m: lambda v: (m.ppermute(v, "x", PERMS["ring_forward"]),
+                                    m.ppermute(v * 2, "x", PERMS["pairs"]))
+    else:
+        body = lambda m: lambda v: (m.all_to_all(v, "x", 0, 0, tiled=True),
+                                    m.all_to_all(v * 2, "x", 0, 0, tiled=True),
+                                    m.all_to_all(v, "x", 0, 1, tiled=True))
+    x = make_data("float32", (N * N * 4, N), seed=14)
+    want = host(_in_place_program(lax, body, mesh1d, donate=False)(x))
+    f = _in_place_program(flx, body, mesh1d, donate=False)
+    assert_tree_equal(host(f(x)), want, kind)
+    text = f.lower(x).compile().as_text()
+    operands = [o for line in _entry(text) if f"custom_call_target=\"flexlink_{kind}\"" in line
+                for o in _operand_aliasing(line)]
+    assert len(operands) == (2 if kind == "ppermute" else 3), operands
+    assert all(aliased == (name != "%param.1") for name, aliased in operands), operands
+
+
+EXCHANGES = {
+    "ppermute": (lambda m: lambda v: m.ppermute(v, "x", PERMS["ring_backward"]), (N * 20011,)),
+    "all_to_all": (lambda m: lambda v: m.all_to_all(v, "x", 0, 0, tiled=True), (N * N * 2503,)),
+}
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("kind", sorted(EXCHANGES))
+def test_every_dtype_in_place_and_out_of_place(kind, dtype, mesh1d):
+    """Every dtype, donated (in place: the call aliases its operand) and not: bitwise lax's result.
+    Per-device sizes above the shm link's staging size, so the in-place path runs its chunks."""
+    make, shape = EXCHANGES[kind]
+    x = make_data(dtype, shape, seed=zlib.crc32((kind + dtype).encode()))
+    sharding = jax.sharding.NamedSharding(mesh1d, P("x"))
+    want = np.asarray(host(_in_place_program(lax, make, mesh1d, donate=False)(jax.device_put(x, sharding))))
+    for donate in (True, False):
+        f = _in_place_program(flx, make, mesh1d, donate=donate)
+        call, = [line for line in _entry(f.lower(jax.device_put(x, sharding)).compile().as_text())
+                 if "custom_call_target=\"flexlink_" in line]
+        assert ("output_to_operand_aliasing" in call) == donate, call
+        got = np.asarray(host(f(jax.device_put(x, sharding))))
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"{kind} {dtype} donate={donate}"
+
+
+@pytest.mark.parametrize("links", ["tcp", "shm;tcp"])
+def test_donated_over_tcp_and_split(links, mesh1d):
+    """In place over tcp alone and split 60/40 over shm and tcp (each link's range runs its own
+    in-place scheme): lax's result, bitwise, the result aliasing the donated operand."""
+    from jax_flexlink import _flexlink
+    saved = _flexlink.autotune_min_bytes()
+    flx.configure(links=links, autotune_min_bytes=0)
+    _flexlink.set_record_splits(True)
+    _flexlink.take_split_records()
+    try:
+        for kind, (make, shape) in sorted(EXCHANGES.items()):
+            x = make_data("int32", shape, seed=zlib.crc32((kind + links).encode()))
+            if ";" in links:
+                nbytes = x.nbytes // N  # nccl-tests bytes of both: the per-rank buffer
+                _flexlink.set_shares(kind, 1 << (nbytes.bit_length() - 1), [0.6, 0.4], pinned=True)
+            before = _flexlink.stats()["links"].get("tcp", {}).get("calls", 0)
+            sharding = jax.sharding.NamedSharding(mesh1d, P("x"))
+            want = np.asarray(host(_in_place_program(lax, make, mesh1d, donate=False)(jax.device_put(x, sharding))))
+            f = _in_place_program(flx, make, mesh1d, donate=True)
+            got = np.asarray(host(f(jax.device_put(x, sharding))))
+            assert got.tobytes() == want.tobytes(), f"{kind} over {links}"
+            assert _flexlink.stats()["links"]["tcp"]["calls"] > before, "tcp carried part of the call"
+            if ";" in links:
+                records = _flexlink.take_split_records()
+                assert len(records) == N and all(
+                    [e > b for b, e in r["ranges"]] == [True, True] for r in records), records
+    finally:
+        _flexlink.set_record_splits(False)
+        flx.configure(links="shm", autotune_min_bytes=saved)

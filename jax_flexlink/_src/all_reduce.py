@@ -10,17 +10,6 @@ from jax_flexlink._src import native
 from jax_flexlink._src.groups import device_groups
 
 
-def _reduce_in_place(x) -> bool:
-  """Whether the output should alias the input.
-
-  XLA:CPU pays heavily for first-touching the pages of a fresh output buffer; reducing into the
-  input's buffer avoids that when XLA may reuse it: a donated argument or an intermediate value. For
-  an argument that is not donated, XLA would first copy it into a fresh buffer, paying the page
-  faults *and* a copy, so the result goes to a fresh buffer instead.
-  """
-  return compat.operand_origin(x) != "parameter"
-
-
 def _reduce_positional(ctx, x, aval, positional, reducer):
   aval_out = aval.update(shape=tuple(np.delete(np.array(aval.shape, dtype=np.int64), positional)))
   return compat.lower_pure(ctx, lambda v: reducer(v, tuple(positional)), x, aval, aval_out), aval_out
@@ -41,7 +30,7 @@ def _make(lax_prim, reduction: str, api_name: str, reducer) -> collective.Collec
                                   api_name)
     return collective.emit_custom_call(
         ctx, native.ALL_REDUCE, operands, avals_in=avals_in,
-        aliases=[i for i, x in enumerate(operands) if _reduce_in_place(x)],
+        aliases=[i for i, x in enumerate(operands) if collective.in_place(x)],
         groups=groups, group_sizes=sizes, reduction=reduction,
         label=f"{api_name} over axes {named}")
 

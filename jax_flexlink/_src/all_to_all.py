@@ -4,8 +4,9 @@ The engine exchanges blocks along one axis: with the operand viewed as [outer, n
 `axis`, rank r's block j comes from rank j's block r. lax's all_to_all splits `split_axis` into n
 chunks and stacks the chunks it receives along `concat_axis`; the lowering maps that onto the
 engine's layout: split_axis's dimension n*s becomes (n, s), the n moves to just before concat_axis
-(a transpose, only when the two axes differ), the engine exchanges along it, and n merges with
-concat_axis's dimension (a reshape, rank-major as lax stacks).
+(a transpose), the engine exchanges along it, and n merges with concat_axis's dimension (a reshape,
+rank-major as lax stacks). When the two axes are one, that is the engine's exchange about it on the
+operand as it is, with no reshape around the call.
 """
 from __future__ import annotations
 
@@ -42,17 +43,27 @@ def _lower(ctx, operands, *, axis_name, split_axis, concat_axis, axis_index_grou
   n = int(sizes[0])
   if np.any(sizes != n):
     raise ValueError("Replica groups must be equally sized")
-  prepared, prepared_avals, axis = [], [], 0
-  for x, aval in zip(operands, ctx.avals_in):
+  label = f"all_to_all over axes {names}"
+  if split_axis == concat_axis:
+    # Exactly the engine's exchange about that axis, on the operands as they are: no reshape around
+    # the call, so the result can be the operand's buffer (XLA copies around an aliased bitcast of a
+    # donated argument). In place under all_reduce's rule (collective.in_place).
+    return collective.emit_custom_call(
+        ctx, native.ALL_TO_ALL, operands, aliases=[i for i, x in enumerate(operands) if collective.in_place(x)],
+        groups=groups, group_sizes=sizes, axis=np.int64(split_axis), label=label)
+  prepared, prepared_avals, aliases, axis = [], [], [], 0
+  for i, (x, aval) in enumerate(zip(operands, ctx.avals_in)):
     shape, axis, order, split = engine_layout(aval.shape, split_axis, concat_axis, n)
     prepared_aval = aval.update(shape=tuple(shape))
     prepared.append(compat.lower_pure(
         ctx, lambda v, split=split, order=order: lax.transpose(lax.reshape(v, split), order),
         x, aval, prepared_aval))
     prepared_avals.append(prepared_aval)
+    # The transposed operand is a fresh intermediate: the result may as well be written there.
+    aliases.append(i)
   exchanged = collective.emit_custom_call(
-      ctx, native.ALL_TO_ALL, prepared, avals_in=prepared_avals, avals_out=prepared_avals, groups=groups, group_sizes=sizes, axis=np.int64(axis),
-      label=f"all_to_all over axes {names}")
+      ctx, native.ALL_TO_ALL, prepared, aliases=aliases, avals_in=prepared_avals, avals_out=prepared_avals,
+      groups=groups, group_sizes=sizes, axis=np.int64(axis), label=label)
   outs = []
   for y, prepared_aval, aval_out in zip(exchanged, prepared_avals, ctx.avals_out):
     outs.append(compat.lower_pure(ctx, lambda v, shape=aval_out.shape: lax.reshape(v, shape), y,

@@ -209,6 +209,18 @@ def define(spec: Collective) -> compat.Primitive:
   return prim
 
 
+def in_place(x) -> bool:
+  """Whether a collective's result should alias its operand (all_reduce, ppermute, all_to_all).
+
+  XLA:CPU pays heavily for first-touching the pages of a fresh output buffer, and where the jitted
+  function's output is a donated argument it copies a fresh result into it afterwards; writing the
+  result into the operand's buffer avoids both when XLA may reuse that buffer: a donated argument or
+  an intermediate value. For an argument that is not donated, XLA would first copy it into a fresh
+  buffer, paying the page faults *and* a copy, so the result goes to a fresh buffer instead.
+  """
+  return compat.operand_origin(x) != "parameter"
+
+
 def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, avals_out=None,
                      **attrs):
   """Emits `target(x_1, ..., x_k, token) -> (y_1, ..., y_k, token)` and threads the FlexLink

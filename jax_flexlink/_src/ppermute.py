@@ -31,8 +31,11 @@ def _lower(ctx, operands, *, axis_name, perm):
   if any(p != pairs[0] for p in pairs):
     raise collective.NotLowerable("ppermute's pairs differ between its groups")
   groups, sizes = to_device_ids(axis_context, partitions)
+  # In place under all_reduce's rule (collective.in_place); the engine keeps every rank from
+  # overwriting what its destination has not read yet (docs/engine.md, "In place").
   return collective.emit_custom_call(
-      ctx, native.PPERMUTE, operands, groups=groups, group_sizes=sizes,
+      ctx, native.PPERMUTE, operands, aliases=[i for i, x in enumerate(operands) if collective.in_place(x)],
+      groups=groups, group_sizes=sizes,
       pairs=np.array(pairs[0], dtype=np.int64).reshape(-1), label=f"ppermute over axes {names}")
 
 

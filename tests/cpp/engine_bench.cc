@@ -1,6 +1,6 @@
 // Engine timing without XLA: 8 persistent threads as devices (as XLA:CPU runs them), float32
-// all_reduce / all_gather / ppermute (ring shift) / all_to_all per size, buffers allocated and touched
-// once (what a donated, reused buffer costs), then a psum of 13 gradient-like leaves as one call of
+// all_reduce / all_gather / ppermute (ring shift) / all_to_all per size, in place (but all_gather) and
+// out of place, buffers allocated and touched once (what a donated, reused buffer costs), then a psum of 13 gradient-like leaves as one call of
 // 13 operands against 13 calls. Not a test; build and run by hand:
 //   g++ -std=c++20 -O3 -I. tests/cpp/engine_bench.cc -L<build> -lflexlink_core -lpthread -o /tmp/engine_bench
 //   /tmp/engine_bench [staging_bytes] [max_bytes]
@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
       const int iters = bytes <= (1 << 20) ? 200 : bytes <= (16 << 20) ? 20 : 6;
       double us[2] = {0, 0};
       for (int in_place = 1; in_place >= 0; --in_place) {
-        if (kind != Kind::kAllReduce && in_place) continue;
+        if (kind == Kind::kAllGather && in_place) continue;
         std::vector<std::vector<float>> x(n, std::vector<float>(count, 1.f));
         std::vector<std::vector<float>> y(n, std::vector<float>(kind == Kind::kAllGather ? count * n : count));
         std::vector<double> elapsed(n);
@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
         us[in_place] = worst / iters * 1e6;
       }
       std::printf("%-14s %10zu %12.1f %12.1f %12.2f\n", std::string(Name(kind)).c_str(), bytes,
-                  kind != Kind::kAllReduce ? 0.0 : us[1], us[0], bytes / (us[0] * 1e3));
+                  kind == Kind::kAllGather ? 0.0 : us[1], us[0], bytes / (us[0] * 1e3));
     }
   }
   // 13 leaves (sizes relative to the largest, as in a small model's gradients), one call vs 13.

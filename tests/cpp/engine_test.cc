@@ -45,6 +45,9 @@ struct Spec {
   bool in_place = false;
   bool with_nan = false;
   std::vector<std::pair<int64_t, int64_t>> pairs;  // ppermute
+  // With in_place: the devices whose output is nevertheless a separate buffer (bit d = device d).
+  uint32_t separate_devices = 0;
+  bool InPlace(int64_t device) const { return in_place && !(separate_devices >> device & 1); }
 };
 
 std::string Describe(const Spec& s) {
@@ -54,6 +57,7 @@ std::string Describe(const Spec& s) {
   d += "] axis " + std::to_string(s.axis) + " groups " + std::to_string(s.groups.size()) + " of " +
        std::to_string(s.groups[0].size());
   if (s.in_place) d += " in-place";
+  if (s.in_place && s.separate_devices) d += " (not on devices mask " + std::to_string(s.separate_devices) + ")";
   if (s.kind == Kind::kPpermute) {
     d += " pairs";
     for (const auto& [a, b] : s.pairs) d += " " + std::to_string(a) + "->" + std::to_string(b);
@@ -105,14 +109,15 @@ std::vector<std::vector<uint8_t>> RunSpec(const Spec& s, const std::vector<std::
         x.in_dims = s.in_dims;
         x.out_dims = out_dims;
         x.in = ins[dev].data();
-        x.out = s.in_place ? ins[dev].data() : outs[dev].data();
+        x.out = s.InPlace(dev) ? ins[dev].data() : outs[dev].data();
         a.request.operands = {&x, 1};
         (*statuses)[dev] = RunCollective(a);
       });
     }
   }
   for (auto& t : threads) t.join();
-  if (s.in_place) return ins;
+  for (size_t d = 0; d < devices; ++d)
+    if (s.InPlace(static_cast<int64_t>(d))) outs[d] = ins[d];
   return outs;
 }
 
@@ -173,6 +178,18 @@ void CheckSpec(const Spec& s) {
         break;
       }
     }
+  // The exchange kinds in place: bitwise the out-of-place call's result too.
+  if (ok && s.in_place && (s.kind == Kind::kPpermute || s.kind == Kind::kAllToAll)) {
+    Spec separate = s;
+    separate.in_place = false;
+    const auto want = RunSpec(separate, inputs, &st, NextRunId());
+    for (const auto& g : s.groups)
+      for (int64_t dev : g)
+        if (ok && (!st[dev].ok() || outs[dev] != want[dev])) {
+          ok = false;
+          why = "device " + std::to_string(dev) + ": differs from the out-of-place call " + st[dev].message();
+        }
+  }
   Expect(ok, Describe(s) + ": " + why);
 }
 
@@ -1122,6 +1139,9 @@ void TestMultiOperandMismatch() {
   Expect(all, "one operand of another shape on one rank fails every rank: " + st2[0].message());
 }
 
+using Pairs = std::vector<std::pair<int64_t, int64_t>>;
+Pairs Shift(int n, int by);  // ring shift by `by` (below)
+
 // With several links the executor cuts one set of ranges over all parts (boundaries inside parts) and
 // each link runs the pieces of its range; the results stay bitwise those of separate calls.
 void TestMultiOperandAcrossLinks() {
@@ -1164,6 +1184,20 @@ void TestMultiOperandAcrossLinks() {
         for (const Part& p : probe.parts)
           inside |= begin > p.offset && begin < p.offset + p.bytes();
     Expect(inside, std::string(Name(kind)) + ": a range boundary falls inside a part");
+    if (kind != Kind::kPpermute && kind != Kind::kAllToAll) continue;
+    // In place over the same split: a subset of the operands, then all of them (every link's range
+    // runs its own in-place protocol: shm on two lanes, tcp through its sockets).
+    for (size_t i = 0; i < m.operands.size(); i += 2) m.operands[i].in_place = true;
+    m.what = "in-place subset, split 37/21/42 over shm, tcp, shm:b";
+    CheckMulti(m);
+    for (Operand& o : m.operands) o.in_place = true;
+    m.what = "all in place, split 37/21/42 over shm, tcp, shm:b";
+    CheckMulti(m);
+    if (kind == Kind::kPpermute) {
+      m.pairs = Shift(8, 1);
+      m.what = "all in place, ring +1, split 37/21/42 over shm, tcp, shm:b";
+      CheckMulti(m);
+    }
   }
   SetRecordSplits(false);
   Expect(ConfigureLinks("shm").ok(), "configure shm");
@@ -1174,8 +1208,6 @@ void TestMultiOperandAcrossLinks() {
 const DType kAllDTypes[] = {DType::kPred, DType::kS8,  DType::kS16, DType::kS32, DType::kS64,
                             DType::kU8,   DType::kU16, DType::kU32, DType::kU64, DType::kF16,
                             DType::kBF16, DType::kF32, DType::kF64, DType::kC64, DType::kC128};
-
-using Pairs = std::vector<std::pair<int64_t, int64_t>>;
 
 Pairs Shift(int n, int by) {
   Pairs p;
@@ -1279,6 +1311,269 @@ void TestAllToAll() {
   CheckSpec(big);
 }
 
+// ---- ppermute and all_to_all in place (shm's direct path: chunks of 256 KiB per rank announced
+// pairwise, links/shm_inplace.h; the staged path below 16 KiB): against the reference and the
+// out-of-place call, bitwise (CheckSpec).
+
+void TestPpermuteInPlace() {
+  // Every dtype width (1, 2, 4, 8, 16 bytes), from one element to many chunks, ring +1 and -1.
+  for (DType t : kAllDTypes)
+    for (int64_t len : {1, 17, 4099, 300001})
+      for (int by : {1, -1}) {
+        Spec s;
+        s.kind = Kind::kPpermute;
+        s.dtype = t;
+        s.in_dims = {len};
+        s.pairs = Shift(8, by);
+        s.in_place = true;
+        CheckSpec(s);
+      }
+  // Pair sets: identity, shifts, pairs (swaps), a reversal, partial ones with zero-filled ranks and
+  // ranks that only send, none at all; staged, one chunk, several chunks (not a multiple of a chunk),
+  // 2-D shapes.
+  const std::vector<Pairs> sets = {
+      {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}, {6, 6}, {7, 7}},
+      Shift(8, 1), Shift(8, -1), Shift(8, 3),
+      {{0, 1}, {1, 0}, {2, 3}, {3, 2}, {4, 5}, {5, 4}, {6, 7}, {7, 6}},
+      {{0, 1}, {1, 0}},
+      {{0, 7}, {1, 6}, {2, 5}, {3, 4}, {4, 3}, {5, 2}, {6, 1}, {7, 0}},
+      {{0, 3}, {5, 1}, {2, 2}},
+      {{0, 1}, {1, 2}, {2, 3}},
+      {{7, 0}},
+      {},
+  };
+  for (const Pairs& pairs : sets)
+    for (const auto& dims : std::vector<std::vector<int64_t>>{{5, 7}, {30001}, {333, 777}, {1000003}}) {
+      Spec s;
+      s.kind = Kind::kPpermute;
+      s.dtype = dims.size() == 1 ? DType::kF32 : DType::kBF16;
+      s.in_dims = dims;
+      s.pairs = pairs;
+      s.in_place = true;
+      CheckSpec(s);
+    }
+  // In place on some ranks only (the others have separate outputs); groups of 2, 3, 5 and two groups.
+  for (uint32_t separate : {0x01u, 0x5Au, 0xFEu}) {
+    Spec s;
+    s.kind = Kind::kPpermute;
+    s.dtype = DType::kS16;
+    s.in_dims = {400003};
+    s.pairs = Shift(8, 1);
+    s.in_place = true;
+    s.separate_devices = separate;
+    CheckSpec(s);
+    s.pairs = {{0, 3}, {3, 0}, {5, 6}};
+    CheckSpec(s);
+  }
+  struct G {
+    std::vector<std::vector<int64_t>> groups;
+    Pairs pairs;
+  };
+  for (const G& g : std::vector<G>{{{{6, 2}}, {{0, 1}, {1, 0}}},
+                                   {{{4, 1, 6}}, Shift(3, 1)},
+                                   {{{0, 1, 2, 3, 4}}, Shift(5, -2)},
+                                   {{{0, 2, 4, 6}, {1, 3, 5, 7}}, Shift(4, 1)},
+                                   {{{3}}, {}}})
+    for (int64_t len : {9, 200001}) {
+      Spec s;
+      s.kind = Kind::kPpermute;
+      s.dtype = DType::kS32;
+      s.groups = g.groups;
+      s.in_dims = {len};
+      s.pairs = g.pairs;
+      s.in_place = true;
+      CheckSpec(s);
+    }
+}
+
+void TestAllToAllInPlace() {
+  // Every dtype width; every axis position, outer and inner of 1, one element per block, staged and
+  // direct, chunks cutting rows.
+  for (DType t : kAllDTypes)
+    for (const auto& [dims, axis] : std::vector<std::pair<std::vector<int64_t>, int64_t>>{
+             {{8}, 0}, {{3, 8 * 7}, 1}, {{2, 8, 3}, 1}, {{1, 8, 1}, 1}, {{8 * 30011}, 0},
+             {{3, 8 * 20011}, 1}, {{1001, 8, 13}, 1}, {{40, 33, 8 * 5}, 2}}) {
+      Spec s;
+      s.kind = Kind::kAllToAll;
+      s.dtype = t;
+      s.in_dims = dims;
+      s.axis = axis;
+      s.in_place = true;
+      CheckSpec(s);
+    }
+  // n = 2..8, odd included; many chunks with long rows and with short ones; some ranks out of place.
+  for (int n = 2; n <= 8; ++n) {
+    std::vector<int64_t> group;
+    for (int r = 0; r < n; ++r) group.push_back(7 - r);
+    for (const auto& [dims, axis] : std::vector<std::pair<std::vector<int64_t>, int64_t>>{
+             {{5, n * 3}, 1}, {{n * 130011}, 0}, {{20001, n * 3}, 1}, {{3, n, 70001}, 1}}) {
+      Spec s;
+      s.kind = Kind::kAllToAll;
+      s.dtype = n % 2 ? DType::kF16 : DType::kF64;
+      s.groups = {group};
+      s.in_dims = dims;
+      s.axis = axis;
+      s.in_place = true;
+      CheckSpec(s);
+      s.separate_devices = 0x55;
+      CheckSpec(s);
+    }
+  }
+  Spec two;
+  two.kind = Kind::kAllToAll;
+  two.groups = {{0, 2, 4, 6}, {1, 3, 5, 7}};
+  two.in_dims = {3, 4 * 100001};
+  two.axis = 1;
+  two.in_place = true;
+  CheckSpec(two);
+}
+
+// A rank that arrives at an in-place ppermute but never runs its part: the rank whose buffer it
+// should read waits for it, and fails at the deadline naming the collective, the group, the rank
+// and the link; the next call on the group works.
+void TestInPlaceDeadline() {
+  const double saved = TimeoutSeconds();
+  SetTimeoutSeconds(0.3);
+  const int n = 3;
+  Communicator comm({40, 41, 42});
+  comm.AddChannel(std::make_unique<ShmChannel>(n, "shm"));
+  const size_t len = 300000;  // several chunks
+  for (Kind kind : {Kind::kPpermute, Kind::kAllToAll}) {
+    std::vector<std::vector<float>> buf(n, std::vector<float>(len * n, 1.f));
+    std::vector<CallDesc> descs(n);
+    for (int r = 0; r < n; ++r) {
+      descs[r].kind = kind;
+      if (kind == Kind::kPpermute) descs[r].sources = {2, 0, 1};  // 0 -> 1 -> 2 -> 0
+      Part p;
+      p.units = kind == Kind::kPpermute ? len * n : len;
+      p.inner = p.units;
+      p.in = p.out = buf[r].data();
+      descs[r].AddPart(p);
+    }
+    const int64_t run = NextRunId();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto st = OnThreads(n, [&](int r) {
+      auto call = comm.Join(r, run, "ppermute over axes ('x',)");
+      Status s = call->Arrive(r, descs[r], "shm");
+      const Piece piece{0, {0, descs[r].parts[0].units}};
+      if (s.ok() && r != 2) s = comm.channel(0).Run(*call, r, 0, {&piece, 1});
+      return s;
+    });
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string& m = st[1].message();  // rank 1's destination is rank 2 (ppermute); all_to_all: everyone
+    Expect(st[1].code() == StatusCode::kDeadlineExceeded && m.find("ppermute over axes") != std::string::npos &&
+               m.find("rank 2 (device 42)") != std::string::npos && m.find("[40, 41, 42]") != std::string::npos &&
+               m.find("link shm") != std::string::npos && m.find("in-place") != std::string::npos,
+           std::string(Name(kind)) + " in place: the deadline names label, group, missing rank, link: " + m);
+    Expect(took < 3, std::string(Name(kind)) + " in place: deadline honoured (" + std::to_string(took) + " s)");
+  }
+  SetTimeoutSeconds(saved);
+  // The group works again (a fresh run).
+  std::vector<std::vector<float>> buf(n, std::vector<float>(len));
+  for (int r = 0; r < n; ++r) std::fill(buf[r].begin(), buf[r].end(), static_cast<float>(r));
+  const int64_t run = NextRunId();
+  auto st = OnThreads(n, [&](int r) {
+    CallDesc d;
+    d.kind = Kind::kPpermute;
+    d.sources = {2, 0, 1};
+    Part p;
+    p.units = p.inner = len;
+    p.in = p.out = buf[r].data();
+    d.AddPart(p);
+    auto call = comm.Join(r, run, "after");
+    return comm.channel(0).RunAlone(*call, r, d);
+  });
+  bool ok = true;
+  for (int r = 0; r < n; ++r) ok &= st[r].ok() && buf[r][0] == static_cast<float>((r + 2) % 3) && buf[r][len - 1] == buf[r][0];
+  Expect(ok, "in-place ppermute after a timed-out one works: " + st[0].message());
+}
+
+// The ordering guard itself: one rank starts its part late (after its peers could have finished
+// theirs), so any rank that overwrote its buffer without waiting for its readers would hand the late
+// rank the wrong bytes. Deterministic: without CallContext::WaitProgress before each chunk's write
+// (links/shm_inplace.cc) this fails for every late rank that reads someone's buffer (checked by
+// removing it). Several chunks, each rank in turn the late one, and a late rank whose output is
+// separate (it still reads an in-place peer).
+void TestInPlaceOrdering() {
+  const int n = 4;
+  Communicator comm({50, 51, 52, 53});
+  comm.AddChannel(std::make_unique<ShmChannel>(n, "shm"));
+  const size_t len = 4 * 75001;  // per rank, n blocks of all_to_all; several 256 KiB chunks
+  for (Kind kind : {Kind::kPpermute, Kind::kAllToAll})
+    for (int late = 0; late < n; ++late)
+      for (bool late_separate : {false, true}) {
+        std::vector<std::vector<uint32_t>> buf(n, std::vector<uint32_t>(len)), sep(n, std::vector<uint32_t>(len));
+        for (int r = 0; r < n; ++r)
+          for (size_t i = 0; i < len; ++i) buf[r][i] = static_cast<uint32_t>(r) << 24 | static_cast<uint32_t>(i);
+        const std::vector<std::vector<uint32_t>> x = buf;
+        std::vector<CallDesc> descs(n);
+        for (int r = 0; r < n; ++r) {
+          descs[r].kind = kind;
+          if (kind == Kind::kPpermute) descs[r].sources = {3, 0, 1, 2};  // ring +1
+          Part p;
+          p.dtype = DType::kU32;
+          p.outer = 1;
+          p.units = kind == Kind::kPpermute ? len : len / n;
+          p.inner = p.units;
+          p.in = buf[r].data();
+          p.out = late_separate && r == late ? sep[r].data() : buf[r].data();
+          descs[r].AddPart(p);
+        }
+        const int64_t run = NextRunId();
+        auto st = OnThreads(n, [&](int r) {
+          auto call = comm.Join(r, run, "ordering");
+          Status s = call->Arrive(r, descs[r], "shm");
+          if (r == late) std::this_thread::sleep_for(std::chrono::milliseconds(60));
+          const Piece piece{0, {0, descs[r].parts[0].units}};
+          if (s.ok()) s = comm.channel(0).Run(*call, r, 0, {&piece, 1});
+          return s;
+        });
+        bool ok = true;
+        std::string why;
+        for (int r = 0; r < n && ok; ++r) {
+          const std::vector<uint32_t>& got = late_separate && r == late ? sep[r] : buf[r];
+          for (size_t i = 0; i < len && ok; ++i) {
+            uint32_t want;
+            if (kind == Kind::kPpermute) {
+              want = x[(r + n - 1) % n][i];
+            } else {  // [n, len / n]: block j of rank r is block r of rank j
+              const size_t b = len / n, j = i / b;
+              want = x[j][r * b + i % b];
+            }
+            if (!st[r].ok() || got[i] != want) {
+              ok = false;
+              why = "rank " + std::to_string(r) + " element " + std::to_string(i) + " " + st[r].message();
+            }
+          }
+        }
+        Expect(ok, std::string(Name(kind)) + " in place, rank " + std::to_string(late) + " late" +
+                       (late_separate ? " (separate output)" : "") + ": every rank read its sources' bytes " +
+                       "before they were overwritten: " + why);
+      }
+}
+
+// In place on emulated links (over shm and over tcp), the call split between them.
+void TestInPlaceEmulated() {
+  Expect(ConfigureLinks("emulated:e1@gbps=100;emulated:e2@gbps=100,base=tcp").ok(), "configure emulated links");
+  SetAutotune(0);
+  for (Kind kind : {Kind::kPpermute, Kind::kAllToAll}) {
+    Spec s;
+    s.kind = kind;
+    s.in_dims = kind == Kind::kPpermute ? std::vector<int64_t>{500001} : std::vector<int64_t>{7, 8 * 9001};
+    s.axis = kind == Kind::kPpermute ? 0 : 1;
+    s.pairs = kind == Kind::kPpermute ? Shift(8, -1) : Pairs{};
+    s.in_place = true;
+    const uint64_t bytes = Prod(s.in_dims) * 4;
+    uint64_t bucket = 1;
+    while (bucket * 2 <= bytes) bucket *= 2;
+    Expect(SetShares(kind, bucket, {0.55, 0.45}, true).ok(), "pinned shares");
+    CheckSpec(s);
+    s.separate_devices = 0x0F;
+    CheckSpec(s);
+  }
+  Expect(ConfigureLinks("shm").ok(), "configure shm");
+}
+
 // Every rank of a group runs f(rank) -> Status on its own thread; returns the statuses.
 std::vector<Status> CallOnGroup(const std::vector<int64_t>& group, const std::vector<int64_t>& sizes,
                                 const std::function<void(int, CollectiveArgs&)>& fill) {
@@ -1331,11 +1626,17 @@ void TestExchangeValidation() {
   s = one(Kind::kPpermute, {0, 1, 2, 1});
   Expect(!s.ok() && s.message().find("destinations must be unique") != std::string::npos,
          "duplicate destination: " + s.message());
-  op.out = x.data();
+  // In place is the output being the input buffer itself; any other overlap is an error.
+  std::vector<float> xy(25);
+  op.in = xy.data();
+  op.out = xy.data() + 1;
   s = one(Kind::kPpermute, {0, 1});
-  Expect(!s.ok() && s.message().find("overlaps the input") != std::string::npos, "ppermute in place: " + s.message());
+  Expect(!s.ok() && s.message().find("overlaps the input") != std::string::npos &&
+             s.message().find("the input buffer itself") != std::string::npos,
+         "ppermute, output overlapping the input: " + s.message());
   s = one(Kind::kAllToAll, {});
-  Expect(!s.ok() && s.message().find("overlaps the input") != std::string::npos, "all_to_all in place: " + s.message());
+  Expect(!s.ok() && s.message().find("overlaps the input") != std::string::npos, "all_to_all, overlap: " + s.message());
+  op.in = x.data();
   op.out = y.data();
   std::vector<int64_t> odd = {3, 7};
   op.in_dims = op.out_dims = odd;
@@ -1429,6 +1730,26 @@ void TestMultiOperandExchange() {
     p.pairs = {{0, 1}, {1, 2}, {2, 0}, {4, 4}, {6, 7}};
     p.what = "partial pairs, " + SizeName(size);
     CheckMulti(p);
+    // In-place subsets: results 0, 1, 4, 7 and 10 alias their operands (1, 4 and 10 are the large
+    // ones with kBig), in a partial permutation and in a ring.
+    for (size_t i : {0, 1, 4, 7, 10}) p.operands[i].in_place = true;
+    p.what = "partial pairs, in-place subset, " + SizeName(size);
+    CheckMulti(p);
+    p.pairs = {{0, 1}, {1, 2}, {2, 3}, {3, 4}, {4, 5}, {5, 6}, {6, 7}, {7, 0}};
+    p.what = "ring +1, in-place subset, " + SizeName(size);
+    CheckMulti(p);
+    for (Operand& o : p.operands) o.in_place = true;
+    p.what = "ring +1, all in place, " + SizeName(size);
+    CheckMulti(p);
+  }
+  for (int64_t axis : {0, 1}) {
+    MultiSpec a;
+    a.kind = Kind::kAllToAll;
+    a.axis = axis;
+    a.operands = {{DType::kF32, {8, 8 * 5}, true}, {DType::kBF16, {16, 8}}, {DType::kS64, {8, 8 * 30001}, true},
+                  {DType::kU16, {24, 8}, true},    {DType::kC64, {8, 8}},   {DType::kPred, {8, 8 * 70001}}};
+    a.what = "in-place subset, axis " + std::to_string(axis);
+    CheckMulti(a);
   }
   for (int64_t axis : {0, 1}) {
     MultiSpec a;
@@ -1442,14 +1763,22 @@ void TestMultiOperandExchange() {
 }
 
 // Runs a test function and prints how long it took (the suite's slow parts show at a glance).
+// `engine_test NAME...` runs only the test functions whose names contain one of the NAMEs.
+std::vector<std::string> g_only;
+
 void Timed(const char* name, void (*test)()) {
+  if (!g_only.empty() && std::none_of(g_only.begin(), g_only.end(), [&](const std::string& s) {
+        return std::string(name).find(s) != std::string::npos;
+      }))
+    return;
   const auto t0 = std::chrono::steady_clock::now();
   test();
   std::printf("%-32s %6.1f s\n", name, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
-int main() {
+int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  g_only.assign(argv + 1, argv + argc);
   Timed("TestOutputFaultsTheMiddle", TestOutputFaultsTheMiddle);
   Timed("TestOutputFaultsCollapseEnds", TestOutputFaultsCollapseEnds);
   Timed("TestOutputFaultsShared", TestOutputFaultsShared);
@@ -1470,9 +1799,14 @@ int main() {
   Timed("TestMultiOperandMismatch", TestMultiOperandMismatch);
   Timed("TestPpermute", TestPpermute);
   Timed("TestAllToAll", TestAllToAll);
+  Timed("TestPpermuteInPlace", TestPpermuteInPlace);
+  Timed("TestAllToAllInPlace", TestAllToAllInPlace);
+  Timed("TestInPlaceDeadline", TestInPlaceDeadline);
+  Timed("TestInPlaceOrdering", TestInPlaceOrdering);
   Timed("TestExchangeValidation", TestExchangeValidation);
   Timed("TestMultiOperandExchange", TestMultiOperandExchange);
   Timed("TestOutOfMemoryIsAnError", TestOutOfMemoryIsAnError);
   Timed("TestMultiOperandAcrossLinks", TestMultiOperandAcrossLinks);
+  Timed("TestInPlaceEmulated", TestInPlaceEmulated);
   return Summary();
 }

@@ -143,8 +143,8 @@ std::vector<std::vector<uint8_t>> RunCase(Communicator& comm, const Case& c, con
     d.AddPart(p);
     if (c.kind == Kind::kPpermute) d.sources = Sources(c.pairs, n);
   }
+  if (inputs) *inputs = ins;  // before the call: in place overwrites them
   *st = RunCall(comm, descs, pieces, nullptr, concurrent);
-  if (inputs) *inputs = ins;
   return c.in_place ? ins : outs;
 }
 
@@ -449,6 +449,7 @@ struct MultiCase {
   ReduceOp op;
   std::vector<PartShape> parts;
   std::vector<std::pair<int, int>> pairs = {};  // ppermute
+  uint32_t in_place = 0;                        // bit i: part i's output is its input
 };
 
 // A range of the call's virtual bytes on a channel.
@@ -482,7 +483,7 @@ std::vector<std::vector<std::vector<uint8_t>>> RunMultiCase(Communicator& comm, 
       ins[r][i] = RandomData(ps.dtype, in_count, static_cast<uint32_t>(r * 7919 + i * 31 + p.units), nan);
       outs[r][i].assign(out_count * ByteWidth(ps.dtype), 0xAB);
       p.in = ins[r][i].data();
-      p.out = outs[r][i].data();
+      p.out = c.in_place >> i & 1 ? ins[r][i].data() : outs[r][i].data();
       descs[r].AddPart(p);
     }
     if (c.kind == Kind::kPpermute) descs[r].sources = Sources(c.pairs, n);
@@ -511,14 +512,20 @@ std::vector<std::vector<std::vector<uint8_t>>> RunMultiCase(Communicator& comm, 
       (*st)[r] = s;
     });
   for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r)
+    for (size_t i = 0; i < c.parts.size(); ++i)
+      if (c.in_place >> i & 1) outs[r][i] = ins[r][i];
   return outs;
 }
 
 std::string Describe(const MultiCase& c, int n) {
   std::string s = std::string(Name(c.kind)) + "(" + std::string(Name(c.op)) + ") of " +
                   std::to_string(c.parts.size()) + " parts n=" + std::to_string(n) + ":";
-  for (const PartShape& p : c.parts)
+  for (size_t i = 0; i < c.parts.size(); ++i) {
+    const PartShape& p = c.parts[i];
     s += " " + std::string(Name(p.dtype)) + "[" + std::to_string(p.outer) + "x" + std::to_string(p.inner) + "]";
+    if (c.in_place >> i & 1) s += " in place";
+  }
   return s;
 }
 
@@ -535,8 +542,12 @@ void CheckMultiTcpMatchesShm(Communicator& comm, const MultiCase& c) {
   }
   const uint64_t total = probe.virtual_bytes();
   const uint64_t a = total / 3 / 64 * 64 + 64, b = std::max<uint64_t>(a, 2 * total / 3 + 13);
-  std::vector<Status> st_ref, st_tcp, st_mix, st_par;
+  std::vector<Status> st_ref, st_tcp, st_mix, st_par, st_sep;
   auto ref = RunMultiCase(comm, c, {{0, {0, total}}}, &st_ref, false);
+  // In place: bitwise the result of the same call with separate outputs (on shm).
+  MultiCase separate = c;
+  separate.in_place = 0;
+  auto sep = c.in_place ? RunMultiCase(comm, separate, {{0, {0, total}}}, &st_sep, false) : ref;
   auto tcp = RunMultiCase(comm, c, {{1, {0, total}}}, &st_tcp, false);
   auto mix = RunMultiCase(comm, c, {{1, {0, a}}, {0, {a, b}}, {1, {b, total}}}, &st_mix, false);
   auto par = RunMultiCase(comm, c, {{0, {0, a}}, {1, {a, total}}}, &st_par, true);
@@ -549,6 +560,8 @@ void CheckMultiTcpMatchesShm(Communicator& comm, const MultiCase& c) {
     for (size_t i = 0; i < c.parts.size() && why.empty(); ++i) {
       const std::string at = " at rank " + std::to_string(r) + " part " + std::to_string(i);
       if (ref[r][i] == std::vector<uint8_t>(ref[r][i].size(), 0xAB) && !ref[r][i].empty()) why = "shm wrote nothing" + at;
+      else if (c.in_place && !st_sep[r].ok()) why = "shm, separate outputs: " + st_sep[r].message();
+      else if (sep[r][i] != ref[r][i]) why = "shm in place differs from shm with separate outputs" + at;
       else if (tcp[r][i] != ref[r][i]) why = "tcp differs from shm" + at;
       else if (mix[r][i] != ref[r][i]) why = "tcp+shm ranges differ from shm" + at;
       else if (par[r][i] != ref[r][i]) why = "concurrent shm+tcp differ from shm" + at;
@@ -589,10 +602,19 @@ void TestExchangeTcpEqualsShm(Link& shm, Link& tcp) {
     if (n > 2) partial.push_back({1, 1});
     for (const auto& p : {up, down, identity, partial}) sets.push_back(p);
     for (const auto& pairs : sets)
-      for (DType t : {DType::kF32, DType::kBF16, DType::kU8, DType::kC128}) {
-        CheckTcpMatchesShm(*comm, {Kind::kPpermute, t, ReduceOp::kSum, 1, 1237, false, pairs});
-        if (t == DType::kF32) CheckTcpMatchesShm(*comm, {Kind::kPpermute, t, ReduceOp::kSum, 1, 200003, false, pairs});
-      }
+      for (DType t : {DType::kF32, DType::kBF16, DType::kU8, DType::kC128})
+        for (bool in_place : {false, true}) {
+          CheckTcpMatchesShm(*comm, {Kind::kPpermute, t, ReduceOp::kSum, 1, 1237, in_place, pairs});
+          if (t == DType::kF32 || in_place)
+            CheckTcpMatchesShm(*comm, {Kind::kPpermute, t, ReduceOp::kSum, 1, 200003, in_place, pairs});
+        }
+    // In place, all_to_all: one row per block, rows, one-element rows, many chunks.
+    for (DType t : {DType::kF32, DType::kBF16, DType::kU8, DType::kC128, DType::kPred}) {
+      CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 1, 5003, true});
+      CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 7, 131, true});
+      CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 1000, 1, true});
+      CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 3, 30011, true});
+    }
     for (DType t : {DType::kF32, DType::kBF16, DType::kU8, DType::kC128, DType::kPred}) {
       CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 1, 5003});  // one row per block
       CheckTcpMatchesShm(*comm, {Kind::kAllToAll, t, ReduceOp::kSum, 7, 131});   // rows: packed on the wire
@@ -604,6 +626,15 @@ void TestExchangeTcpEqualsShm(Link& shm, Link& tcp) {
     CheckMultiTcpMatchesShm(*comm, {Kind::kAllToAll, ReduceOp::kSum, parts});
     CheckMultiTcpMatchesShm(*comm, {Kind::kPpermute, ReduceOp::kSum,
                                     {{DType::kF32, 1, 3001}, {DType::kBF16, 1, 7}, {DType::kF16, 1, 70001}}, down});
+    // In-place subsets (and all parts in place), boundaries inside parts.
+    CheckMultiTcpMatchesShm(*comm, {Kind::kAllToAll, ReduceOp::kSum, parts, {}, 0b10101});
+    CheckMultiTcpMatchesShm(*comm, {Kind::kAllToAll, ReduceOp::kSum,
+                                    {{DType::kF32, 3, 40001}, {DType::kU16, 5, 1001}, {DType::kC64, 2, 20001}}, {}, 0b111});
+    const std::vector<PartShape> leaves = {{DType::kF32, 1, 3001}, {DType::kBF16, 1, 7}, {DType::kF16, 1, 300001},
+                                           {DType::kU8, 1, 129}, {DType::kF64, 1, 100003}};
+    for (const auto& pairs : {up, down, partial})
+      for (uint32_t mask : {0b10110u, 0b11111u})
+        CheckMultiTcpMatchesShm(*comm, {Kind::kPpermute, ReduceOp::kSum, leaves, pairs, mask});
   }
 }
 

@@ -227,13 +227,19 @@ Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest
       d.inner = d.outer ? d.units / d.outer : 0;
       break;
   }
-  // Only all_reduce works in place: the others read a peer's input while its owner writes its output.
+  // all_reduce, ppermute and all_to_all run in place (the output exactly the input buffer: the links
+  // take care that nobody overwrites what a peer still reads); an output that overlaps its input
+  // otherwise, or any overlap for all_gather and reduce_scatter, is an error.
   if (req.kind != Kind::kAllReduce && n > 1) {
     const size_t w = ByteWidth(d.dtype);
-    if (Overlap(x.in, in_count * w, x.out, out_count * w))
-      return Status::InvalidArgument(where + "the output overlaps the input (" + shapes + "); only all_reduce " +
-                                     "runs in place, " + std::string(Name(req.kind)) +
-                                     " needs a separate output buffer");
+    const bool exchange = req.kind == Kind::kPpermute || req.kind == Kind::kAllToAll;
+    if (Overlap(x.in, in_count * w, x.out, out_count * w) && !(exchange && x.in == x.out))
+      return Status::InvalidArgument(
+          where + "the output overlaps the input (" + shapes + "); " +
+          (exchange ? std::string(Name(req.kind)) + " runs in place only with the output being the input " +
+                          "buffer itself, else it needs a separate output buffer"
+                    : "only all_reduce, ppermute and all_to_all run in place, " + std::string(Name(req.kind)) +
+                          " needs a separate output buffer"));
   }
   *part = d;
   return Status::Ok();

@@ -21,7 +21,18 @@ CallContext::CallContext(Communicator* comm, int64_t run_id, uint64_t seq, std::
       lanes_(lanes),
       dispatch_(n_),
       faults_(n_) {
-  for (Lane& lane : lanes_) lane.entered.assign(n_, 0);
+  for (Lane& lane : lanes_) {
+    lane.entered.assign(n_, 0);
+    lane.progress.assign(n_, 0);
+    lane.waiting.resize(n_);
+    lane.cv = std::vector<std::condition_variable>(n_);
+  }
+}
+
+void CallContext::WakeAll() {
+  cv_.notify_all();
+  for (Lane& lane : lanes_)
+    for (auto& cv : lane.cv) cv.notify_all();
 }
 
 std::string CallContext::Where(std::string_view link) const {
@@ -56,10 +67,10 @@ CallContext::TimePoint CallContext::Deadline() {
 // Waits for `done` up to `deadline`. On timeout the call is abandoned for everyone: waiting ranks
 // wake up with the same error, and ranks that come later fail at once.
 template <class Done, class Missing>
-Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, Done done, Missing missing,
-                            std::string_view what, std::string_view link, TimePoint deadline) {
+Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done,
+                            Missing missing, std::string_view what, std::string_view link, TimePoint deadline) {
   const double timeout = TimeoutSeconds();
-  const bool ok = cv_.wait_until(lock, deadline, [&] { return done() || abandoned_; });
+  const bool ok = cv.wait_until(lock, deadline, [&] { return done() || abandoned_; });
   if (ok && !abandoned_) return Status::Ok();
   if (!abandoned_) {
     abandoned_ = true;
@@ -69,7 +80,7 @@ Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, Done done, Missi
              " to " + std::string(what) +
              " (a device that never issues the matching collective, or issues collectives in a "
              "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)";
-    cv_.notify_all();
+    WakeAll();
   }
   return Status::DeadlineExceeded(error_);
 }
@@ -95,7 +106,7 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
       const TimePoint deadline = Deadline();
       for (;;) {
         Status s = WaitAll(
-            lock, [&] { return arrived_ == n_ || faults_.Unclaimed(); },
+            lock, cv_, [&] { return arrived_ == n_ || faults_.Unclaimed(); },
             [&] {
               std::vector<int> m;
               for (int r = 0; r < n_; ++r)
@@ -163,7 +174,7 @@ Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, st
     return Status::Ok();
   }
   return WaitAll(
-      lock, [&] { return lane.generation != generation; },
+      lock, cv_, [&] { return lane.generation != generation; },
       [&] {
         std::vector<int> m;
         for (int r = 0; r < n_; ++r)
@@ -171,6 +182,55 @@ Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, st
         return m;
       },
       "finish the " + std::string(phase) + " phase", link, Deadline());
+}
+
+}  // namespace flexlink
+
+namespace flexlink {
+
+uint64_t CallContext::progress(int rank, int lane) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lanes_[lane].progress[rank];
+}
+
+void CallContext::Advance(int rank, int lane_index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Lane& lane = lanes_[lane_index];
+  ++lane.progress[rank];
+  for (int w = 0; w < n_; ++w) {
+    const Lane::Waiter& want = lane.waiting[w];
+    bool waits_for_us = false, satisfied = true;
+    for (int p : want.peers) {
+      waits_for_us |= p == rank;
+      satisfied &= lane.progress[p] >= want.value;
+    }
+    if (waits_for_us && satisfied) lane.cv[w].notify_one();
+  }
+}
+
+Status CallContext::WaitProgress(int rank, int lane_index, std::span<const int> peers, uint64_t value,
+                                 std::string_view what, std::string_view link) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (abandoned_) return Status::DeadlineExceeded(error_);
+  Lane& lane = lanes_[lane_index];
+  auto there = [&] {
+    for (int p : peers)
+      if (lane.progress[p] < value) return false;
+    return true;
+  };
+  if (there()) return Status::Ok();
+  lane.waiting[rank] = {value, peers};
+  Status s = WaitAll(
+      lock, lane.cv[rank], there,
+      [&] {
+        std::vector<int> m;
+        for (int p : peers)
+          if (lane.progress[p] < value) m.push_back(p);
+        return m;
+      },
+      what, link, Deadline());
+  lane.waiting[rank] = {};
+  return s;
 }
 
 }  // namespace flexlink

@@ -54,6 +54,17 @@ class CallContext {
   // any number of parts has one per link).
   uint64_t barriers_passed(int lane);
 
+  // Progress counters, one per rank and lane, for links that overwrite an input in place while peers
+  // still read it (shm's in-place ppermute / all_to_all, links/shm_inplace.cc): a rank counts the
+  // steps it finished, and a rank about to overwrite what others read waits until they are that far.
+  // Unlike a barrier, a wait names only the ranks it depends on and wakes only when they are all there.
+  uint64_t progress(int rank, int lane);
+  void Advance(int rank, int lane);  // this rank's counter on `lane` += 1; wakes whoever that satisfies
+  // Waits until every rank in `peers` has reached `value` on `lane` (`what` completes "waiting for
+  // rank 3 (device 3) to ..." in the timeout message). Bounded by the deadline like every wait.
+  Status WaitProgress(int rank, int lane, std::span<const int> peers, uint64_t value, std::string_view what,
+                      std::string_view link);
+
   // When the executor handed this rank's ranges to the links: the moment the last rank arrived, the
   // same for every rank. A paced (emulated) link starts its clock there, like copy engines that all
   // start once the transfer is posted, not when a CPU thread of the emulation gets scheduled (8
@@ -88,8 +99,9 @@ class CallContext {
   std::string RankList(const std::vector<int>& ranks) const;
   static TimePoint Deadline();  // now + the configured timeout
   template <class Done, class Missing>
-  Status WaitAll(std::unique_lock<std::mutex>& lock, Done done, Missing missing, std::string_view what,
-                 std::string_view link, TimePoint deadline);
+  Status WaitAll(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done, Missing missing,
+                 std::string_view what, std::string_view link, TimePoint deadline);
+  void WakeAll();  // every waiter of any kind (under mu_)
 
   Communicator* const comm_;
   const int64_t run_id_;
@@ -105,7 +117,17 @@ class CallContext {
   struct Lane {
     uint64_t generation = 0;
     int count = 0;
-    std::vector<uint64_t> entered;  // per rank: generation + 1 of the barrier it waits at
+    std::vector<uint64_t> entered;   // per rank: generation + 1 of the barrier it waits at
+    std::vector<uint64_t> progress;  // per rank: Advance count
+    // Per rank: what it waits for in WaitProgress (peers empty: not waiting), and its own condition
+    // variable, so that an Advance wakes only the ranks it satisfies. Per lane, since one rank may
+    // wait on several links at once (the executor runs them on different threads).
+    struct Waiter {
+      uint64_t value = 0;
+      std::span<const int> peers;
+    };
+    std::vector<Waiter> waiting;
+    std::vector<std::condition_variable> cv;
   };
   std::vector<Lane> lanes_;
   bool abandoned_ = false;  // a wait timed out: later arrivals fail at once instead of hanging

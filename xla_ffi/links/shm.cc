@@ -1,10 +1,12 @@
 #include "xla_ffi/links/shm.h"
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/links/shm_copy.h"
+#include "xla_ffi/links/shm_inplace.h"
 #include "xla_ffi/links/shm_ops.h"
 
 namespace flexlink {
@@ -104,6 +106,11 @@ Status ShmChannel::Run(CallContext& ctx, int rank, int lane, std::span<const Pie
   const CallDesc& me = ctx.desc(rank);
   auto& sources = SourceTable(n);
   auto& outputs = OutputTable(n);
+  // Pieces of parts that run in place on some rank go through shm_inplace.h; `barrier`: some other
+  // piece ran (or none at all), and the final barrier is needed as before.
+  bool in_place = false, barrier = pieces.empty();
+  uint64_t announced = 0;
+  thread_local std::vector<int> readers;
   for (const Piece& piece : pieces) {
     const Part& part = me.parts[piece.part];
     for (int k = 0; k < n; ++k) {
@@ -112,6 +119,18 @@ Status ShmChannel::Run(CallContext& ctx, int rank, int lane, std::span<const Pie
       outputs[k] = static_cast<char*>(peer.out);
     }
     const PartView v{part, n, rank, sources, outputs};
+    const bool exchange = me.kind == Kind::kPpermute || me.kind == Kind::kAllToAll;
+    if (exchange && shm::InPlaceAnywhere(ctx, piece.part)) {
+      if (!in_place) {
+        in_place = true;
+        announced = ctx.progress(rank, lane);
+        shm::InputReaders(me, n, rank, &readers);
+      }
+      FLEXLINK_RETURN_IF_ERROR(shm::ExchangeInPlace(ctx, rank, lane, me, v, piece.part, piece.units, readers,
+                                                    StreamOwn(me, part, n), link_name(), &announced));
+      continue;
+    }
+    barrier = true;
     switch (me.kind) {
       case Kind::kAllReduce:
         shm::AllReduceDirect(v, me.op, piece.units);
@@ -134,7 +153,12 @@ Status ShmChannel::Run(CallContext& ctx, int rank, int lane, std::span<const Pie
     }
   }
   // Peers may read this rank's inputs and write its outputs until they are done with their pieces.
-  return ctx.Barrier(rank, lane, PhaseName(me.kind), link_name());
+  if (barrier) return ctx.Barrier(rank, lane, PhaseName(me.kind), link_name());
+  // Only in-place exchange pieces: nobody writes a peer's buffer, and once the ranks that read this
+  // rank's input have announced every chunk, nobody reads it any more.
+  return ctx.WaitProgress(rank, lane, readers, announced,
+                          "finish reading this rank's input of the " + std::string(PhaseName(me.kind)),
+                          link_name());
 }
 
 }  // namespace flexlink

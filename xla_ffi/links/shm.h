@@ -17,6 +17,9 @@
 //                   barrier.
 //   all_to_all      rank r copies block r of every rank's input into block j of its own output
 //                   (pull: read N, write N), barrier.
+//   Both in place (a part whose output is its input on some rank): chunk by chunk through a bounce
+//   buffer, each rank overwriting a chunk of its buffer only once the ranks that read it announced
+//   that chunk (shm_inplace.h); no barrier then, each rank waits for its own readers instead.
 // Separate outputs of 256 KiB and more are written with streaming stores (shm_reduce.cc).
 //
 // Small calls (the staged path): each rank copies the inputs of all its parts into its region of a

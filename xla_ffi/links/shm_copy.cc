@@ -79,7 +79,8 @@ void CopyRows(char* dst, size_t dst_stride, const char* src, size_t src_stride, 
 void CopyUnits(Rows dst, ConstRows src, size_t inner, size_t w, UnitRange range, bool stream) {
   if (range.empty()) return;
   auto piece = [&](size_t o, size_t i0, size_t i1) {
-    CopyOut(dst.base + (o * dst.row + i0) * w, src.base + (o * src.row + i0) * w, (i1 - i0) * w, stream);
+    CopyOut(dst.base + (o * dst.row + i0 - dst.first) * w, src.base + (o * src.row + i0 - src.first) * w,
+            (i1 - i0) * w, stream);
   };
   const auto [first_full, last_full] = FullRows(range, inner);
   if (first_full >= last_full) {  // the range lies within one row (or two partial rows)
@@ -90,8 +91,8 @@ void CopyUnits(Rows dst, ConstRows src, size_t inner, size_t w, UnitRange range,
   if (stream && inner * w >= kStreamMinBytes) {  // long rows: stream each
     for (size_t o = first_full; o < last_full; ++o) piece(o, 0, inner);
   } else {
-    CopyRows(dst.base + first_full * dst.row * w, dst.row * w, src.base + first_full * src.row * w, src.row * w,
-             last_full - first_full, inner * w);
+    CopyRows(dst.base + (first_full * dst.row - dst.first) * w, dst.row * w,
+             src.base + (first_full * src.row - src.first) * w, src.row * w, last_full - first_full, inner * w);
   }
   if (range.end > last_full * inner) piece(last_full, 0, range.end - last_full * inner);
 }

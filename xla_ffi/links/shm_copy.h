@@ -38,15 +38,18 @@ inline std::pair<size_t, size_t> FullRows(UnitRange range, size_t inner) {
 }
 
 // One rank block of a row-strided buffer: unit (o, i) of the block is the element at
-// base + (o * row + i) * width (for block k of an [outer, n, inner] buffer: base = buffer + k * inner
-// elements, row = n * inner; for a packed [outer, inner] buffer: row = inner).
+// base + (o * row + i - first) * width (for block k of an [outer, n, inner] buffer: base = buffer +
+// k * inner elements, row = n * inner; for a packed [outer, inner] buffer: row = inner; for a packed
+// buffer holding only the units from `first` on: row = inner and that `first`).
 struct Rows {
   char* base;
-  size_t row;  // elements from one row of the block to the next
+  size_t row;        // elements from one row of the block to the next
+  size_t first = 0;  // the unit at base (packed buffers of a range only; never above a unit copied)
 };
 struct ConstRows {
   const char* base;
   size_t row;
+  size_t first = 0;
 };
 
 // Copies units `range` (of a block of rows of `inner` units, `width` bytes each) from `src` to

@@ -43,14 +43,15 @@ void TcpRun::AllGather() {
 void TcpRun::Ppermute() {
   const size_t w = d_.width(), bytes = range_.size() * w;
   const int source = call_.sources[k_];
-  char* out = out_ + range_.begin * w;
-  if (source < 0) std::memset(out, 0, bytes);
-  if (source == k_) std::memcpy(out, in_ + range_.begin * w, bytes);  // the output never overlaps the input
   Route(1, [this](int origin, std::vector<int>* destinations) {
     destinations->clear();
     const int d = call_.DestinationOf(origin);
     if (d >= 0 && d != origin) destinations->push_back(d);
   });
+  // After Route: in place, it has copied what this rank sends out of the buffer these bytes overwrite.
+  char* out = out_ + range_.begin * w;
+  if (source < 0) std::memset(out, 0, bytes);
+  if (source == k_ && out_ != in_) std::memcpy(out, in_ + range_.begin * w, bytes);
 }
 
 // all_to_all: block t of rank o's input goes to block o of rank t's output, for every pair o != t;
@@ -58,8 +59,9 @@ void TcpRun::Ppermute() {
 void TcpRun::AllToAll() {
   const size_t w = d_.width();
   // [outer, n, inner] in and out: block k_'s elements sit at the same offsets in both.
-  Pieces(range_.begin, range_.end, n_, k_, d_.inner,
-         [&](size_t, size_t e, size_t count) { std::memcpy(out_ + e * w, in_ + e * w, count * w); });
+  if (out_ != in_)
+    Pieces(range_.begin, range_.end, n_, k_, d_.inner,
+           [&](size_t, size_t e, size_t count) { std::memcpy(out_ + e * w, in_ + e * w, count * w); });
   Route(n_, [this](int origin, std::vector<int>* destinations) {
     destinations->clear();
     for (int s = 1; s < n_; ++s) destinations->push_back((origin + s) % n_);
@@ -77,11 +79,15 @@ void TcpRun::AllToAll() {
 // own order — exactly the receives this rank posts below. Every receive has a destination from the
 // start (the output, or scratch for messages passing through or landing in rows), so no rank ever
 // stops reading and a ring of device threads cannot deadlock.
+//
+// In place (the output is the input buffer): receives land in the buffer the own messages come from,
+// so those are always packed into scratch, here, before the pump starts; nothing else reads the input.
 void TcpRun::Route(size_t nb, const std::function<void(int, std::vector<int>*)>& destinations) {
   const size_t w = d_.width(), inner = d_.inner, bytes = range_.size() * w;
   // A block's range is one row piece (always for ppermute): it goes straight from the input and into
   // the output; else it is packed into scratch for sending and placed row piece by row piece.
   const bool contiguous = Contiguous(range_.begin, range_.end, inner);
+  const bool pack = !contiguous || out_ == in_;  // own messages go out of scratch
   auto block = [nb](int rank) { return nb == 1 ? size_t{0} : static_cast<size_t>(rank); };
   auto distance = [this](int o, int t) { return (t - o + n_) % n_; };
   auto offset = [this](size_t j) { return (ChunkBegin(j) - range_.begin) * d_.width(); };
@@ -99,7 +105,7 @@ void TcpRun::Route(size_t nb, const std::function<void(int, std::vector<int>*)>&
     for (int t : dests)
       if (distance(o, t) >= s) incoming.push_back({o, t});
   }
-  size_t regions = contiguous ? 0 : mine.size();
+  size_t regions = pack ? mine.size() : 0;
   for (const Message& m : incoming) regions += m.dest != k_ || !contiguous;
   char* next = Scratch(regions * bytes);  // sized once: pointers into it stay valid
   auto region = [&] {
@@ -109,14 +115,14 @@ void TcpRun::Route(size_t nb, const std::function<void(int, std::vector<int>*)>&
   };
 
   for (int t : mine) {
-    char* packed = contiguous ? nullptr : region();
+    char* packed = pack ? region() : nullptr;
     for (size_t j = 0; j < m_; ++j) {
       const char* src = nullptr;
       Pieces(ChunkBegin(j), ChunkBegin(j) + ChunkCount(j), nb, block(t), inner, [&](size_t u, size_t e, size_t count) {
-        if (contiguous) src = in_ + e * w;
+        if (!pack) src = in_ + e * w;
         else std::memcpy(packed + offset(j) + u * w, in_ + e * w, count * w);
       });
-      io_.Send(contiguous ? src : packed + offset(j), ChunkCount(j) * w);
+      io_.Send(pack ? packed + offset(j) : src, ChunkCount(j) * w);
     }
   }
   for (const Message& m : incoming) {
