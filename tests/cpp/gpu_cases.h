@@ -48,7 +48,7 @@ struct Case {
   std::vector<std::vector<int64_t>> dims;    // input dims, one per operand
   int64_t axis = 0;
   std::vector<std::pair<int64_t, int64_t>> pairs;  // ppermute
-  bool in_place = false;                     // all_reduce
+  bool in_place = false;                     // all_reduce, ppermute, all_to_all: the output is the input
   std::string Name() const {
     std::string s(flexlink::Name(kind));
     if (Reduces(kind)) s += "(" + std::string(flexlink::Name(op)) + ")";
@@ -281,6 +281,13 @@ inline std::vector<Case> StandardCases(int n, size_t big) {
   if (n > 2) partial.push_back({1, n - 1});
   cases.push_back({Kind::kPpermute, ReduceOp::kSum, {DType::kF32}, {{B + 3}}, 0, ring, false});
   cases.push_back({Kind::kPpermute, ReduceOp::kSum, {DType::kU8}, {{1001}}, 0, partial, false});
+  // In place (XLA aliases the result to the operand, as the lowering asks): every rank overwrites
+  // its input with its peers' inputs, so nothing may be overwritten before the peers read it.
+  cases.push_back({Kind::kPpermute, ReduceOp::kSum, {DType::kF32}, {{B + 3}}, 0, ring, true});
+  cases.push_back({Kind::kPpermute, ReduceOp::kSum, {DType::kU8}, {{B + 1001}}, 0, partial, true});
+  cases.push_back({Kind::kAllToAll, ReduceOp::kSum, {DType::kF32}, {{N * (B / N + 1)}}, 0, {}, true});
+  cases.push_back({Kind::kAllToAll, ReduceOp::kSum, {DType::kS64}, {{7, N * (B / N / 7 + 1)}}, 1, {}, true});
+  cases.push_back({Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{B + 77}}, 0, {}, true});
   // Several operands of mixed dtypes and shapes in one call.
   cases.push_back({Kind::kAllReduce, ReduceOp::kSum, {DType::kF32, DType::kBF16, DType::kS32}, {{B / 3}, {7}, {1}}, 0, {}, false});
   cases.push_back({Kind::kAllGather, ReduceOp::kSum, {DType::kF32, DType::kS8}, {{4, B / 8}, {13}}, 1, {}, false});

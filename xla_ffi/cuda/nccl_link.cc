@@ -15,7 +15,8 @@ enum class Staged {
   kGatherReduce,     // all_reduce NCCL cannot reduce: gather, then reduce the n rows
   kPackScatter,      // reduce_scatter: pack the n rows, NCCL reduce-scatters into the output
   kPackSwapReduce,   // reduce_scatter NCCL cannot reduce: pack, exchange rows, reduce
-  kPackSwap,         // all_to_all with outer > 1: pack, exchange rows, unpack
+  kPackSwap,         // all_to_all with outer > 1 or in place: pack, exchange rows, unpack
+  kPermute,          // ppermute in place: receive into scratch, then copy into the output
 };
 
 }  // namespace
@@ -78,8 +79,11 @@ bool NcclChannel::Direct(const CallDesc& d, const Piece& piece) const {
     case Kind::kAllReduce: return NcclReductionOf(p.dtype, d.op).native;
     case Kind::kAllGather: return whole;
     case Kind::kReduceScatter: return whole && NcclReductionOf(p.dtype, d.op).native;
-    case Kind::kAllToAll: return p.outer == 1;
-    case Kind::kPpermute: return true;
+    // In place (the output is the input buffer), NCCL's receive would overwrite what its send of
+    // the same group still reads: staged through scratch instead. The staged chunks keep every
+    // read of a unit range before the write of that range (pack, or the send, then the copy).
+    case Kind::kAllToAll: return p.outer == 1 && p.in != p.out;
+    case Kind::kPpermute: return p.in != p.out;
   }
   return false;
 }
@@ -186,11 +190,14 @@ Status NcclChannel::EnqueueStaged(Call& c, const Piece& piece) {
     case Kind::kAllGather: mode = Staged::kGather; break;
     case Kind::kAllReduce: mode = Staged::kGatherReduce; break;
     case Kind::kReduceScatter: mode = red.native ? Staged::kPackScatter : Staged::kPackSwapReduce; break;
+    case Kind::kPpermute: mode = Staged::kPermute; break;
     default: mode = Staged::kPackSwap; break;
   }
+  const int src = d.kind == Kind::kPpermute ? d.sources[r] : -1;
+  const int dst = d.kind == Kind::kPpermute ? d.DestinationOf(r) : -1;
   const bool pack = mode == Staged::kPackScatter || mode == Staged::kPackSwapReduce || mode == Staged::kPackSwap;
   const bool kernel = mode != Staged::kPackScatter;
-  const size_t step = std::max<size_t>(1, options_.staging_bytes / (nn * w));
+  const size_t step = std::max<size_t>(1, options_.staging_bytes / ((mode == Staged::kPermute ? 1 : nn) * w));
   std::vector<std::pair<size_t, size_t>> chunks;  // (first unit, units)
   for (size_t b = piece.units.begin; b < piece.units.end; b += step)
     chunks.emplace_back(b, std::min(step, piece.units.end - b));
@@ -225,6 +232,16 @@ Status NcclChannel::EnqueueStaged(Call& c, const Piece& piece) {
         FLEXLINK_RETURN_IF_ERROR(
             comm_.ReduceScatter(send, Bytes(p.out) + cb * w, cu * red.lanes, red.type, red.op, k.comm, st));
         break;
+      case Staged::kPermute: {
+        FLEXLINK_RETURN_IF_ERROR(comm_.GroupStart());
+        Status s;
+        if (dst >= 0 && dst != r) s = comm_.Send(Bytes(p.in) + cb * w, row, CommType::kUint8, dst, k.comm, st);
+        if (s.ok() && src >= 0 && src != r) s = comm_.Recv(recv, row, CommType::kUint8, src, k.comm, st);
+        Status end = comm_.GroupEnd();
+        FLEXLINK_RETURN_IF_ERROR(s);
+        FLEXLINK_RETURN_IF_ERROR(end);
+        break;
+      }
       case Staged::kPackSwapReduce:
       case Staged::kPackSwap: {
         FLEXLINK_RETURN_IF_ERROR(comm_.GroupStart());
@@ -245,7 +262,12 @@ Status NcclChannel::EnqueueStaged(Call& c, const Piece& piece) {
     if (!kernel) continue;
     // The kernel's part, on the kernel stream.
     FLEXLINK_RETURN_IF_ERROR(api_.Wait(k.comp, k.nccl_done[lp]));
-    if (mode == Staged::kGatherReduce || mode == Staged::kPackSwapReduce) {
+    if (mode == Staged::kPermute) {
+      // After NCCL's group (this rank's send of these units included): the received chunk, zeros
+      // where no rank sends here, nothing for the pair (r, r) (the buffer already holds it).
+      if (src >= 0 && src != r) FLEXLINK_RETURN_IF_ERROR(api_.Copy(Bytes(p.out) + cb * w, recv, row, k.comp));
+      if (src < 0) FLEXLINK_RETURN_IF_ERROR(api_.Zero(Bytes(p.out) + cb * w, row, k.comp));
+    } else if (mode == Staged::kGatherReduce || mode == Staged::kPackSwapReduce) {
       ReduceArgs a;
       a.dtype = p.dtype;
       a.op = d.op;

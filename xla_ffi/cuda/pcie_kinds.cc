@@ -172,13 +172,21 @@ Status PcieChannel::Ppermute(Call& c) {
   const int r = c.r;
   const CallDesc& d = *c.work->desc;
   const int src = d.sources[r], dst = d.DestinationOf(r);
-  for (const Piece& piece : c.work->pieces) {  // the pairs (r, r) and "no source" are local
-    const Part& p = d.parts[piece.part];
-    const size_t w = p.width(), b = piece.units.begin, len = piece.units.size();
-    if (!len) continue;
-    if (src == r) PCIE_TRY(api_.Copy(Bytes(p.out) + b * w, Bytes(p.in) + b * w, len * w, k.comp));
-    if (src < 0) PCIE_TRY(api_.Zero(Bytes(p.out) + b * w, len * w, k.comp));
-  }
+  // The pairs (r, r) and "no source" are local. In place (the output is the input) they wait for
+  // this call's copies out, which read the same units.
+  auto local = [&]() -> Status {
+    for (const Piece& piece : c.work->pieces) {
+      const Part& p = d.parts[piece.part];
+      const size_t w = p.width(), b = piece.units.begin, len = piece.units.size();
+      if (!len) continue;
+      if (src == r && p.out != p.in) PCIE_TRY(api_.Copy(Bytes(p.out) + b * w, Bytes(p.in) + b * w, len * w, k.comp));
+      if (src < 0) PCIE_TRY(api_.Zero(Bytes(p.out) + b * w, len * w, k.comp));
+    }
+    return Status::Ok();
+  };
+  bool in_place = false;
+  for (const Piece& piece : c.work->pieces) in_place = in_place || d.parts[piece.part].in == d.parts[piece.part].out;
+  if (!in_place) PCIE_TRY(local());
   const bool sends = dst >= 0 && dst != r;
   const std::vector<int> producers = src >= 0 && src != r ? std::vector<int>{src} : std::vector<int>{};
   const uint64_t base = k.seq[0];
@@ -191,11 +199,16 @@ Status PcieChannel::Ppermute(Call& c) {
     PCIE_TRY(ProduceBegin(c, 0, s));
     if (sends) PCIE_TRY(api_.Copy(host + r * cell, Bytes(p.in) + ch.begin * w, cell, k.d2h));
     PCIE_TRY(ProduceEnd(c, 0, s));
-    PCIE_TRY(ConsumeBegin(c, 0, s, producers));
+    PCIE_TRY(ConsumeBegin(c, 0, s, producers, /*after_own=*/sends && p.in == p.out));
     if (!producers.empty()) PCIE_TRY(api_.Copy(Bytes(p.out) + ch.begin * w, host + src * cell, cell, k.h2d));
     PCIE_TRY(ConsumeEnd(c, 0, s));
   }
   k.seq[0] += c.chunks.size();
+  if (in_place) {
+    PCIE_TRY(api_.Record(k.d2h_end, k.d2h));
+    PCIE_TRY(api_.Wait(k.comp, k.d2h_end));
+    PCIE_TRY(local());
+  }
   return Status::Ok();
 }
 
@@ -209,7 +222,7 @@ Status PcieChannel::ReduceScatterOrAllToAll(Call& c) {
     for (const Piece& piece : c.work->pieces) {
       const Part& p = d.parts[piece.part];
       const size_t w = p.width(), off = (r * p.inner + piece.units.begin) * w;
-      if (p.outer == 1 && piece.units.size())
+      if (p.outer == 1 && piece.units.size() && p.out != p.in)
         PCIE_TRY(api_.Copy(Bytes(p.out) + off, Bytes(p.in) + off, piece.units.size() * w, k.comp));
     }
   }
@@ -250,7 +263,9 @@ Status PcieChannel::ReduceScatterOrAllToAll(Call& c) {
 
     // Consumer: cells [r][p], p != r.
     const uint8_t* mine = host + static_cast<size_t>(r) * n * cell;
-    PCIE_TRY(ConsumeBegin(c, 0, s, others));
+    // In place, all_to_all's copies in (or its unpack kernel, after them) write the chunk's units of
+    // the blocks this rank's copies out read.
+    PCIE_TRY(ConsumeBegin(c, 0, s, others, /*after_own=*/!reduce && p.in == p.out));
     if (!reduce && !packed) {  // all_to_all with contiguous blocks: straight into block p
       uint8_t* y = Bytes(p.out) + ch.begin * w;
       PCIE_TRY(CopyRows(y, row, mine, cell, cell, r, k.h2d));

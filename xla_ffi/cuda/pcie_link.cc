@@ -36,7 +36,7 @@ Status PcieChannel::Setup() {
     k.device = group_.devices[r];
     FLEXLINK_RETURN_IF_ERROR(check(api_.SetDevice(k.device)));
     for (Stream* s : {&k.d2h, &k.h2d, &k.comp}) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(k.device, s)));
-    std::vector<Event*> events = {&k.fork, &k.join[0], &k.join[1], &k.join[2]};
+    std::vector<Event*> events = {&k.fork, &k.join[0], &k.join[1], &k.join[2], &k.d2h_end};
     for (auto& kind : k.ring)
       for (Event& e : kind) events.push_back(&e);
     for (int p = 0; p < 2; ++p) {
@@ -125,12 +125,15 @@ Status PcieChannel::ProduceEnd(Call& c, int round, uint64_t s) {
   return Status::Ok();
 }
 
-Status PcieChannel::ConsumeBegin(Call& c, int round, uint64_t s, const std::vector<int>& producers) {
+Status PcieChannel::ConsumeBegin(Call& c, int round, uint64_t s, const std::vector<int>& producers, bool after_own) {
   const PcieGate::Kind posted = PcieGate::Posted(round);
   for (int p : producers) {
     FLEXLINK_RETURN_IF_ERROR(gate_.AwaitRecorded(p, posted, s, c.where));
     FLEXLINK_RETURN_IF_ERROR(api_.Wait(c.rank->h2d, ranks_[p].ring[posted][s % kRing]));
   }
+  // This rank's own copy out of chunk s, recorded by this thread just before: in place, the copies
+  // in write the units that copy reads.
+  if (after_own) FLEXLINK_RETURN_IF_ERROR(api_.Wait(c.rank->h2d, c.rank->ring[posted][s % kRing]));
   gate_.PublishWaited(c.r, posted, s);
   return Status::Ok();
 }

@@ -66,6 +66,7 @@ class PcieChannel : public GpuChannel {
     // Per local parity (chunk index % 2 within a call): the host-to-device copies of a chunk done,
     // the kernel that read recv done, the packed send buffer ready, its device-to-host copy done.
     Event h2d_done[2] = {}, kernel_done[2] = {}, packed[2] = {}, sent[2] = {};
+    Event d2h_end = nullptr;  // a call's copies out all issued (in-place ppermute's local parts wait)
     void* recv[2] = {};
     void* send[2] = {};
     uint64_t seq[2] = {0, 0};                // chunks of round 0 / 1 so far (the same on every rank)
@@ -88,7 +89,8 @@ class PcieChannel : public GpuChannel {
   // The cross-rank protocol of one chunk of a round (pcie_link.cc).
   Status ProduceBegin(Call& c, int round, uint64_t s);
   Status ProduceEnd(Call& c, int round, uint64_t s);
-  Status ConsumeBegin(Call& c, int round, uint64_t s, const std::vector<int>& producers);
+  // after_own: the copies in also wait for this rank's own copy out of the chunk (in place).
+  Status ConsumeBegin(Call& c, int round, uint64_t s, const std::vector<int>& producers, bool after_own = false);
   Status ConsumeEnd(Call& c, int round, uint64_t s);
 
   uint8_t* HostSlot(int round, uint64_t s) const { return static_cast<uint8_t*>(host_[round][s % 2]); }
