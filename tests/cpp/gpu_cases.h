@@ -28,6 +28,7 @@ struct Harness {
   std::function<void(void* device_dst, const void* host_src, size_t bytes)> upload;
   std::function<void(void* host_dst, const void* device_src, size_t bytes)> download;
   std::function<void(gpu::Stream)> sync;
+  std::function<void(void* device_ptr)> free;  // optional: a case's buffers are freed after its check
   std::vector<gpu::Stream> streams;  // per rank: the stream XLA would hand the handler
   // Floats reduced by a real NCCL are not in rank order: compare them with a tolerance.
   bool nccl_floats_approx = false;
@@ -212,6 +213,12 @@ inline std::vector<Status> RunRanks(gpu::GpuEngine& engine, Harness& h, const Ca
       (*out)[r][i].resize(bytes);
       h.download((*out)[r][i].data(), dout[r][i], bytes);
     }
+  if (h.free)
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < k; ++i) {
+        h.free(din[r][i]);
+        if (dout[r][i] != din[r][i]) h.free(dout[r][i]);
+      }
   return status;
 }
 

@@ -46,6 +46,7 @@ inline Harness CudaHarness(int ranks, std::function<int(int64_t)> device_of) {
   h.upload = [](void* d, const void* s, size_t b) { CudaOrDie(cudaMemcpy(d, s, b, cudaMemcpyDefault), "upload"); };
   h.download = [](void* d, const void* s, size_t b) { CudaOrDie(cudaMemcpy(d, s, b, cudaMemcpyDefault), "download"); };
   h.sync = [](gpu::Stream s) { CudaOrDie(cudaStreamSynchronize(static_cast<cudaStream_t>(s)), "cudaStreamSynchronize"); };
+  h.free = [](void* p) { CudaOrDie(cudaFree(p), "cudaFree (test buffers)"); };  // after the streams ran
   MakeStreams(h);
   return h;
 }
