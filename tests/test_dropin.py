@@ -220,7 +220,7 @@ def _cuda_module_path():
     import os
     import sysconfig
     if os.environ.get("FLEXLINK_CUDA_MODULE"):
-        return os.environ["FLEXLINK_CUDA_MODULE"]
+        return os.path.abspath(os.environ["FLEXLINK_CUDA_MODULE"])  # the check runs from tests/
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     name = "_flexlink_cuda" + sysconfig.get_config_var("EXT_SUFFIX")  # this Python's build only
     found = sorted(glob.glob(os.path.join(root, "build", "*", name)) +
@@ -266,6 +266,10 @@ def test_gpu_lowering_with_the_cuda_module():
             assert targets(text) == ["flexlink_all_reduce", "flexlink_ppermute", "flexlink_reduce_scatter"], (platform, text)
             assert "stablehlo.all_reduce" not in text and "FLEXLINK_CUDA=ON" not in text
         np.testing.assert_array_equal(np.asarray(make(flx)(x)[0]), np.asarray(make(lax)(x)[0]))  # CPU runs
+        if importlib.util.find_spec("nvidia") and importlib.util.find_spec("nvidia.nccl"):
+            # NCCL by dlopen, no driver needed: the wheel's, whose path jax_flexlink passed
+            assert module.nccl_version() >= 21800, module.nccl_version()
+            assert module.nccl_library().endswith("libnccl.so.2"), module.nccl_library()
         assert set(flx.stats()["links"]) == {{"shm"}}, flx.stats()  # GPU links not chosen, never ran
         flx.configure(links="nccl;pcie")
         assert module.links() == ["nccl", "pcie"] and flx._flexlink.links() == ["shm"], flx._flexlink.links()
