@@ -274,6 +274,17 @@ def test_gpu_lowering_with_the_cuda_module():
         flx.configure(links="nccl;pcie")
         assert module.links() == ["nccl", "pcie"] and flx._flexlink.links() == ["shm"], flx._flexlink.links()
         assert set(flx.stats()["links"]) == {{"shm", "nccl", "pcie"}}, flx.stats()
+        # Nominal fits (jax_flexlink.topology's) reach the GPU engine as its seed; bad ones are refused.
+        module.seed_model(2, {{"all_reduce": [(2e-5, 1 / 300e9), (1e-5, 1 / 30e9)]}})
+        for bad, why in (({{"all_reduce": [(2e-5, 1e-11)]}}, "1 fits for 2 links"),
+                         ({{"all_reduce": [(2e-5, 0.0), (1e-5, 1e-10)]}}, "beta > 0"),
+                         ({{"allreduce": [(2e-5, 1e-11), (1e-5, 1e-10)]}}, "unknown collective")):
+            try:
+                module.seed_model(2, bad)
+            except ValueError as e:
+                assert why in str(e), e
+            else:
+                raise AssertionError(f"seed_model accepted {{bad}}")
         try:
             flx.configure(links="nccl;rdma")
         except ValueError as e:

@@ -120,7 +120,11 @@ def register_targets() -> None:
     module.set_tune_max_bytes(ENV.tune_max_bytes)  # the engine profiles at least two sizes anyway
     module.set_tune_cache_path(tune_cache_path())
   try:
-    module_for_links(ENV.links).configure_links(ENV.links)
+    target = module_for_links(ENV.links)
+    target.configure_links(ENV.links)
   except ValueError as e:
     raise ValueError(f"FLEXLINK_LINKS: {e}") from None
+  if target is _flexlink_cuda:
+    from jax_flexlink._src import gpu_seed  # noqa: PLC0415 - topology only where GPU links are chosen
+    gpu_seed.seed_from_topology(target)
   _registered = True

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from jax_flexlink import _flexlink
+from jax_flexlink._src import gpu_seed
 from jax_flexlink._src import native
 from jax_flexlink._src.config import ENV, parse_bytes, parse_profile_bytes
 
@@ -45,6 +46,7 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     else:
       global _gpu_links_chosen
       _gpu_links_chosen = True
+      gpu_seed.seed_from_topology(target)
 
 
 def load_cached_model() -> None:

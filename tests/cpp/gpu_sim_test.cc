@@ -410,6 +410,54 @@ void TestStageOne() {
   SetAutotuneMinBytes(0);
 }
 
+// Nominal fits (jax_flexlink.topology's, passed by Python) seed a group's plans before stage 1:
+// a small call of a seeded 2-link group splits at the seed's equal-finish point instead of taking
+// the primary alone, while a large call still profiles; wrong link sets and group sizes are refused.
+void TestSeedFromNominalFits() {
+  SetAutotuneMinBytes(1 << 20);
+  Sim s(4);
+  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "seed: configure");
+  plan::CostModel seed({"nccl", "pcie"});
+  // Rates low enough that the seed splits 256 KiB (its predicted threshold is below that).
+  seed.Set(Kind::kAllReduce, 0, {2e-6, 1 / 3e9});
+  seed.Set(Kind::kAllReduce, 1, {2e-6, 1 / 1e9});
+  Expect(!s.engine->SetSeed(4, plan::CostModel({"nccl", "rdma"})).ok(), "seed: other links refused");
+  Expect(!s.engine->SetSeed(1, seed).ok(), "seed: a group of one refused");
+  Expect(s.engine->SetSeed(4, seed).ok(), "seed: installed for groups of 4");
+  s.engine->splits().SetEnabled(true);
+  Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{1 << 16}}, 0, {}, false};  // 256 KiB per rank
+  CheckCase(*s.engine, s.h, c, "seed: first small call");
+  auto records = s.engine->splits().Take();
+  s.engine->splits().SetEnabled(false);
+  const auto opt = plan::EqualFinishShares(seed.Fits(Kind::kAllReduce), double(1 << 18));
+  bool split = !records.empty();
+  for (const auto& r : records) {
+    const double total = double(r.ranges[1].second - r.ranges[0].first);
+    split = split && r.ranges.size() == 2 && std::abs((r.ranges[0].second - r.ranges[0].first) / total - opt[0]) < 0.01;
+  }
+  Expect(split, "seed: the first small call ran the seed's split on every rank (" + std::to_string(records.size()) +
+                    " records, expected nccl share " + std::to_string(opt[0]) + ")");
+  const std::vector<int64_t> group{0, 1, 2, 3};
+  Expect(!s.engine->GroupModel(group).value_or(plan::CostModel()).Has(Kind::kAllReduce),
+         "seed: the seed is not stage 1's model (nothing cached)");
+  Case large{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{1 << 19}}, 0, {}, false};  // 2 MiB
+  bool profiled = false;
+  CheckCase(*s.engine, s.h, large, "seed: large call");
+  for (const auto& p : s.engine->SnapshotPlans()) profiled = profiled || p.plan.mode == plan::PlanMode::kProfile;
+  Expect(profiled || s.engine->GroupModel(group).value_or(plan::CostModel()).Has(Kind::kAllReduce),
+         "seed: a large call still runs stage 1");
+  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "seed: reconfigure");
+  s.engine->splits().SetEnabled(true);
+  CheckCase(*s.engine, s.h, c, "seed: after reconfiguring");
+  records = s.engine->splits().Take();
+  s.engine->splits().SetEnabled(false);
+  bool alone = true;  // (a call on one link may not be recorded at all)
+  for (const auto& r : records) alone = alone && (r.ranges.size() == 1 || r.ranges[1].second == r.ranges[1].first);
+  Expect(alone, "seed: new links forget the seed (the primary alone before stage 1)");
+  s.ExpectNoSimErrors("seed");
+  SetAutotuneMinBytes(0);
+}
+
 // A group's setup runs once, for all ranks, inside the first call; kernels are loaded then.
 void TestSetupOnce() {
   Sim s(4);
@@ -443,6 +491,7 @@ int main() {
       {"TestErrors", TestErrors},
       {"TestOneSplitPerCall", TestOneSplitPerCall},
       {"TestStageOne", TestStageOne},
+      {"TestSeedFromNominalFits", TestSeedFromNominalFits},
       {"TestStageTwoFavoursTheFasterLink", TestStageTwoFavoursTheFasterLink},
       {"TestCollectives", TestCollectives},
   };

@@ -513,6 +513,47 @@ void TestProfileMode() {
         "profiling off: new buckets start from equal shares");
 }
 
+void TestSeed() {
+  BalancerOptions o;
+  o.profile_from_bytes = 1 << 20;
+  Balancer b({"a", "b"}, o);
+  Check(b.PlanFor(Kind::kAllGather, 256 << 10)->mode == PlanMode::kSingle, "no seed, small: the primary alone");
+  CostModel seed({"a", "b"});
+  seed.Set(Kind::kAllGather, 0, {10e-6, 1 / 2e9});
+  seed.Set(Kind::kAllGather, 1, {10e-6, 1 / 1e9});
+  Check(!b.SetSeed(CostModel({"a", "c"})).ok(), "a seed for another link set is refused");
+  Check(b.SetSeed(seed).ok(), "seed installed");
+  auto small = b.PlanFor(Kind::kAllGather, 256 << 10);
+  auto opt = EqualFinishShares(seed.Fits(Kind::kAllGather), double(256 << 10));
+  Check(small->mode == PlanMode::kConverging && MaxError(small->shares, opt) < 1e-9 && Near(small->shares[0], 2.0 / 3, 0.02),
+        "seeded, small: the seed's equal-finish split replaces the plan made before: " + b.Describe(*small));
+  Check(b.PlanFor(Kind::kAllGather, 1 << 10)->mode == PlanMode::kSingle &&
+            b.PlanFor(Kind::kAllGather, 1 << 10)->shares[0] == 1,
+        "seeded, below the seed's predicted threshold: the fastest link alone");
+  Check(b.PlanFor(Kind::kAllGather, 4 << 20)->mode == PlanMode::kProfile,
+        "seeded, large: stage 1 still runs (the seed is not a measurement)");
+  Check(b.PlanFor(Kind::kAllReduce, 256 << 10)->mode == PlanMode::kSingle &&
+            b.PlanFor(Kind::kAllReduce, 256 << 10)->shares[0] == 1,
+        "a kind the seed lacks: the primary alone");
+  Check(!b.Model().Has(Kind::kAllGather) && b.SplitThresholdBytes(Kind::kAllGather) == 0,
+        "the seed is not the model (nothing for the tuning cache)");
+  CostModel measured({"a", "b"});
+  measured.Set(Kind::kAllGather, 0, {10e-6, 1 / 1e9});
+  measured.Set(Kind::kAllGather, 1, {10e-6, 1 / 3e9});
+  Check(b.MergeModel(measured).ok(), "stage 1's fits merged");
+  auto after = b.PlanFor(Kind::kAllGather, 256 << 10);
+  Check(after->mode == PlanMode::kConverging && Near(after->shares[0], 0.25, 0.02),
+        "measured fits replace the seed: " + b.Describe(*after));
+  b.SetProfileFromBytes(0);
+  Check(b.PlanFor(Kind::kReduceScatter, 4 << 20)->shares[0] == 0.5, "stage 2 alone, no seed: equal shares");
+  seed.Set(Kind::kReduceScatter, 0, {10e-6, 1 / 3e9});
+  seed.Set(Kind::kReduceScatter, 1, {10e-6, 1 / 1e9});
+  Check(b.SetSeed(seed).ok(), "seed with reduce_scatter");
+  auto rs = b.PlanFor(Kind::kReduceScatter, 4 << 20);
+  Check(rs->mode == PlanMode::kConverging && Near(rs->shares[0], 0.75, 0.02),
+        "stage 2 alone: starts from the seed's split: " + b.Describe(*rs));
+}
+
 void TestThreads() {
   Sim proto{{{5e-6, 160e9}, {10e-6, 50e9}, {15e-6, 45e9}}};
   Balancer b({"a", "b", "c"});
@@ -668,6 +709,7 @@ int main() {
       {"fallback", TestFallback},
       {"no_model", TestNoModel},         {"threads", TestThreads},
       {"measured_threshold", TestMeasuredThreshold}, {"profile_mode", TestProfileMode},
+      {"seed", TestSeed},
       {"cache", TestCache},              {"cache_new_kinds", TestCacheNewKinds},
   };
   int passed = 0, failed = 0;

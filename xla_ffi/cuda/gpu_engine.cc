@@ -26,6 +26,12 @@ Status CheckEvenGroups(std::span<const int64_t> group_sizes, std::string_view la
   return Status::Ok();
 }
 
+std::string JoinNames(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ";") + n;
+  return "'" + out + "'";
+}
+
 uint8_t* Bytes(const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p)); }
 
 }  // namespace
@@ -56,6 +62,7 @@ Status GpuEngine::ConfigureLinks(std::string_view spec) {
   for (const std::string& name : set->names()) MarkLinkHealth(name, true);
   links_ = std::move(set);
   overrides_.clear();
+  seeds_.clear();
   return Status::Ok();
 }
 
@@ -70,6 +77,8 @@ std::unique_ptr<GpuExecutor> GpuEngine::MakeGroup(std::shared_ptr<const GpuLinkS
   auto ex = std::make_unique<GpuExecutor>(std::move(info), std::move(links), options, &api_, &splits_);
   for (const auto& [key, shares] : overrides_)
     (void)ex->balancer().SetShares(key.first, key.second, shares.first, shares.second);
+  if (auto it = seeds_.find(static_cast<int>(ids.size())); it != seeds_.end())
+    (void)ex->balancer().SetSeed(it->second);  // links checked by SetSeed (GpuEngine::SetSeed)
   return ex;
 }
 
@@ -166,6 +175,23 @@ Status GpuEngine::SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double
     Status s = ex.balancer().SetShares(kind, bucket_bytes, shares, pinned);
     if (status.ok()) status = s;
   });
+  return status;
+}
+
+Status GpuEngine::SetSeed(int ranks, plan::CostModel seed) {
+  std::shared_ptr<const GpuLinkSet> set = CurrentLinks();
+  if (ranks < 2) return Status::InvalidArgument("flexlink: seed_model: a group has at least 2 ranks, got " + std::to_string(ranks));
+  if (seed.links() != set->names())
+    return Status::InvalidArgument("flexlink: seed_model: the fits are for links " + JoinNames(seed.links()) +
+                                   ", the configured GPU links are " + JoinNames(set->names()));
+  std::lock_guard<std::mutex> lock(mu_);
+  Status status = Status::Ok();
+  ForEachCurrent([&](const std::vector<int64_t>& ids, GpuExecutor& ex) {
+    if (static_cast<int>(ids.size()) != ranks) return;
+    Status s = ex.balancer().SetSeed(seed);
+    if (status.ok()) status = s;
+  });
+  seeds_[ranks] = std::move(seed);
   return status;
 }
 

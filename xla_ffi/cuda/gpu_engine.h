@@ -52,6 +52,10 @@ class GpuEngine {
   Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned);
   void ForgetModel(Kind kind);
   std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices);
+  // Nominal fits (jax_flexlink.topology) for groups of `ranks` GPUs over the current links: their
+  // plans start from these until stage 1 measures (plan::Balancer::SetSeed). Forgotten when the
+  // links change.
+  Status SetSeed(int ranks, plan::CostModel seed);
   void SetTuneMax(uint64_t bytes);
   void SetAutotune(uint64_t bytes);
   std::vector<PlanSnapshot> SnapshotPlans();
@@ -79,6 +83,7 @@ class GpuEngine {
   std::shared_ptr<const GpuLinkSet> links_;
   uint64_t next_version_ = 1;
   std::map<std::pair<Kind, uint64_t>, std::pair<std::vector<double>, bool>> overrides_;
+  std::map<int, plan::CostModel> seeds_;  // by group size, for the current links
   // Never erased: device threads cache raw pointers; reconfigured links make new groups.
   std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<GpuExecutor>> groups_;
 };

@@ -35,7 +35,7 @@ std::string_view Name(PlanMode mode) {
 }
 
 Balancer::Balancer(std::vector<std::string> links, BalancerOptions options)
-    : links_(std::move(links)), options_(options), model_(links_),
+    : links_(std::move(links)), options_(options), model_(links_), seed_(links_),
       profile_from_bytes_(options.profile_from_bytes), profile_max_bytes_(options.profile_max_bytes) {}
 
 void Balancer::SetProfileMaxBytes(uint64_t bytes) {
@@ -77,6 +77,17 @@ Status Balancer::MergeModel(const CostModel& model) {
     DropPlans(k);
   }
   UpdateThresholds();
+  return Status::Ok();
+}
+
+Status Balancer::SetSeed(CostModel seed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (seed.links() != links_) {
+    return Status::InvalidArgument("flexlink: balancer: the seed model is for a different link set");
+  }
+  seed_ = std::move(seed);
+  for (size_t k = 0; k < kNumKinds; ++k)
+    if (!model_.Has(static_cast<Kind>(k))) DropPlans(k);  // plans made without the seed
   return Status::Ok();
 }
 
@@ -145,25 +156,21 @@ Balancer::Entry& Balancer::EntryFor(Kind kind, uint64_t bytes) {
     // split" seen at small sizes may not hold): profile again, up to this size.
     Install(e, PlanMode::kProfile, OneHot(n, 0));
   } else if (model_.Has(kind)) {
-    auto fits = model_.Fits(kind);
-    if (bytes < thresholds_[KindIndex(kind)]) {
-      e.single_link = FastestSingle(fits, static_cast<double>(bytes));
-      Install(e, PlanMode::kSingle, OneHot(n, e.single_link));
-    } else {
-      std::vector<double> shares = EqualFinishShares(fits, static_cast<double>(bytes));
-      DropBelow(shares, options_.min_share);
-      Install(e, PlanMode::kConverging, std::move(shares));
-    }
+    InstallFromFits(e, model_.Fits(kind), thresholds_[KindIndex(kind)], bytes);
   } else if (profile_from_bytes_ > 0) {
     // No stage 1 for this kind yet. A large call runs it (the engine profiles, merges the fits and
     // asks again); until then small calls take the primary link alone: a split started blind costs
     // its small calls more than it could gain (and on shared cores may lose outright).
     if (bytes >= profile_from_bytes_) {
       Install(e, PlanMode::kProfile, OneHot(n, 0));
+    } else if (seed_.Has(kind)) {
+      InstallFromFits(e, seed_.Fits(kind), SplitThreshold(seed_.Fits(kind), options_.split_overhead_s), bytes);
     } else {
       e.single_link = 0;
       Install(e, PlanMode::kSingle, OneHot(n, 0));
     }
+  } else if (seed_.Has(kind)) {
+    InstallFromFits(e, seed_.Fits(kind), SplitThreshold(seed_.Fits(kind), options_.split_overhead_s), bytes);
   } else {
     // Stage 2 alone: start from equal shares; stage 2 finds the split and the guard the single-link
     // fallback (by a trial, since there is no model to predict it).
@@ -172,6 +179,17 @@ Balancer::Entry& Balancer::EntryFor(Kind kind, uint64_t bytes) {
   e.split = e.seed = e.plan->shares;
   e.link_rate.assign(n, 0.0);
   return e;
+}
+
+void Balancer::InstallFromFits(Entry& e, std::span<const AlphaBeta> fits, uint64_t threshold, uint64_t bytes) {
+  if (bytes < threshold) {
+    e.single_link = FastestSingle(fits, static_cast<double>(bytes));
+    Install(e, PlanMode::kSingle, OneHot(links_.size(), e.single_link));
+  } else {
+    std::vector<double> shares = EqualFinishShares(fits, static_cast<double>(bytes));
+    DropBelow(shares, options_.min_share);
+    Install(e, PlanMode::kConverging, std::move(shares));
+  }
 }
 
 std::shared_ptr<const Plan> Balancer::PlanFor(Kind kind, uint64_t bytes) {

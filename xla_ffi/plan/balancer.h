@@ -115,6 +115,11 @@ class Balancer {
   // Installs `model`'s fits (and measured threshold) for the kinds it has, keeping the other kinds';
   // the plans of those kinds that are not pinned are re-seeded at their next call.
   Status MergeModel(const CostModel& model);
+  // Installs nominal fits (the machine's link rates, e.g. from jax_flexlink.topology) as the seed of
+  // kinds stage 1 has not measured: their calls below the profiling size are planned from it instead
+  // of taking the primary link alone, while a large call still runs stage 1, whose fits then replace
+  // the seed. Seed kinds count as unprofiled, and the seed never reaches the tuning cache.
+  Status SetSeed(CostModel seed);
   // Forgets `kind`'s fits; its plans that are not pinned start over (stage 1 again, see PlanFor).
   void ForgetKind(Kind kind);
   // A copy of the current model (fits per kind, measured thresholds).
@@ -189,6 +194,8 @@ class Balancer {
   Entry& EntryFor(Kind kind, uint64_t bytes);
   Assessment Assess(const Entry& e, uint64_t bytes, std::span<const double> link_seconds) const;
   void Install(Entry& e, PlanMode mode, std::vector<double> shares);
+  // The fastest single link below `threshold`, else the equal-finish split of `fits`, converging.
+  void InstallFromFits(Entry& e, std::span<const AlphaBeta> fits, uint64_t threshold, uint64_t bytes);
   void OnSplitCall(Entry& e, uint64_t bytes, std::span<const double> link_seconds, double rate,
                    Outcome* out);
   void OnSingleCall(Entry& e, uint64_t bytes, double rate, Outcome* out);
@@ -210,6 +217,7 @@ class Balancer {
   const BalancerOptions options_;
   mutable std::mutex mu_;
   CostModel model_;
+  CostModel seed_;  // nominal fits for kinds without stage-1 fits (SetSeed); never measured
   std::array<uint64_t, kNumKinds> thresholds_{};
   std::map<Key, Entry> entries_;
   uint64_t next_epoch_ = 1;

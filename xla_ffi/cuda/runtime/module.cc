@@ -4,11 +4,13 @@
 // no GPU and no NCCL: the CUDA runtime and NCCL are first touched by a handler call or by
 // device_count()/nccl_version().
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -114,6 +116,24 @@ nb::object GroupFits(const std::vector<int64_t>& devices) {
   return result;
 }
 
+void SeedModel(int ranks, const std::map<std::string, std::vector<std::pair<double, double>>>& fits) {
+  const std::vector<std::string> names = ProcessEngine().CurrentLinks()->names();
+  plan::CostModel seed(names);
+  for (const auto& [name, per_link] : fits) {
+    const Kind kind = KindOf(name);
+    if (per_link.size() != names.size())
+      throw nb::value_error(("seed_model: " + name + " has " + std::to_string(per_link.size()) + " fits for " +
+                             std::to_string(names.size()) + " links").c_str());
+    for (size_t i = 0; i < per_link.size(); ++i) {
+      const auto [alpha, beta] = per_link[i];
+      if (!(alpha >= 0) || !(beta > 0))
+        throw nb::value_error(("seed_model: " + name + " link " + names[i] + ": alpha must be >= 0 and beta > 0").c_str());
+      seed.Set(kind, i, {alpha, beta});
+    }
+  }
+  Check(ProcessEngine().SetSeed(ranks, std::move(seed)));
+}
+
 }  // namespace
 }  // namespace flexlink::gpu
 
@@ -157,6 +177,15 @@ NB_MODULE(_flexlink_cuda, m) {
   m.def("forget_model", [](const std::string& kind) { ProcessEngine().ForgetModel(KindOf(kind)); },
         nb::arg("collective"));
   m.def("group_fits", &GroupFits, nb::arg("devices"));
+  m.def(
+      "seed_model",
+      [](int ranks, const std::map<std::string, std::vector<std::pair<double, double>>>& fits) {
+        SeedModel(ranks, fits);
+      },
+      nb::arg("ranks"), nb::arg("fits"),
+      "Nominal fits {collective: [(alpha_s, beta_s_per_byte) per link]} (jax_flexlink.topology."
+      "nominal_fits) that plans of groups of `ranks` GPUs start from until stage 1 measures; "
+      "forgotten when the links change.");
   m.def("set_record_splits", [](bool on) { ProcessEngine().splits().SetEnabled(on); }, nb::arg("on"));
   m.def("take_split_records", &SplitRecords);
   m.def("set_nccl_library", [](const std::string& path) { ProcessNccl().SetLibrary(path); }, nb::arg("path"),
