@@ -37,6 +37,22 @@ std::string FormatIds(std::span<const int64_t> ids) {
   return s + "]";
 }
 
+Status CheckDistinct(std::span<const int64_t> devices, std::string_view label) {
+  std::vector<int64_t> sorted(devices.begin(), devices.end());
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) return Status::Ok();
+  return Status::InvalidArgument(ErrorPrefix(label) + "group " + FormatIds(devices) +
+                                 " names a device more than once");
+}
+
+Status CheckEvenGroups(std::span<const int64_t> group_sizes, std::string_view label) {
+  for (int64_t s : group_sizes)
+    if (s != group_sizes[0])
+      return Status::InvalidArgument(ErrorPrefix(label) + "all_to_all: groups must all have the same size, got sizes " +
+                                     FormatIds(group_sizes));
+  return Status::Ok();
+}
+
 std::string ErrorPrefix(std::string_view label) {
   return label.empty() ? std::string("flexlink: ") : "flexlink: " + std::string(label) + ": ";
 }

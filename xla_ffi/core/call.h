@@ -128,6 +128,12 @@ Status ResolveGroup(std::span<const int64_t> groups, std::span<const int64_t> gr
                     int64_t device, std::string_view label, std::span<const int64_t>* members,
                     int* rank);
 
+// A group that names a device twice is refused (every engine: its ranks would be one device).
+Status CheckDistinct(std::span<const int64_t> devices, std::string_view label);
+// all_to_all exchanges blocks between every pair of ranks of a group; lax requires its groups to be
+// of one size, and so do the engines (an uneven table is a front-end bug worth a clear message).
+Status CheckEvenGroups(std::span<const int64_t> group_sizes, std::string_view label);
+
 // "[0, 1, 2, 3]"
 std::string FormatIds(std::span<const int64_t> ids);
 // "flexlink: <label>: " (label may be empty)

@@ -24,24 +24,6 @@
 namespace flexlink {
 namespace {
 
-Status CheckDistinct(std::span<const int64_t> devices, std::string_view label) {
-  std::vector<int64_t> sorted(devices.begin(), devices.end());
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) return Status::Ok();
-  return Status::InvalidArgument(ErrorPrefix(label) + "group " + FormatIds(devices) +
-                                 " names a device more than once");
-}
-
-// all_to_all exchanges blocks between every pair of ranks of a group; lax requires its groups to be
-// of one size, and so does this engine (an uneven table is a front-end bug worth a clear message).
-Status CheckEvenGroups(std::span<const int64_t> group_sizes, std::string_view label) {
-  for (int64_t s : group_sizes)
-    if (s != group_sizes[0])
-      return Status::InvalidArgument(ErrorPrefix(label) + "all_to_all: groups must all have the same size, got sizes " +
-                                     FormatIds(group_sizes));
-  return Status::Ok();
-}
-
 // A group of devices on one link set: its communicator (channels), the balancer that plans its
 // calls and, with more than one link, the executor that splits them.
 struct Group {

@@ -17,6 +17,7 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/profile_calls.h"
 #include "xla_ffi/core/rendezvous.h"
 #include "xla_ffi/links/link.h"
 #include "xla_ffi/plan/cost_model.h"
@@ -27,52 +28,9 @@
 namespace flexlink {
 namespace {
 
-constexpr uint64_t kMinProfileBytes = 64 << 10;
-// Above this, sizes step by 4x instead of 2x and skip the untimed repetition: the time there is
-// bandwidth (a line needs few points) and slow links make these steps the whole cost of stage 1; the
-// smaller sizes before them have warmed every buffer already (the best of the timed runs is kept).
-constexpr uint64_t kCoarseProfileBytes = 1 << 20;
-
-std::string CachePath() {
-  std::string path = TuneCachePath();
-  return path.empty() ? plan::DefaultCachePath() : path;
-}
-
-std::string Describe(const std::vector<std::string>& names, std::span<const plan::AlphaBeta> fits) {
-  std::string s;
-  for (size_t i = 0; i < names.size(); ++i) {
-    char buf[128];
-    std::snprintf(buf, sizeof buf, "%s%s a=%.1fus bw=%.3gGB/s", i ? ", " : "", names[i].c_str(),
-                  fits[i].alpha * 1e6, fits[i].bytes_per_second() * 1e-9);
-    s += buf;
-  }
-  return s;
-}
-
 std::string ThresholdText(uint64_t t) {
   return t == plan::kNeverSplit ? std::string("never split (one link alone is faster)")
                                 : "split from " + std::to_string(t) + " B per call";
-}
-
-// A float32 sum (for the kinds that do not reduce: their data movement) of `message` nccl-tests bytes
-// for a group of n.
-CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
-  CallDesc d;
-  d.kind = kind;
-  d.op = ReduceOp::kSum;
-  Part p;
-  p.dtype = DType::kF32;
-  p.in = in;
-  p.out = out;
-  const size_t elems = message / sizeof(float);
-  p.units = kind == Kind::kAllReduce || kind == Kind::kPpermute ? elems : std::max<size_t>(1, elems / n);
-  p.outer = 1;
-  p.inner = p.units;
-  d.AddPart(p);
-  if (kind == Kind::kPpermute) {  // a ring shift by one, the common case (pipelines, halos)
-    for (int r = 0; r < n; ++r) d.sources.push_back((r + n - 1) % n);
-  }
-  return d;
 }
 
 // A zeroed, cache-line-aligned buffer (zeros: sums and gathers of them are exact, whatever the split).
@@ -96,7 +54,7 @@ uint64_t ProfileTopBytes(uint64_t message_bytes) {
 }
 
 bool Executor::LoadCachedFits(Kind kind, int n, uint64_t needed_bytes) {
-  const std::string path = CachePath();
+  const std::string path = ProfileCachePath();
   plan::TuneRecord rec;
   std::string warning;
   const bool found = plan::LoadTuning(path, {plan::HostName(), spec_, n}, &rec, &warning);
@@ -105,7 +63,7 @@ bool Executor::LoadCachedFits(Kind kind, int n, uint64_t needed_bytes) {
   if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;  // profiled at smaller sizes only
   if (!balancer_->MergeModel(rec.model).ok()) return false;
   LogInfo("stage 1 for " + std::string(Name(kind)) + " on group " + FormatIds(comm_->devices()) +
-      " from cache " + path + ": " + Describe(link_names_, rec.model.Fits(kind)) + "; " +
+      " from cache " + path + ": " + DescribeFits(link_names_, rec.model.Fits(kind)) + "; " +
       ThresholdText(balancer_->SplitThresholdBytes(kind)));
   return true;
 }
@@ -232,13 +190,13 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
     timings += buf;
   }
   LogInfo("stage 1 for " + std::string(Name(p->kind)) + " on group " + FormatIds(comm_->devices()) + " (" +
-      std::to_string(Since(p->started)).substr(0, 5) + " s): " + Describe(link_names_, model.Fits(p->kind)) +
+      std::to_string(Since(p->started)).substr(0, 5) + " s): " + DescribeFits(link_names_, model.Fits(p->kind)) +
       "; best alone/split: " + timings + "; " + ThresholdText(threshold) + "; plan " +
       balancer_->Describe(*state.plan));
   if (!merged.ok()) return merged;
 
   // Persist, keeping what the cache already holds for the other kinds of this key.
-  const std::string path = CachePath();
+  const std::string path = ProfileCachePath();
   plan::TuneRecord rec;
   std::string warning;
   const plan::CacheKey key{plan::HostName(), spec_, n};

@@ -11,21 +11,6 @@
 namespace flexlink::gpu {
 namespace {
 
-Status CheckDistinct(std::span<const int64_t> devices, std::string_view label) {
-  std::vector<int64_t> sorted(devices.begin(), devices.end());
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) return Status::Ok();
-  return Status::InvalidArgument(ErrorPrefix(label) + "group " + FormatIds(devices) + " names a device more than once");
-}
-
-Status CheckEvenGroups(std::span<const int64_t> group_sizes, std::string_view label) {
-  for (int64_t s : group_sizes)
-    if (s != group_sizes[0])
-      return Status::InvalidArgument(ErrorPrefix(label) + "all_to_all: groups must all have the same size, got sizes " +
-                                     FormatIds(group_sizes));
-  return Status::Ok();
-}
-
 std::string JoinNames(const std::vector<std::string>& names) {
   std::string out;
   for (const std::string& n : names) out += (out.empty() ? "" : ";") + n;

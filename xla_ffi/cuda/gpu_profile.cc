@@ -11,6 +11,7 @@
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/profile_calls.h"
 #include "xla_ffi/cuda/gpu_executor.h"
 #include "xla_ffi/plan/cost_model.h"
 #include "xla_ffi/plan/shares.h"
@@ -45,33 +46,6 @@ struct ProfileSession {
 
 namespace {
 
-constexpr uint64_t kMinProfileBytes = 64 << 10;
-constexpr uint64_t kCoarseProfileBytes = 1 << 20;
-
-std::string CachePath() {
-  std::string path = TuneCachePath();
-  return path.empty() ? plan::DefaultCachePath() : path;
-}
-
-// A float32 sum of `message` nccl-tests bytes for a group of n (the CPU engine's ProfileDesc).
-CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
-  CallDesc d;
-  d.kind = kind;
-  d.op = ReduceOp::kSum;
-  Part p;
-  p.dtype = DType::kF32;
-  p.in = in;
-  p.out = out;
-  const size_t elems = message / sizeof(float);
-  p.units = kind == Kind::kAllReduce || kind == Kind::kPpermute ? elems : std::max<size_t>(1, elems / n);
-  p.outer = 1;
-  p.inner = p.units;
-  d.AddPart(p);
-  if (kind == Kind::kPpermute)
-    for (int r = 0; r < n; ++r) d.sources.push_back((r + n - 1) % n);
-  return d;
-}
-
 size_t FirstRep(const ProfileSession& s, size_t size) {
   return s.sizes[size] > kCoarseProfileBytes ? static_cast<size_t>(s.warmup) : 0;
 }
@@ -80,17 +54,6 @@ double Best(const ProfileSession& s, const std::vector<double>& table, size_t fi
   double b = std::numeric_limits<double>::infinity();
   for (size_t r = s.warmup; r < s.reps(); ++r) b = std::min(b, table[first + r]);
   return b;
-}
-
-std::string Fits(const std::vector<std::string>& names, std::span<const plan::AlphaBeta> fits) {
-  std::string s;
-  for (size_t i = 0; i < names.size(); ++i) {
-    char buf[128];
-    std::snprintf(buf, sizeof buf, "%s%s a=%.1fus bw=%.3gGB/s", i ? ", " : "", names[i].c_str(),
-                  fits[i].alpha * 1e6, fits[i].bytes_per_second() * 1e-9);
-    s += buf;
-  }
-  return s;
 }
 
 // Message sizes of the profiled calls.
@@ -109,7 +72,7 @@ bool GpuProfiler::busy() const {
 }
 
 bool GpuProfiler::LoadCachedFits(Kind kind, uint64_t needed_bytes) {
-  const std::string path = CachePath();
+  const std::string path = ProfileCachePath();
   plan::TuneRecord rec;
   std::string warning;
   const bool found = plan::LoadTuning(path, {plan::HostName(), ex_.links_->spec, ex_.group_.size()}, &rec, &warning);
@@ -118,7 +81,7 @@ bool GpuProfiler::LoadCachedFits(Kind kind, uint64_t needed_bytes) {
   if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;
   if (!ex_.balancer_.MergeModel(rec.model).ok()) return false;
   LogInfo("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(ex_.group_.ids) + " from cache " +
-          path + ": " + Fits(ex_.names_, rec.model.Fits(kind)));
+          path + ": " + DescribeFits(ex_.names_, rec.model.Fits(kind)));
   return true;
 }
 
@@ -228,11 +191,11 @@ void GpuProfiler::Finish(ProfileSession& s) {
   Status merged = ex_.balancer_.MergeModel(s.model);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - s.started).count();
   LogInfo("stage 1 for " + std::string(Name(s.kind)) + " on GPU group " + FormatIds(ex_.group_.ids) + " (" +
-          std::to_string(secs).substr(0, 5) + " s): " + Fits(ex_.names_, s.model.Fits(s.kind)) + "; " +
+          std::to_string(secs).substr(0, 5) + " s): " + DescribeFits(ex_.names_, s.model.Fits(s.kind)) + "; " +
           (threshold == plan::kNeverSplit ? std::string("never split") : "split from " + std::to_string(threshold) + " B"));
   if (!merged.ok()) return;
   // Persist, keeping what the cache holds for the other kinds of this key.
-  const std::string path = CachePath();
+  const std::string path = ProfileCachePath();
   plan::TuneRecord rec;
   std::string warning;
   const plan::CacheKey key{plan::HostName(), ex_.links_->spec, n};

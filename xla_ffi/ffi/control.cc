@@ -15,6 +15,7 @@
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/ffi/control.h"
+#include "xla_ffi/ffi/py_values.h"
 #include "xla_ffi/links/emulated.h"
 #include "xla_ffi/plan/cost_model.h"
 #include "xla_ffi/plan/tuning_cache.h"
@@ -24,46 +25,12 @@ namespace nb = nanobind;
 namespace flexlink {
 namespace {
 
-void Check(const Status& s) {
-  if (!s.ok()) throw nb::value_error(s.message().c_str());
-}
-
-Kind KindOf(const std::string& name) {
-  auto k = ParseKind(name);
-  if (!k) throw nb::value_error(("unknown collective '" + name +
-                                 "' (all_reduce, all_gather, reduce_scatter, ppermute, all_to_all)").c_str());
-  return *k;
-}
+using py::Check;
+using py::KindOf;
 
 nb::list Plans() {
   nb::list out;
-  for (const PlanSnapshot& p : SnapshotPlans()) {
-    nb::dict shares;
-    for (size_t i = 0; i < p.links.size() && i < p.plan.shares.size(); ++i)
-      shares[p.links[i].c_str()] = p.plan.shares[i];
-    nb::dict d;
-    d["collective"] = std::string(Name(p.plan.kind));
-    d["bucket_bytes"] = p.plan.bucket_bytes;
-    d["shares"] = shares;
-    d["mode"] = std::string(plan::Name(p.plan.mode));
-    d["epoch"] = p.plan.epoch;
-    d["group"] = p.group;
-    out.append(d);
-  }
-  return out;
-}
-
-nb::list SplitRecords() {
-  nb::list out;
-  for (const SplitRecord& r : TakeSplitRecords()) {
-    nb::dict d;
-    d["group"] = r.group;
-    d["run_id"] = r.run_id;
-    d["call"] = r.call;
-    d["rank"] = r.rank;
-    d["ranges"] = r.ranges;
-    out.append(d);
-  }
+  for (const PlanSnapshot& p : SnapshotPlans()) out.append(py::PlanDict(p));
   return out;
 }
 
@@ -75,17 +42,6 @@ void SetLinkRate(const std::string& name, double gbps, double latency_us) {
   link->SetRate(gbps, latency_us);
 }
 
-nb::dict FitsOf(const plan::CostModel& model) {
-  nb::dict out;
-  for (Kind kind : kAllKinds) {
-    if (!model.Has(kind)) continue;
-    std::vector<std::pair<double, double>> fits;
-    for (const auto& f : model.Fits(kind)) fits.emplace_back(f.alpha, f.beta);
-    out[std::string(Name(kind)).c_str()] = fits;
-  }
-  return out;
-}
-
 // LoadTuning, and when found installs the whole entry (fits and measured thresholds) as the model.
 nb::dict InstallCached(const std::string& path, int ranks) {
   plan::TuneRecord rec;
@@ -93,7 +49,7 @@ nb::dict InstallCached(const std::string& path, int ranks) {
   const bool found = plan::LoadTuning(path, {plan::HostName(), CurrentLinkSet()->spec, ranks}, &rec, &warning);
   if (found) Check(InstallModel(rec.model));
   nb::dict out;
-  out["fits"] = found ? nb::object(FitsOf(rec.model)) : nb::none();
+  out["fits"] = found ? nb::object(py::FitsOf(rec.model)) : nb::none();
   out["max_bytes"] = rec.max_bytes;
   out["warning"] = warning;
   out["host"] = plan::HostName();
@@ -135,25 +91,13 @@ void DefineControl(nb::module_& m) {
         "Forgets a collective's stage-1 fits everywhere: its next large call runs stage 1 again.");
   m.def("group_fits", [](const std::vector<int64_t>& devices) -> nb::object {
     auto model = GroupModel(devices);
-    if (!model) return nb::none();
-    nb::dict out = FitsOf(*model);
-    nb::dict thresholds, profiled;
-    for (Kind kind : kAllKinds) {
-      if (!model->Has(kind)) continue;
-      auto t = model->MeasuredThreshold(kind);
-      if (t) thresholds[std::string(Name(kind)).c_str()] = nb::int_(*t);
-      profiled[std::string(Name(kind)).c_str()] = nb::int_(model->ProfiledBytes(kind));
-    }
-    nb::dict result;
-    result["fits"] = out;
-    result["split_min_bytes"] = thresholds;
-    result["profiled_bytes"] = profiled;
-    return result;
+    return model ? nb::object(py::GroupModelDict(*model)) : nb::none();
   }, nb::arg("devices"), "The stage-1 model of one group: {fits: {collective: [(alpha, beta)]}, split_min_bytes, "
         "profiled_bytes}.");
   m.def("set_tune_cache_path", &SetTuneCachePath, nb::arg("path"), "The tuning cache the engine reads and writes.");
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
-  m.def("take_split_records", &SplitRecords, "Per-rank ranges of the calls since the last take.");
+  m.def("take_split_records", [] { return py::SplitRecordList(TakeSplitRecords()); },
+        "Per-rank ranges of the calls since the last take.");
 }
 
 }  // namespace flexlink

@@ -84,4 +84,22 @@ ffi::Error DecodeOperands(Kind kind, std::string_view label, const ffi::Remainin
   return ffi::Error::Success();
 }
 
+ffi::Error DecodeCall(Kind kind, int32_t device, ffi::RunId run_id, const ffi::RemainingArgs& args,
+                      const ffi::RemainingRets& rets, ffi::Span<const int64_t> groups,
+                      ffi::Span<const int64_t> group_sizes, std::string_view reduction, int64_t axis,
+                      std::string_view label, std::span<const int64_t> pairs, CollectiveArgs* out) {
+  ffi::Error decoded = DecodeOperands(kind, label, args, rets, &out->request.operands);
+  if (decoded.failure()) return decoded;
+  out->groups = AsSpan(groups);
+  out->group_sizes = AsSpan(group_sizes);
+  out->device = device;
+  out->run_id = run_id.run_id;
+  out->label = label;
+  out->request.kind = kind;
+  out->request.reduction = reduction;
+  out->request.axis = axis;
+  out->request.pairs = pairs;
+  return ffi::Error::Success();
+}
+
 }  // namespace flexlink

@@ -19,6 +19,7 @@
 #pragma GCC diagnostic pop
 
 #include "xla_ffi/core/call.h"
+#include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/core/types.h"
 
@@ -33,5 +34,12 @@ inline std::span<const int64_t> AsSpan(xla::ffi::Span<const int64_t> s) { return
 // nothing once a device thread has seen its widest call) or says what is wrong with the call frame.
 xla::ffi::Error DecodeOperands(Kind kind, std::string_view label, const xla::ffi::RemainingArgs& args,
                                const xla::ffi::RemainingRets& rets, std::span<const OperandRequest>* operands);
+
+// One rank's call from its frame: the operands (DecodeOperands) and the attributes every handler
+// passes, into `out` for the platform's engine.
+xla::ffi::Error DecodeCall(Kind kind, int32_t device, xla::ffi::RunId run_id, const xla::ffi::RemainingArgs& args,
+                           const xla::ffi::RemainingRets& rets, xla::ffi::Span<const int64_t> groups,
+                           xla::ffi::Span<const int64_t> group_sizes, std::string_view reduction, int64_t axis,
+                           std::string_view label, std::span<const int64_t> pairs, CollectiveArgs* out);
 
 }  // namespace flexlink

@@ -20,17 +20,8 @@ ffi::Error Run(Kind kind, int32_t device, ffi::RunId run_id, ffi::RemainingArgs 
                std::string_view reduction, int64_t axis, std::string_view label,
                std::span<const int64_t> pairs = {}) {
   CollectiveArgs a;
-  ffi::Error decoded = DecodeOperands(kind, label, args, rets, &a.request.operands);
+  ffi::Error decoded = DecodeCall(kind, device, run_id, args, rets, groups, group_sizes, reduction, axis, label, pairs, &a);
   if (decoded.failure()) return decoded;
-  a.groups = AsSpan(groups);
-  a.group_sizes = AsSpan(group_sizes);
-  a.device = device;
-  a.run_id = run_id.run_id;
-  a.label = label;
-  a.request.kind = kind;
-  a.request.reduction = reduction;
-  a.request.axis = axis;
-  a.request.pairs = pairs;
   return ToFfi(RunCollective(a));
 }
 

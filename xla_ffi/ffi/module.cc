@@ -18,6 +18,7 @@
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/ffi/control.h"
 #include "xla_ffi/ffi/handlers.h"
+#include "xla_ffi/ffi/py_values.h"
 
 namespace nb = nanobind;
 
@@ -169,18 +170,7 @@ nb::dict Registrations() {
 
 nb::dict Stats() {
   EnsureLinks();
-  nb::dict links;
-  for (const LinkStatsSnapshot& s : SnapshotLinkStats()) {
-    nb::dict e;
-    e["bytes"] = s.bytes;
-    e["calls"] = s.calls;
-    e["seconds"] = s.seconds;
-    e["healthy"] = s.healthy;
-    links[s.name.c_str()] = e;
-  }
-  nb::dict out;
-  out["links"] = links;
-  return out;
+  return py::LinkStats();
 }
 
 }  // namespace

@@ -20,17 +20,8 @@ ffi::Error Run(Kind kind, cudaStream_t stream, int32_t device, ffi::RunId run_id
                ffi::RemainingRets rets, ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
                std::string_view reduction, int64_t axis, std::string_view label, std::span<const int64_t> pairs = {}) {
   CollectiveArgs a;
-  ffi::Error decoded = DecodeOperands(kind, label, args, rets, &a.request.operands);
+  ffi::Error decoded = DecodeCall(kind, device, run_id, args, rets, groups, group_sizes, reduction, axis, label, pairs, &a);
   if (decoded.failure()) return decoded;
-  a.groups = AsSpan(groups);
-  a.group_sizes = AsSpan(group_sizes);
-  a.device = device;
-  a.run_id = run_id.run_id;
-  a.label = label;
-  a.request.kind = kind;
-  a.request.reduction = reduction;
-  a.request.axis = axis;
-  a.request.pairs = pairs;
   return ToFfi(ProcessEngine().Run(a, stream));
 }
 

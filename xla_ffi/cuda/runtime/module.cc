@@ -18,6 +18,7 @@
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/runtime/handlers.h"
 #include "xla_ffi/cuda/runtime/process.h"
+#include "xla_ffi/ffi/py_values.h"
 #include "xla_ffi/plan/tuning_cache.h"
 
 namespace nb = nanobind;
@@ -25,17 +26,8 @@ namespace nb = nanobind;
 namespace flexlink::gpu {
 namespace {
 
-void Check(const Status& s) {
-  if (!s.ok()) throw nb::value_error(s.message().c_str());
-}
-
-Kind KindOf(const std::string& name) {
-  auto k = ParseKind(name);
-  if (!k)
-    throw nb::value_error(("unknown collective '" + name +
-                           "' (all_reduce, all_gather, reduce_scatter, ppermute, all_to_all)").c_str());
-  return *k;
-}
+using py::Check;
+using py::KindOf;
 
 nb::dict Registrations() {
   nb::dict d;
@@ -50,70 +42,24 @@ nb::dict Registrations() {
 nb::dict Stats() {
   ProcessEngine().CurrentLinks();
   ProcessEngine().PollTimings();  // calls whose events completed since their group's last call
-  nb::dict links;
-  for (const LinkStatsSnapshot& s : SnapshotLinkStats()) {
-    nb::dict e;
-    e["bytes"] = s.bytes;
-    e["calls"] = s.calls;
-    e["seconds"] = s.seconds;
-    e["healthy"] = s.healthy;
-    links[s.name.c_str()] = e;
-  }
-  nb::dict out;
-  out["links"] = links;
-  return out;
+  return py::LinkStats();
 }
 
 nb::list Plans() {
   nb::list out;
   for (const PlanSnapshot& p : ProcessEngine().SnapshotPlans()) {
-    nb::dict shares;
-    for (size_t i = 0; i < p.links.size() && i < p.plan.shares.size(); ++i) shares[p.links[i].c_str()] = p.plan.shares[i];
-    nb::dict d;
-    d["collective"] = std::string(Name(p.plan.kind));
-    d["bucket_bytes"] = p.plan.bucket_bytes;
-    d["shares"] = shares;
-    d["mode"] = std::string(plan::Name(p.plan.mode));
-    d["epoch"] = p.plan.epoch;
-    d["group"] = p.group;
+    nb::dict d = py::PlanDict(p);
     d["platform"] = "cuda";
     out.append(d);
   }
   return out;
 }
 
-nb::list SplitRecords() {
-  nb::list out;
-  for (const SplitRecord& r : ProcessEngine().splits().Take()) {
-    nb::dict d;
-    d["group"] = r.group;
-    d["run_id"] = r.run_id;
-    d["call"] = r.call;
-    d["rank"] = r.rank;
-    d["ranges"] = r.ranges;
-    out.append(d);
-  }
-  return out;
-}
+nb::list SplitRecords() { return py::SplitRecordList(ProcessEngine().splits().Take()); }
 
 nb::object GroupFits(const std::vector<int64_t>& devices) {
   auto model = ProcessEngine().GroupModel(devices);
-  if (!model) return nb::none();
-  nb::dict fits, thresholds, profiled;
-  for (Kind kind : kAllKinds) {
-    if (!model->Has(kind)) continue;
-    std::vector<std::pair<double, double>> f;
-    for (const auto& fit : model->Fits(kind)) f.emplace_back(fit.alpha, fit.beta);
-    const std::string name(Name(kind));
-    fits[name.c_str()] = f;
-    if (auto t = model->MeasuredThreshold(kind)) thresholds[name.c_str()] = nb::int_(*t);
-    profiled[name.c_str()] = nb::int_(model->ProfiledBytes(kind));
-  }
-  nb::dict result;
-  result["fits"] = fits;
-  result["split_min_bytes"] = thresholds;
-  result["profiled_bytes"] = profiled;
-  return result;
+  return model ? nb::object(py::GroupModelDict(*model)) : nb::none();
 }
 
 void SeedModel(int ranks, const std::map<std::string, std::vector<std::pair<double, double>>>& fits) {

@@ -1,0 +1,46 @@
+#include "xla_ffi/core/profile_calls.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/plan/tuning_cache.h"
+
+namespace flexlink {
+
+std::string ProfileCachePath() {
+  std::string path = TuneCachePath();
+  return path.empty() ? plan::DefaultCachePath() : path;
+}
+
+CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
+  CallDesc d;
+  d.kind = kind;
+  d.op = ReduceOp::kSum;
+  Part p;
+  p.dtype = DType::kF32;
+  p.in = in;
+  p.out = out;
+  const size_t elems = message / sizeof(float);
+  p.units = kind == Kind::kAllReduce || kind == Kind::kPpermute ? elems : std::max<size_t>(1, elems / n);
+  p.outer = 1;
+  p.inner = p.units;
+  d.AddPart(p);
+  if (kind == Kind::kPpermute) {
+    for (int r = 0; r < n; ++r) d.sources.push_back((r + n - 1) % n);
+  }
+  return d;
+}
+
+std::string DescribeFits(const std::vector<std::string>& names, std::span<const plan::AlphaBeta> fits) {
+  std::string s;
+  for (size_t i = 0; i < names.size(); ++i) {
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "%s%s a=%.1fus bw=%.3gGB/s", i ? ", " : "", names[i].c_str(),
+                  fits[i].alpha * 1e6, fits[i].bytes_per_second() * 1e-9);
+    s += buf;
+  }
+  return s;
+}
+
+}  // namespace flexlink

@@ -1,0 +1,33 @@
+// What stage 1 runs and how it reports it, the same on every executor (the CPU one,
+// core/executor_profile.cc, and the GPU one, cuda/gpu_profile.cc): its sizes, the call it times, the
+// tuning cache it reads and writes, and the fits' one-line description in the log.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/core/call.h"
+#include "xla_ffi/plan/cost_model.h"
+
+namespace flexlink {
+
+// The smallest profiled size (nccl-tests bytes).
+inline constexpr uint64_t kMinProfileBytes = 64 << 10;
+// Above this, sizes step by 4x instead of 2x and skip the untimed repetition: the time there is
+// bandwidth (a line needs few points) and slow links make these steps the whole cost of stage 1; the
+// smaller sizes before them have warmed every buffer already (the best of the timed runs is kept).
+inline constexpr uint64_t kCoarseProfileBytes = 1 << 20;
+
+// The tuning cache file: the configured one, else plan::DefaultCachePath().
+std::string ProfileCachePath();
+
+// A float32 sum (for the kinds that do not reduce: their data movement) of `message` nccl-tests bytes
+// for a group of n; ppermute as a ring shift by one, the common case (pipelines, halos).
+CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out);
+
+// "name a=..us bw=..GB/s, ..." for the log.
+std::string DescribeFits(const std::vector<std::string>& names, std::span<const plan::AlphaBeta> fits);
+
+}  // namespace flexlink
