@@ -12,6 +12,7 @@ import threading
 from jax._src import ad_util
 from jax._src import config as jax_config
 from jax._src import core
+from jax._src import distributed as jax_distributed
 from jax._src import effects
 from jax._src import ffi as jax_ffi
 from jax._src import mesh as mesh_lib
@@ -285,3 +286,12 @@ def new_eqn(invars, outvars, prim, params, effects, source_info, ctx):
 def lowering_for_export(ctx) -> bool:
   """Whether the module being lowered is for jax.export (serialized, run elsewhere)."""
   return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
+
+
+def distributed_client():
+  """The key-value store client of `jax.distributed.initialize`, or None in a single-process job.
+
+  Methods used (same in jax 0.10 and 0.11): key_value_set(_bytes), blocking_key_value_get(_bytes),
+  key_value_try_get, wait_at_barrier, key_value_delete.
+  """
+  return jax_distributed.global_state.client
