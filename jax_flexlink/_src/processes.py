@@ -1,0 +1,164 @@
+"""Groups whose devices live in several processes of a `jax.distributed` job on one host.
+
+The engine runs such a group through one POSIX shared-memory segment (xla_ffi/xproc/,
+docs/xproc.md). The segment must exist in every member process before the group's first call, and
+the only channel the processes share before that is jax.distributed's key-value store, so the set-up
+happens here, at lowering time, where every process lowers the same program in the same order:
+
+- the process of the group's rank-0 device creates the segment (0600, a random 128-bit name) and
+  publishes its name under a key derived from the group's device ids;
+- every other member process reads the name (a blocking get with the configured deadline), maps the
+  segment and registers its own ranks;
+- every process adds its rank count to a counter in the store; whoever brings it to the group size
+  unlinks the name. From then on the segment has no name at all: nothing is left in /dev/shm whether
+  the processes exit or are killed, and nobody can open it any more.
+
+Nobody waits for another process except for the name, so two groups whose creators are different
+processes cannot wait on each other. Each group is set up once per process.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import threading
+
+import jax
+
+from jax_flexlink._src import compat
+from jax_flexlink._src.collective import NotLowerable
+
+_lock = threading.Lock()
+_prepared: dict[tuple[int, ...], str] = {}  # group devices -> segment name (unlinked or not)
+_created_unlinked: dict[str, bool] = {}  # segments this process created -> unlinked yet
+_device_process: dict[int, int] = {}
+# (group, tcp link) -> connections its listeners refused for a missing or wrong token
+_refused: dict[tuple, int] = {}
+
+
+def device_process(device_id: int) -> int:
+  """The process index of a global device id (jax.devices() of the default backend and CPU)."""
+  if device_id not in _device_process:
+    for platform in (None, "cpu"):
+      try:
+        devices = jax.devices(platform) if platform else jax.devices()
+      except RuntimeError:
+        continue
+      _device_process.update({d.id: d.process_index for d in devices})
+  try:
+    return _device_process[device_id]
+  except KeyError:
+    raise NotLowerable(f"device {device_id} is not one of this job's devices") from None
+
+
+def spans_processes(devices) -> bool:
+  return len({device_process(int(d)) for d in devices}) > 1
+
+
+def prepare(groups, group_sizes, platforms) -> None:
+  """Makes every group of a call's table that spans processes and has a rank in this process ready
+  for the engine (raises NotLowerable where FlexLink cannot run such a group)."""
+  if jax.process_count() == 1:
+    return
+  offset = 0
+  for size in (int(s) for s in group_sizes):
+    group = tuple(int(d) for d in groups[offset:offset + size])
+    offset += size
+    if group in _prepared or not spans_processes(group):
+      continue
+    me = jax.process_index()
+    if all(device_process(d) != me for d in group):
+      continue  # this process runs none of its ranks
+    if any(p != "cpu" for p in platforms):
+      raise NotLowerable(
+          f"the group of devices {list(group)} spans processes, and FlexLink runs groups across "
+          "processes on CPU only so far (docs/xproc.md)")
+    with _lock:
+      if group not in _prepared:
+        _prepared[group] = _set_up(group, me)
+
+
+def _set_up(group: tuple[int, ...], me: int) -> str:
+  from jax_flexlink._src import native  # noqa: PLC0415 - native imports jax's FFI registration
+  from jax_flexlink._src import runtime  # noqa: PLC0415
+  client = compat.distributed_client()
+  if client is None:
+    raise NotLowerable(
+        f"the group of devices {list(group)} spans processes, and FlexLink sets such groups up "
+        "through jax.distributed's key-value store; call jax.distributed.initialize() first")
+  module = native._flexlink
+  timeout_ms = max(1, int(runtime.timeout_s() * 1000))
+  local = [d for d in group if device_process(d) == me]
+  key = "flexlink/xproc/" + hashlib.sha256(",".join(map(str, group)).encode()).hexdigest()[:32]
+  creator = device_process(group[0])
+  if me == creator:
+    name = module.xproc_create(list(group), local, 0)
+    _created_unlinked[name] = False
+    client.key_value_set(f"{key}/name", name)
+  else:
+    try:
+      name = client.blocking_key_value_get(f"{key}/name", timeout_ms)
+    except Exception as e:  # jax raises its own runtime error type for a deadline
+      raise RuntimeError(
+          f"jax_flexlink: process {creator} did not publish the shared-memory segment of the "
+          f"group of devices {list(group)} within {timeout_ms / 1000:g} s (does every process "
+          f"compile the same program?): {e}") from None
+    module.xproc_attach(name, list(group), local)
+  if client.key_value_increment(f"{key}/mapped", len(local)) == len(group):
+    _unlink(name)
+  for link in _tcp_links(module):
+    _connect_tcp(client, module, f"{key}/tcp/{link}", group, local, me, creator, link, timeout_ms)
+  return name
+
+
+def _tcp_links(module) -> list[str]:
+  """The configured links of kind tcp (their rings span processes like the segment does)."""
+  from jax_flexlink._src import native  # noqa: PLC0415
+  names = list(module.links())
+  kinds = native.link_kinds(module.links_spec())
+  return [name for name, kind in zip(names, kinds) if kind == "tcp"]
+
+
+def _connect_tcp(client, module, key, group, local, me, creator, link, timeout_ms) -> None:
+  """A tcp ring across the group's processes: every process listens for its ranks and publishes
+  the ports; the creator's random token travels the same way; then every rank connects to its
+  successor, and each listener takes only the connection that presents the token."""
+  ports = module.xproc_tcp_listen(list(group), local, link)
+  client.key_value_set(f"{key}/ports/{me}", ",".join(f"{d}:{p}" for d, p in zip(local, ports)))
+  if me == creator:
+    token = os.urandom(16)
+    client.key_value_set_bytes(f"{key}/token", token)
+  else:
+    token = client.blocking_key_value_get_bytes(f"{key}/token", timeout_ms)
+  port_of = dict(zip(local, ports))
+  for process in sorted({device_process(d) for d in group} - {me}):
+    text = client.blocking_key_value_get(f"{key}/ports/{process}", timeout_ms)
+    port_of.update((int(d), int(p)) for d, p in (item.split(":") for item in text.split(",")))
+  _refused[(group, link)] = module.xproc_tcp_connect(list(group), local, [port_of[d] for d in group],
+                                                     token, link)
+
+
+def _unlink(name: str) -> None:
+  from jax_flexlink._src import native  # noqa: PLC0415
+  native._flexlink.xproc_unlink(name)
+  if name in _created_unlinked:
+    _created_unlinked[name] = True
+
+
+@atexit.register
+def _unlink_unmapped() -> None:
+  """A segment this process created that some member never mapped (its set-up failed) still has
+  its name; take it away on a normal exit."""
+  for name, unlinked in list(_created_unlinked.items()):
+    if not unlinked:
+      try:
+        _unlink(name)
+      except Exception:  # noqa: BLE001 - already gone (the last mapper unlinked it)
+        pass
+
+
+def groups() -> list[dict]:
+  """The cross-process groups this process has set up, as the engine reports them."""
+  from jax_flexlink._src import native  # noqa: PLC0415
+  module = native._flexlink
+  return list(module.xproc_groups()) if hasattr(module, "xproc_groups") else []
