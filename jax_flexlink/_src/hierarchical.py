@@ -50,6 +50,10 @@ class Layout:
   def rank(self, j: int, k: int) -> int:
     return self.place.index((j, k))
 
+  def host_major(self) -> bool:
+    """Whether rank r is host r // m's (r % m)-th device (a mesh laid out host by host)."""
+    return self.place == tuple(divmod(r, self.per_host) for r in range(len(self.place)))
+
 
 def layout(partition_groups, host_of_partition) -> Layout | None:
   """The layout of `partition_groups` (lax's, rank order) on hosts; None when every group lies in
@@ -76,8 +80,8 @@ def layout(partition_groups, host_of_partition) -> Layout | None:
     pattern = place
     in_host.extend(subgroups)
     cross_host.extend([s[k] for s in subgroups] for k in range(len(subgroups[0])))
-  hosts_, per_host = len(set(j for j, _ in pattern)), len(pattern) // len(set(j for j, _ in pattern))
-  return Layout(hosts_, per_host, pattern, in_host, cross_host)
+  hosts_ = len({j for j, _ in pattern})
+  return Layout(hosts_, len(pattern) // hosts_, pattern, in_host, cross_host)
 
 
 def lower(ctx, operands, spec: collective.Collective, params):
@@ -120,7 +124,8 @@ class _Emitter:
 
   def flexlink(self, target, xs, avals_in, avals_out, leg, **attrs):
     if self.where.per_host == 1:  # one device per host: the in-host legs would only copy
-      return list(xs)
+      return [self.pure(lambda v, shape=tuple(o.shape): jnp.reshape(v, shape), x, i, o)
+              for x, i, o in zip(xs, avals_in, avals_out)]
     leg_ctx = self.ctx.replace(tokens_in=self.tokens, tokens_out=None)
     ys = collective.emit_custom_call(
         leg_ctx, target, xs, avals_in=avals_in, avals_out=avals_out, groups=self.in_host,
@@ -138,6 +143,19 @@ class _Emitter:
   def done(self, outs):
     self.ctx.set_tokens_out(self.tokens)
     return outs
+
+
+def _permuted(blocks, order):
+  """blocks[order] along axis 0, as static slices concatenated: one copy of runs of consecutive
+  blocks (`blocks[np.array(order)]` lowers to a gather, which XLA:CPU runs element by element)."""
+  if list(order) == list(range(len(order))):
+    return blocks
+  runs, start = [], 0
+  for i in range(1, len(order) + 1):
+    if i == len(order) or order[i] != order[i - 1] + 1:
+      runs.append(lax.slice_in_dim(blocks, order[start], order[i - 1] + 1, axis=0))
+      start = i
+  return jnp.concatenate(runs, axis=0)
 
 
 def _flat(aval, size):
@@ -187,22 +205,25 @@ def _all_gather(em: _Emitter, operands, params, reduction):
   crossed = []
   for x, a, s in zip(operands, ctx.avals_in, sizes):
     flat = em.pure(lambda v, s=s: jnp.reshape(v, (s,)), x, a, _flat(a, s))
-    crossed.append(em.mark(compat.xla_all_gather(ctx, flat, _flat(a, hosts_ * s),
-                                                 where.cross_host, 0), "all_gather"))
+    y = em.mark(compat.xla_all_gather(ctx, flat, _flat(a, hosts_ * s), where.cross_host, 0),
+                "all_gather")
+    crossed.append(em.pure(lambda v, s=s: jnp.reshape(v, (hosts_, s)), y, _flat(a, hosts_ * s),
+                           a.update(shape=(hosts_, s))))
+  # Host j's row gathered inside the host along axis 1 gives block j*m + k for host j's k-th
+  # device, which is lax's order when ranks are host-major; else along axis 0 (block k*H + j), and
+  # the blocks are put into lax's order after.
+  host_major = where.host_major()
   local = em.flexlink(native.ALL_GATHER, crossed,
-                      [_flat(a, hosts_ * s) for a, s in zip(ctx.avals_in, sizes)],
+                      [a.update(shape=(hosts_, s)) for a, s in zip(ctx.avals_in, sizes)],
                       [_flat(a, n * s) for a, s in zip(ctx.avals_in, sizes)], "all_gather",
-                      axis=np.int64(0))
-  # Block k*H + j of the result is host j's k-th device; lax's rank r is place[r] = (j, k).
-  order = [k * hosts_ + j for j, k in where.place]
+                      axis=np.int64(1 if host_major else 0))
+  order = list(range(n)) if host_major else [k * hosts_ + j for j, k in where.place]
   outs = []
   for g, a, s in zip(local, ctx.avals_in, sizes):
     shape = tuple(a.shape)
 
     def arrange(v, s=s, shape=shape):
-      blocks = jnp.reshape(v, (n, s))
-      if order != list(range(n)):
-        blocks = blocks[np.array(order)]
+      blocks = _permuted(jnp.reshape(v, (n, s)), order)
       out = jnp.moveaxis(jnp.reshape(blocks, (n, *shape)), 0, d)
       if tiled:
         out = jnp.reshape(out, shape[:d] + (n * shape[d],) + shape[d + 1:])
@@ -223,24 +244,29 @@ def _reduce_scatter(em: _Emitter, operands, params, reduction):
   hosts_, m = where.hosts, where.per_host
   n = hosts_ * m
   d = params["scatter_dimension"]
-  # The in-host reduce_scatter hands position k the blocks of every rank at position k (host by
-  # host); the cross-host one then hands host j its own: block k*H + j is rank(j, k)'s.
-  order = np.array([where.rank(j, k) for k in range(m) for j in range(hosts_)])
-  flats, sizes = [], []
+  # The in-host reduce_scatter hands position k the blocks of every rank at position k (one per
+  # host); the cross-host one then hands host j its own. Host-major ranks (rank j*m + k) are that
+  # already, viewed as [H, m, F] and scattered along axis 1; other orders are permuted into
+  # [m, H, F] (block k*H + j is rank(j, k)'s) and scattered along axis 0.
+  host_major = where.host_major()
+  order = [where.rank(j, k) for k in range(m) for j in range(hosts_)]
+  flats, sizes, views = [], [], []
   for x, a in zip(operands, ctx.avals_in):
     shape = tuple(a.shape)
     size = int(np.prod(shape, dtype=np.int64))
+    view = (hosts_, m, size // n) if host_major else (m, hosts_, size // n)
 
-    def arrange(v, shape=shape, size=size):
+    def arrange(v, shape=shape, size=size, view=view):
       blocks = jnp.reshape(v, shape[:d] + (n, shape[d] // n) + shape[d + 1:])
-      blocks = jnp.reshape(jnp.moveaxis(blocks, d, 0), (n, size // n))[order]
-      return jnp.reshape(blocks, (size,))
+      blocks = jnp.reshape(jnp.moveaxis(blocks, d, 0), (n, size // n))
+      return jnp.reshape(blocks if host_major else _permuted(blocks, order), view)
 
-    flats.append(em.pure(arrange, x, a, _flat(a, size)))
+    flats.append(em.pure(arrange, x, a, a.update(shape=view)))
     sizes.append(size)
-  local = em.flexlink(native.REDUCE_SCATTER, flats, [_flat(a, s) for a, s in zip(ctx.avals_in, sizes)],
+    views.append(a.update(shape=view))
+  local = em.flexlink(native.REDUCE_SCATTER, flats, views,
                       [_flat(a, s // m) for a, s in zip(ctx.avals_in, sizes)], "reduce_scatter",
-                      reduction=reduction, axis=np.int64(0))
+                      reduction=reduction, axis=np.int64(1 if host_major else 0))
   outs = []
   for y, a, s, a_out in zip(local, ctx.avals_in, sizes, ctx.avals_out):
     z = em.mark(compat.xla_reduce_scatter(ctx, y, _flat(a, s // n), where.cross_host, 0, reduction),
