@@ -201,23 +201,26 @@ def test_environment_setting():
 
 # --- what stays lax's ---------------------------------------------------------------------------
 
-def _ppermute_body(m):
-    return lambda v: m.ppermute(v, "x", [(i, (i + 1) % 8) for i in range(8)])
+_MOVES = {
+    "ppermute": lambda m: lambda v: m.ppermute(v, "x", [(i, (i + 1) % 8) for i in range(8)]),
+    "all_to_all": lambda m: lambda v: m.all_to_all(v, "x", 0, 0, tiled=True),
+}
 
 
-def test_ppermute_across_hosts_falls_back():
+@pytest.mark.parametrize("kind", sorted(_MOVES))
+def test_moves_across_hosts_fall_back(kind):
     m_ = _mesh(DEVICES, (8,), ("x",))
-    x = make_data("int32", (8, 4), seed=31)
+    x = make_data("int32", (8, 8, 2), seed=31)
     with hosts.emulated_hosts(2):
-        want = host(per_device(_ppermute_body(lax), m_)(x))
-        with pytest.raises(NotImplementedError, match="ppermute over axes .* spans hosts"):
-            per_device(_ppermute_body(flx), m_)(x)
+        want = host(per_device(_MOVES[kind](lax), m_)(x))
+        with pytest.raises(NotImplementedError, match=f"{kind} over axes .* spans hosts"):
+            per_device(_MOVES[kind](flx), m_)(x)
         with flx.replace_collectives():
-            fn = per_device(_ppermute_body(lax), m_)
+            fn = per_device(_MOVES[kind](lax), m_)
             got = host(fn(x))
             report = flx.collectives(fn, x)
     assert_tree_equal(got, want)
-    assert [c.kind for c in report] == ["ppermute"] and report[0].runner == "xla", str(report)
+    assert [c.kind for c in report] == [kind] and report[0].runner == "xla", str(report)
     assert "spans hosts" in report[0].reason and "lax's collective" in report[0].reason
 
 

@@ -15,6 +15,7 @@ links it models a machine, it does not make one: every byte still moves in this 
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import threading
 
@@ -29,6 +30,7 @@ _exchanged: dict = {}            # id(kv client) -> {process_index: identity}
 _emulated_override: list = []    # stack of emulated_hosts(H) settings, innermost last
 
 
+@functools.cache  # read at every collective's lowering; neither changes while the process runs
 def process_identity() -> str:
   """This process's host identity (module docstring)."""
   if ENV.host_id:
