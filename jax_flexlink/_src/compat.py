@@ -295,3 +295,50 @@ def distributed_client():
   key_value_try_get, wait_at_barrier, key_value_delete.
   """
   return jax_distributed.global_state.client
+
+
+def _xla_collective_args():
+  # As lax's own lowerings inside shard_map/pmap: partition ids as groups, a channel, global ids
+  # (otherwise XLA reads the groups as replicas, and an SPMD program has one replica).
+  from jax._src.lib.mlir.dialects import hlo  # noqa: PLC0415
+  return dict(channel_handle=hlo.ChannelHandle.get(mlir.COLLECTIVE_CHANNEL_ID,
+                                                   mlir.DEVICE_TO_DEVICE_TYPE),
+              use_global_device_ids=ir.BoolAttr.get(True))
+
+
+def _groups_attr(groups):
+  return ir.DenseIntElementsAttr.get(np.ascontiguousarray(np.array(groups, dtype=np.int64)))
+
+
+def _reducer_region(op, x, reduction: str):
+  from jax._src.lib.mlir.dialects import hlo  # noqa: PLC0415
+  scalar = ir.RankedTensorType.get([], ir.RankedTensorType(x.type).element_type)
+  block = op.regions[0].blocks.append(scalar, scalar)
+  with ir.InsertionPoint(block):
+    a, b = block.arguments
+    fn = {"sum": hlo.add, "max": hlo.maximum, "min": hlo.minimum}[reduction]
+    hlo.return_([fn(a, b)])
+
+
+def xla_all_reduce(x, groups, reduction: str):
+  """XLA's all-reduce of `x` over `groups` (lists of partition ids, all of one size)."""
+  from jax._src.lib.mlir.dialects import hlo  # noqa: PLC0415
+  op = hlo.AllReduceOp([x.type], [x], replica_groups=_groups_attr(groups), **_xla_collective_args())
+  _reducer_region(op, x, reduction)
+  return op.result
+
+
+def xla_all_gather(ctx, x, aval_out, groups, dimension: int):
+  from jax._src.lib.mlir.dialects import hlo  # noqa: PLC0415
+  return hlo.AllGatherOp([mlir.aval_to_ir_type(ctx.module_context, aval_out)], [x],
+                         all_gather_dim=mlir.i64_attr(dimension),
+                         replica_groups=_groups_attr(groups), **_xla_collective_args()).result
+
+
+def xla_reduce_scatter(ctx, x, aval_out, groups, dimension: int, reduction: str):
+  from jax._src.lib.mlir.dialects import hlo  # noqa: PLC0415
+  op = hlo.ReduceScatterOp(mlir.aval_to_ir_type(ctx.module_context, aval_out), x,
+                           scatter_dimension=mlir.i64_attr(dimension),
+                           replica_groups=_groups_attr(groups), **_xla_collective_args())
+  _reducer_region(op, x, reduction)
+  return op.result

@@ -89,6 +89,21 @@ class EnvConfig:
   autotune_min_bytes: int
   tune_max_bytes: int
   combine_bytes: int
+  host_id: str
+  emulated_hosts: int
+
+
+def _env_hosts(name: str) -> int:
+  raw = os.environ.get(name, "").strip()
+  if not raw:
+    return 1
+  try:
+    value = int(raw)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise ValueError(f"{name}={raw!r}: expected a number of hosts >= 1")
+  return value
 
 
 def from_environment() -> EnvConfig:
@@ -105,6 +120,12 @@ def from_environment() -> EnvConfig:
       # Independent collectives of a shard_map body merge into one call up to this many operand
       # bytes (0: never merge).
       combine_bytes=_env_bytes("FLEXLINK_COMBINE_BYTES", 64 << 20),
+      # This process's host identity (hosts.py); empty: hostname + boot id. Set it to make processes
+      # of one machine count as different hosts.
+      host_id=os.environ.get("FLEXLINK_HOST_ID", "").strip(),
+      # Testbed: this process's devices play this many hosts (consecutive device ids each), so the
+      # hierarchical path runs in one process. 1: every device of a process is on its host.
+      emulated_hosts=_env_hosts("FLEXLINK_EMULATED_HOSTS"),
   )
 
 

@@ -3,7 +3,9 @@
 Read off the compiled HLO, so it lists what will run: FlexLink's custom calls, the collectives XLA
 kept (lax's own where replacement is off or left them to lax — those carry the reason in the
 `flexlink_fallback` frontend attribute lowering.py sets), and the ones XLA's partitioner inserted
-for a jit with shardings. Sizes follow nccl-tests: the buffer for AllReduce, SendRecv (ppermute) and
+for a jit with shardings. A collective whose groups span hosts (hierarchical.py) shows as its legs:
+FlexLink's custom calls inside each host, and XLA's collective across hosts with the reason
+"cross-host leg of a hierarchical FlexLink collective (...)". Sizes follow nccl-tests: the buffer for AllReduce, SendRecv (ppermute) and
 AllToAll, the gathered output for AllGather, the input for ReduceScatter; bytes per device.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 
 import jax
 
+from jax_flexlink._src.hierarchical import CROSS_HOST_ATTRIBUTE
 from jax_flexlink._src.lowering import FALLBACK_ATTRIBUTE
 
 _XLA_KINDS = {
@@ -150,5 +153,6 @@ def parse_hlo(text: str) -> CollectiveReport:
     report.append(Collective(
         kind=kind, runner=runner, bytes=nbytes, group_size=group, operands=len(arrays),
         dtypes=tuple(_DTYPE_NAMES.get(d, d) for d, _ in arrays), name=m["name"],
-        source=_attribute(rest, "op_name"), reason=_attribute(rest, FALLBACK_ATTRIBUTE)))
+        source=_attribute(rest, "op_name"),
+        reason=_attribute(rest, FALLBACK_ATTRIBUTE) or _attribute(rest, CROSS_HOST_ATTRIBUTE)))
   return report

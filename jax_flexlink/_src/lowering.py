@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flexlink._src import collective
 from jax_flexlink._src import compat
+from jax_flexlink._src import hierarchical
 from jax_flexlink._src import routing
 from jax_flexlink._src.collective import NotLowerable
 
@@ -59,6 +60,10 @@ def _lower(ctx, operands, prim, spec, flexlink, params):
   _, others = compat.lowering_manual_axes(axis_context)
   if others:
     return _lower_in_manual_region(ctx, operands, prim, flexlink, params, others)
+  # Groups spanning hosts: FlexLink inside each host, XLA's collective across (None: they do not).
+  outs = hierarchical.lower(ctx, operands, spec, params)
+  if outs is not None:
+    return outs
   return spec.lower(ctx, operands, **params)
 
 
