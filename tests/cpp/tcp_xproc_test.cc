@@ -701,6 +701,36 @@ void Bench() {
                   bytes / t / 1e9 * 2 * (P - 1) / P);
       std::fflush(stdout);
     }
+  // The same ring in one process (ranks as threads), for comparison; after every fork above.
+  std::printf("in-process tcp ring (ranks as threads), same calls\n");
+  for (int n : {2, 4})
+    for (size_t mib : {1, 16, 64}) {
+      std::vector<int64_t> devices;
+      for (int r = 0; r < n; ++r) devices.push_back(kDevice0 + r);
+      TcpChannel ch("tcp", devices);
+      const size_t units = (mib << 20) / 4;
+      std::vector<std::vector<float>> in(n), out(n);
+      std::vector<CallDesc> d(n);
+      for (int r = 0; r < n; ++r) {
+        in[r].assign(units, static_cast<float>(r + 1)), out[r].resize(units);
+        d[r] = AllReduceDesc(in[r], out[r]);
+      }
+      const Piece piece{0, {0, units}};
+      std::vector<double> t;
+      for (int k = 0; k <= 5; ++k) {
+        std::vector<Status> st(n);
+        std::vector<std::thread> threads;
+        const auto t0 = Clock::now();
+        for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { st[r] = ch.RunPieces(d[r], n, r, {&piece, 1}); });
+        for (auto& th : threads) th.join();
+        if (k > 0) t.push_back(Since(t0));
+        for (const Status& s : st) Expect(s.ok(), "in-process bench run: " + s.message());
+      }
+      std::sort(t.begin(), t.end());
+      const double bytes = static_cast<double>(mib << 20);
+      std::printf("%6d %10zu %10.2f %10.3f %10.3f\n", n, mib, t[2] * 1e3, bytes / t[2] / 1e9,
+                  bytes / t[2] / 1e9 * 2 * (n - 1) / n);
+    }
 }
 
 }  // namespace
