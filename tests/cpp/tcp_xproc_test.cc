@@ -18,8 +18,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -539,7 +541,7 @@ CallDesc AllReduceDesc(std::vector<float>& in, std::vector<float>& out) {
   return d;
 }
 
-// Process 2 of 4 dies (_exit) while a large all_reduce is under way: the others fail with an error,
+// Process 2 of 4 dies (_exit) while its second large all_reduce is under way: the others fail,
 // the neighbours naming rank 2, all well before the 30 s deadline; every child is reaped.
 void TestKilledPeer() {
   Scenario sc{"killed peer", {{0}, {1}, {2}, {3}}};
@@ -551,9 +553,19 @@ void TestKilledPeer() {
     const CallDesc d = AllReduceDesc(in, out);
     const Piece piece{0, {0, units}};
     const int r = ch.ranks[0];
+    // A first call that completes: it grows every rank's scratch, so in the second the victim's
+    // header goes out as soon as its run starts (not after zero-filling 64 MiB).
+    const Status first = ch.channel->RunPieces(d, ch.n, r, {&piece, 1});
+    Expect(first.ok(), "[rank " + std::to_string(r) + "] the call before the death: " + first.message());
     if (ch.proc == 2) {
-      std::thread([&] { (void)ch.channel->RunPieces(d, ch.n, r, {&piece, 1}); }).detach();
-      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      std::atomic<bool> started{false};
+      std::thread([&] {
+        started.store(true);
+        (void)ch.channel->RunPieces(d, ch.n, r, {&piece, 1});
+      }).detach();
+      while (!started.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      // 64 MiB take far longer than this on 4 ranks, so the call is under way (its header sent).
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));
       _exit(7);  // mid-call: the kernel closes this process's sockets
     }
     const auto t0 = Clock::now();
@@ -567,9 +579,14 @@ void TestKilledPeer() {
     // Rank 3 reads from rank 2 for the whole call, so it always sees the dead process's EOF first.
     // Ranks 0 and 1 may first see the ring end on another side (the failure travels as closed
     // sockets: nothing in-band can say which process died), so they name a neighbour.
-    if (r == 3)
+    if (r == 3) {
       Expect(m.find("rank 2 (device 2050, another process) closed its connection") != std::string::npos,
              tag + "the successor names the dead rank: " + m);
+      // Something of the call came from rank 2 before it died: it died mid-call, not before.
+      const size_t at = m.find("(received ");
+      Expect(at != std::string::npos && std::strtoull(m.c_str() + at + 10, nullptr, 10) > 0,
+             tag + "rank 2 died mid-call: " + m);
+    }
     else
       Expect(m.find("another process) closed its connection") != std::string::npos, tag + "the ring's end reached it: " + m);
     return std::vector<double>{took};
