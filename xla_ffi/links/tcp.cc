@@ -36,7 +36,8 @@ TcpChannel::TcpChannel(std::string name, std::span<const int64_t> devices, std::
         if (fds[i].send_fd >= 0) close(fds[i].send_fd);
         if (fds[i].recv_fd >= 0) close(fds[i].recv_fd);
       }
-      if (error.ok()) error = Status::InvalidArgument("tcp: local rank " + std::to_string(r) + " is not a rank of the group or repeats");
+      if (error.ok())
+        error = Status::InvalidArgument("tcp: local rank " + std::to_string(r) + " is not a rank of the group or repeats");
       continue;
     }
     local_[r] = 1;

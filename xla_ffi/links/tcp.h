@@ -29,9 +29,10 @@
 // (the engine's one-split-per-call rule gives that); each piece (a part's unit range) starts with a
 // small header that is checked, so a mismatch is an error, not garbage. Files: this channel and the
 // ring's connection (tcp.cc), one rank's run of one piece (tcp_run.{h,cc}), the kinds (tcp_reduce.cc,
-// tcp_exchange.cc). Any failure (deadline, peer gone, mismatch) breaks
-// the channel for all ranks (peers blocked in poll wake at once) and later runs fail fast, so the
-// engine can move the bytes to another link.
+// tcp_exchange.cc); the same ring across processes (tcp_xproc.h: connected there, run with
+// RunPieces). Any failure (deadline, peer gone, mismatch) breaks the channel for all ranks (peers
+// blocked in poll wake at once; in other processes, through the closed sockets) and later runs fail
+// fast, so the engine can move the bytes to another link.
 #pragma once
 
 #include <atomic>
