@@ -19,6 +19,7 @@
 #include "xla_ffi/ffi/control.h"
 #include "xla_ffi/ffi/handlers.h"
 #include "xla_ffi/ffi/py_values.h"
+#include "xla_ffi/links/tcp_xproc.h"
 
 namespace nb = nanobind;
 
@@ -214,4 +215,52 @@ NB_MODULE(_flexlink, m) {
         "(default off; see docs/engine.md).");
   m.def("populate_outputs", &PopulateOutputs);
   DefineControl(m);
+
+  // --- The tcp link across processes (xla_ffi/links/tcp_xproc.h): two phases, the ports and the
+  // job's token travel through jax.distributed's key-value store in between (Python glue). Bad
+  // arguments raise ValueError, a failed connection RuntimeError (the group is then broken).
+  {
+    auto raise = [](const Status& s) {
+      if (s.code() == StatusCode::kInvalidArgument) throw nb::value_error(s.message().c_str());
+      throw std::runtime_error(s.message());
+    };
+    m.def(
+        "xproc_tcp_listen",
+        [raise](std::vector<int64_t> devices, std::vector<int64_t> local_devices, std::string link) {
+          std::vector<uint16_t> ports;
+          const Status s = ListenCrossProcessTcp(devices, local_devices, link, &ports);
+          if (!s.ok()) raise(s);
+          return std::vector<int>(ports.begin(), ports.end());
+        },
+        nb::arg("devices"), nb::arg("local_devices"), nb::arg("link") = "tcp",
+        "Phase 1 of the cross-process tcp ring of group `devices` (global ids, rank order): one "
+        "127.0.0.1 listener per device of `local_devices` (this process's); returns their ports in "
+        "the order of local_devices. The listeners wait for xproc_tcp_connect.");
+    m.def(
+        "xproc_tcp_connect",
+        [raise](std::vector<int64_t> devices, std::vector<int64_t> local_devices, std::vector<int64_t> ports,
+                nb::bytes token, std::string link) {
+          std::vector<uint16_t> p;
+          for (int64_t v : ports) {
+            if (v < 0 || v > 65535) throw nb::value_error("xproc_tcp_connect: a port must be in [0, 65535]");
+            p.push_back(static_cast<uint16_t>(v));
+          }
+          const std::vector<uint8_t> t(static_cast<const uint8_t*>(token.data()),
+                                       static_cast<const uint8_t*>(token.data()) + token.size());
+          int refused = 0;
+          Status s;
+          {
+            nb::gil_scoped_release release;  // blocks up to the deadline; other threads may run
+            s = ConnectCrossProcessTcp(devices, local_devices, p, t, link, &refused);
+          }
+          if (!s.ok()) raise(s);
+          return refused;
+        },
+        nb::arg("devices"), nb::arg("local_devices"), nb::arg("ports"), nb::arg("token"),
+        nb::arg("link") = "tcp",
+        "Phase 2: `ports` are all ranks' ports in rank order, `token` the job's 16 random bytes. Each "
+        "local rank connects to its successor and accepts its predecessor, refusing connections "
+        "without the token; registers the group's channel and returns the number of refused "
+        "connections. Raises RuntimeError naming the group and the rank whose connection failed.");
+  }
 }

@@ -2,6 +2,7 @@
 
 #include <sys/eventfd.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,19 +11,48 @@
 #include <new>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/reduce.h"
 #include "xla_ffi/links/socket.h"
 #include "xla_ffi/links/tcp_run.h"
 
 namespace flexlink {
 
-TcpChannel::TcpChannel(std::string name, std::span<const int64_t> devices)
-    : name_(std::move(name)), devices_(devices.begin(), devices.end()), ranks_(devices.size()) {
+bool TcpChannel::MakeAbortFd() {
   abort_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (abort_fd_ >= 0) return true;
+  Break(Status::Internal("tcp: " + net::ErrnoText("eventfd")));
+  return false;
+}
+
+TcpChannel::TcpChannel(std::string name, std::span<const int64_t> devices, std::span<const int> local_ranks,
+                       std::span<const RankFds> fds, Status error)
+    : name_(std::move(name)), devices_(devices.begin(), devices.end()), ranks_(devices.size()),
+      local_(devices.size(), 0) {
   const int n = static_cast<int>(devices.size());
-  if (abort_fd_ < 0) {
-    Break(Status::Internal("tcp: " + net::ErrnoText("eventfd")));
-    return;
+  for (size_t i = 0; i < local_ranks.size(); ++i) {
+    const int r = local_ranks[i];
+    if (r < 0 || r >= n || local_[r]) {  // the factory checks this; never index out of the group
+      if (i < fds.size()) {
+        if (fds[i].send_fd >= 0) close(fds[i].send_fd);
+        if (fds[i].recv_fd >= 0) close(fds[i].recv_fd);
+      }
+      if (error.ok())
+        error = Status::InvalidArgument("tcp: local rank " + std::to_string(r) + " is not a rank of the group or repeats");
+      continue;
+    }
+    local_[r] = 1;
+    if (i < fds.size()) ranks_[r].send_fd = fds[i].send_fd, ranks_[r].recv_fd = fds[i].recv_fd;
   }
+  all_local_ = std::all_of(local_.begin(), local_.end(), [](char c) { return c != 0; });
+  if (!MakeAbortFd()) return;
+  if (!error.ok()) Break(std::move(error));
+}
+
+TcpChannel::TcpChannel(std::string name, std::span<const int64_t> devices)
+    : name_(std::move(name)), devices_(devices.begin(), devices.end()), ranks_(devices.size()),
+      local_(devices.size(), 1) {
+  const int n = static_cast<int>(devices.size());
+  if (!MakeAbortFd()) return;
   if (n < 2) return;  // a group of one never runs a range (the engine copies)
   // The token makes the hello unguessable for anything outside this process (getrandom: the
   // kernel's CSPRNG; 16 bytes never block or come back short once the pool is initialised).
@@ -73,11 +103,18 @@ void TcpChannel::Break(Status why) {
       const uint64_t one = 1;
       if (write(abort_fd_, &one, sizeof one) < 0) { /* the flag still fails later runs */ }
     }
+    // shutdown, not close: local ranks may still be inside poll() on these fds (the destructor
+    // closes them). Peers in other processes then read EOF and break in turn, around the ring.
+    if (!all_local_)
+      for (RankState& r : ranks_)
+        for (int fd : {r.send_fd, r.recv_fd})
+          if (fd >= 0) shutdown(fd, SHUT_RDWR);
   }
 }
 
 std::string TcpChannel::RankName(int rank) const {
-  return "rank " + std::to_string(rank) + " (device " + std::to_string(devices_[rank]) + ")";
+  return "rank " + std::to_string(rank) + " (device " + std::to_string(devices_[rank]) +
+         (local_[rank] ? ")" : ", another process)");
 }
 
 std::string TcpChannel::Where(const CallDesc& d, const Piece& piece) const {
@@ -87,21 +124,40 @@ std::string TcpChannel::Where(const CallDesc& d, const Piece& piece) const {
 }
 
 Status TcpChannel::Run(CallContext& ctx, int rank, int /*lane*/, std::span<const Piece> pieces) {
+  return RunPieces(ctx.desc(rank), ctx.size(), rank, pieces);
+}
+
+Status TcpChannel::RunPieces(const CallDesc& d, int n, int rank, std::span<const Piece> pieces) {
+  // Checked here because across processes nothing else stands between a caller and the ring: a bad
+  // rank or piece must be an error, never an out-of-range index.
+  if (n != static_cast<int>(devices_.size()) || rank < 0 || rank >= n || !local_[rank])
+    return Status::InvalidArgument("flexlink: tcp link \"" + name_ + "\" on group " + FormatIds(devices_) +
+                                   ": rank " + std::to_string(rank) + " of a group of " + std::to_string(n) +
+                                   " is not a rank of this process");
+  if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter)
+    for (const Part& p : d.parts) FLEXLINK_RETURN_IF_ERROR(CheckReduction(p.dtype, d.op));
+  if (d.kind == Kind::kPpermute &&
+      (d.sources.size() != static_cast<size_t>(n) ||
+       std::any_of(d.sources.begin(), d.sources.end(), [n](int32_t s) { return s < -1 || s >= n; })))
+    return Status::InvalidArgument("flexlink: tcp link \"" + name_ + "\": ppermute needs a source per rank");
+  for (const Piece& piece : pieces)
+    if (piece.part >= d.parts.size() || piece.units.begin > piece.units.end ||
+        piece.units.end > d.parts[piece.part].units)
+      return Status::InvalidArgument("flexlink: tcp link \"" + name_ + "\": piece outside the call's parts");
   // No barrier at the end: this rank touched only its own buffers, and its sends were copied into
   // the kernel before Pump returned, so peers never need them after we return. Pieces run one after
   // another, each a stream run with its own header: every rank runs the same pieces in order.
-  const CallDesc& d = ctx.desc(rank);
   for (const Piece& piece : pieces) {
     if (broken_.load()) return health();
     if (piece.units.empty()) continue;
     const Part& p = d.parts[piece.part];
-    if (ctx.size() == 1) {  // no ring: every kind is the identity, and the range is contiguous in both
+    if (n == 1) {  // no ring: every kind is the identity, and the range is contiguous in both
       std::memmove(static_cast<char*>(p.out) + piece.units.begin * p.width(),
                    static_cast<const char*>(p.in) + piece.units.begin * p.width(), piece.units.size() * p.width());
       continue;
     }
     try {
-      TcpRun run(*this, d, ctx.size(), rank, piece);
+      TcpRun run(*this, d, n, rank, piece);
       FLEXLINK_RETURN_IF_ERROR(run.Go());
     } catch (const std::bad_alloc&) {
       // Scratch for forwarded blocks can be large (all_to_all: ~n²/2 blocks of the range). Breaking

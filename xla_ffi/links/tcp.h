@@ -29,9 +29,10 @@
 // (the engine's one-split-per-call rule gives that); each piece (a part's unit range) starts with a
 // small header that is checked, so a mismatch is an error, not garbage. Files: this channel and the
 // ring's connection (tcp.cc), one rank's run of one piece (tcp_run.{h,cc}), the kinds (tcp_reduce.cc,
-// tcp_exchange.cc). Any failure (deadline, peer gone, mismatch) breaks
-// the channel for all ranks (peers blocked in poll wake at once) and later runs fail fast, so the
-// engine can move the bytes to another link.
+// tcp_exchange.cc); the same ring across processes (tcp_xproc.h: connected there, run with
+// RunPieces). Any failure (deadline, peer gone, mismatch) breaks the channel for all ranks (peers
+// blocked in poll wake at once; in other processes, through the closed sockets) and later runs fail
+// fast, so the engine can move the bytes to another link.
 #pragma once
 
 #include <atomic>
@@ -48,16 +49,34 @@ namespace flexlink {
 
 class TcpChannel final : public Channel {
  public:
-  // Connects the ring of `devices.size()` ranks (blocks up to the configured timeout). A failure does
-  // not throw: the channel is born broken and every Run returns the connection error.
+  // One rank's two sockets: to rank r+1 and from rank r-1 (non-blocking; the channel owns them).
+  struct RankFds {
+    int send_fd = -1, recv_fd = -1;
+  };
+
+  // Connects the ring of `devices.size()` ranks, all in this process (blocks up to the configured
+  // timeout). A failure does not throw: the channel is born broken and every Run returns the
+  // connection error.
   TcpChannel(std::string name, std::span<const int64_t> devices);
+  // A ring already connected elsewhere (tcp_xproc.cc: across processes) of which only `local_ranks`
+  // live in this process; `fds[i]` are local_ranks[i]'s sockets, owned from now on (also on error).
+  // A non-OK `error` makes a broken channel whose runs return it.
+  TcpChannel(std::string name, std::span<const int64_t> devices, std::span<const int> local_ranks,
+             std::span<const RankFds> fds, Status error);
   ~TcpChannel() override;
 
   std::string_view link_name() const override { return name_; }
+  // RunPieces with the call's description of `rank` and the group size from `ctx`.
   Status Run(CallContext& ctx, int rank, int lane, std::span<const Piece> pieces) override;
+  // The work of Run without an in-process CallContext: `rank` (local to this process) runs `pieces`
+  // of `desc` (its own buffers) in a group of `n` ranks. Bytes move only through the sockets, so this
+  // is all a rank needs when its peers live in other processes.
+  Status RunPieces(const CallDesc& desc, int n, int rank, std::span<const Piece> pieces);
 
   // OK, or why the channel cannot be used (connection failure, or the first failure of a run).
   Status health() const;
+  std::span<const int64_t> devices() const { return devices_; }
+  bool is_local(int rank) const { return local_[rank] != 0; }
 
  private:
   struct RankState {
@@ -68,14 +87,21 @@ class TcpChannel final : public Channel {
     std::atomic<uint64_t> runs{0};
     std::vector<char> scratch;  // partials / forwarded blocks; grows to the largest range seen
   };
-  void Break(Status why);  // records the first failure and wakes every rank
+  bool MakeAbortFd();
+  // Records the first failure and wakes every local rank; across processes it also shuts this
+  // process's sockets down, so the neighbours in other processes see the ring end at once instead of
+  // waiting for their deadline (the abort eventfd reaches only this process).
+  void Break(Status why);
   std::string Where(const CallDesc& d, const Piece& piece) const;
+  // "rank 3 (device 2049)", or "rank 3 (device 2049, another process)" for a rank not local here.
   std::string RankName(int rank) const;
   friend class TcpRun;
 
   const std::string name_;
   const std::vector<int64_t> devices_;
-  std::vector<RankState> ranks_;  // each rank touches only its own entry
+  std::vector<RankState> ranks_;  // each rank touches only its own entry; remote ranks' stay unused
+  std::vector<char> local_;       // per rank: whether it lives in this process
+  bool all_local_ = true;
   int abort_fd_ = -1;             // eventfd, readable once the channel is broken
   std::atomic<bool> broken_{false};
   mutable std::mutex mu_;

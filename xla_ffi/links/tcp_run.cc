@@ -1,5 +1,6 @@
 // One rank's run of one piece on the tcp link: the header that opens it, the pump, and the failure
 // messages. The stream items of each kind are queued by tcp_reduce.cc and tcp_exchange.cc.
+#include <cerrno>
 #include <cstdio>
 #include <string>
 
@@ -80,26 +81,42 @@ Status TcpRun::Finish(net::Streams::Result r) {
       return Fail(Status::DeadlineExceeded(Where() + ": timed out after " + secs + " s" +
                                            Absent() + " waiting for " + ch_.RankName(next) + " to receive"));
     case R::kClosed:
-      return Fail(Status::Internal(Where() + ": connection to a neighbour (" +
-                                   ch_.RankName(prev) + " or " + ch_.RankName(next) + ") closed" + got));
-    case R::kError:
-      errno = io_.error_number();
+    case R::kError: {
+      // Which side ended: a receive that read EOF leaves errno 0, a send that hit a closed peer
+      // EPIPE/ECONNRESET (kClosed), a receive reset by a peer that died with unread data ECONNRESET
+      // (kError). Naming the neighbour matters across processes, where a closed socket is how a
+      // dead process shows.
+      const int e = io_.error_number();
+      const bool recv_side = (r == R::kClosed && e == 0) || (r == R::kError && e == ECONNRESET);
+      const bool send_side = r == R::kClosed && e != 0;
+      if (recv_side || send_side) {
+        const int peer = recv_side ? prev : next;
+        std::string why = ch_.is_local(peer) ? "" : " (its process exited, or its side of the ring failed)";
+        return Fail(Status::Internal(Where() + ": " + ch_.RankName(peer) + " closed its connection" + why + got));
+      }
+      errno = e;
       return Fail(Status::Internal(Where() + ": " + net::ErrnoText("socket I/O")));
+    }
   }
   return Status::Internal("tcp: unknown result");
 }
 
 // In a ring the neighbour we wait for may itself be waiting; name the ranks that never started
-// this range (", rank 2 (device 102) did not start this range;"), if any.
+// this range (", rank 2 (device 102) did not start this range;"), if any. Only ranks of this process
+// have counters here (the others' entries are this process's unused copies); of a remote
+// predecessor we know only whether anything of this range arrived from it.
 std::string TcpRun::Absent() const {
   std::string s;
   int count = 0;
   for (int r = 0; r < n_; ++r)
-    if (ch_.ranks_[r].runs.load() <= header_out_.run) {
+    if (ch_.is_local(r) && ch_.ranks_[r].runs.load() <= header_out_.run) {
       s += (count++ ? ", " : ": ") + ch_.RankName(r);
     }
-  if (count == 0) return "";
-  return s + " did not start this range;";
+  if (count > 0) s += " did not start this range;";
+  const int prev = (k_ + n_ - 1) % n_;
+  if (!ch_.is_local(prev) && io_.bytes_received() == 0)
+    s += (count ? " " : ": ") + ch_.RankName(prev) + " sent nothing of this range;";
+  return s;
 }
 
 Status TcpRun::Fail(Status s) {
