@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <dirent.h>
 #include <functional>
@@ -171,9 +172,8 @@ std::vector<uint8_t> Reference(const Case& c, size_t operand, int n, int rank) {
   return out;
 }
 
-// One rank's call of `c` on buffers `ins` -> `outs` (outs unused where in place).
-Status Call(const Proc& p, int rank, const Case& c, std::vector<std::vector<uint8_t>>& ins,
-            std::vector<std::vector<uint8_t>>& outs, const char* label = "xproc_test") {
+// One rank's call of `c` on operand buffers `ins` -> `outs` (outs unused where in place).
+Status CallOn(const Proc& p, int rank, const Case& c, const std::vector<void*>& ins, const std::vector<void*>& outs) {
   const int n = p.n();
   std::vector<std::vector<int64_t>> out_dims;
   std::vector<OperandRequest> ops(c.operands.size());
@@ -183,8 +183,8 @@ Status Call(const Proc& p, int rank, const Case& c, std::vector<std::vector<uint
     o.in_dtype = o.out_dtype = c.operands[i].dtype;
     o.in_dims = c.operands[i].in_dims;
     o.out_dims = out_dims[i];
-    o.in = ins[i].data();
-    o.out = c.in_place ? ins[i].data() : outs[i].data();
+    o.in = ins[i];
+    o.out = c.in_place ? ins[i] : outs[i];
   }
   std::vector<int64_t> flat_pairs;
   for (const auto& [s, d] : c.pairs) flat_pairs.insert(flat_pairs.end(), {s, d});
@@ -194,13 +194,21 @@ Status Call(const Proc& p, int rank, const Case& c, std::vector<std::vector<uint
   a.group_sizes = sizes;
   a.device = p.devices[rank];
   a.run_id = 7;
-  a.label = label;
+  a.label = "xproc_test";
   a.request.kind = c.kind;
   a.request.reduction = Name(c.op);
   a.request.axis = c.axis;
   a.request.pairs = flat_pairs;
   a.request.operands = ops;
   return RunCollective(a);
+}
+
+Status Call(const Proc& p, int rank, const Case& c, std::vector<std::vector<uint8_t>>& ins,
+            std::vector<std::vector<uint8_t>>& outs) {
+  std::vector<void*> in, out;
+  for (auto& v : ins) in.push_back(v.data());
+  for (auto& v : outs) out.push_back(v.data());
+  return CallOn(p, rank, c, in, out);
 }
 
 // Runs f(rank) for this process's ranks, one thread each.
@@ -605,9 +613,9 @@ void AttachChecks() {
 
 // ---- benchmark --------------------------------------------------------------------------------
 
-void BenchBody(Proc& p) {
+// fresh: every call gets a newly mapped output (as XLA hands out), faulted in by the call.
+void BenchBody(Proc& p, bool fresh) {
   const int rank = p.ranks[0], n = p.n();
-  std::string lines;
   for (Kind kind : {Kind::kAllReduce, Kind::kAllGather})
     for (size_t bytes = 64 << 10; bytes <= (64u << 20); bytes *= 4) {
       const int64_t count = static_cast<int64_t>(bytes / 4);
@@ -616,18 +624,24 @@ void BenchBody(Proc& p) {
       std::vector<std::vector<uint8_t>> out = {std::vector<uint8_t>(kind == Kind::kAllGather ? bytes * n : bytes)};
       std::vector<double> t;
       const auto begin = Clock::now();
-      for (int it = 0; it < 3 + 200 && (it < 3 + 5 || Since(begin) < 1.5); ++it) {
-        // Ranks agree on the iteration count: everyone stops when rank 0's clock says so, told
-        // through a 1-element all_reduce (max) outside the timed call.
+      for (int it = 0;; ++it) {
+        // Ranks agree on the iteration count: everyone stops when rank 0 says so (its clock, or 200
+        // timed calls), told through a 1-element all_reduce (max) outside the timed call.
+        const size_t out_bytes = out[0].size();
+        void* fresh_out = fresh ? mmap(nullptr, out_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                                : out[0].data();
+        if (fresh_out == MAP_FAILED) return;
         const auto t0 = Clock::now();
-        Status s = Call(p, rank, c, in, out);
+        Status s = CallOn(p, rank, c, {in[0].data()}, {fresh_out});
+        const double secs = Since(t0);
+        if (fresh) munmap(fresh_out, out_bytes);
         if (!s.ok()) {
           std::printf("FAIL: bench: %s\n", s.message().c_str());
           return;
         }
-        if (it >= 3) t.push_back(Since(t0));
+        if (it >= 3) t.push_back(secs);
         Case stop{Kind::kAllReduce, ReduceOp::kMax, {{DType::kS32, {1}}}, 0, {}, false, 1};
-        int32_t mine = rank == 0 && it >= 3 + 5 && Since(begin) >= 1.5, all = 0;
+        int32_t mine = rank == 0 && (it == 3 + 200 || (it >= 3 + 5 && Since(begin) >= 1.5)), all = 0;
         std::vector<std::vector<uint8_t>> si = {std::vector<uint8_t>(4)}, so = {std::vector<uint8_t>(4)};
         std::memcpy(si[0].data(), &mine, 4);
         (void)Call(p, rank, stop, si, so);
@@ -639,8 +653,9 @@ void BenchBody(Proc& p) {
       const double algbytes = static_cast<double>(kind == Kind::kAllGather ? bytes * n : bytes);
       if (rank == 0) {
         char line[160];
-        std::snprintf(line, sizeof line, "| %-10s | %d | %8zu KiB | %9.3f | %6.2f | %zu |\n", std::string(Name(kind)).c_str(), n,
-                      bytes >> 10, med * 1e3, algbytes / med / 1e9, t.size());
+        std::snprintf(line, sizeof line, "| %-10s | %d | %8zu KiB | %s | %9.3f | %6.2f | %zu |\n",
+                      std::string(Name(kind)).c_str(), n, bytes >> 10, fresh ? "fresh " : "reused", med * 1e3,
+                      algbytes / med / 1e9, t.size());
         std::printf("%s", line);
         std::fflush(stdout);
       }
@@ -654,11 +669,16 @@ int main(int argc, char** argv) {
   const bool bench = argc > 1 && std::strcmp(argv[1], "--bench") == 0;
   const auto before = ShmEntries();
   if (bench) {
-    std::printf("| kind | processes | bytes per process | median ms | algbw GB/s | iterations |\n|---|---|---|---|---|---|\n");
-    for (int procs : {2, 4}) {
-      Scenario s{"bench " + std::to_string(procs) + " processes", procs, 1, 0, 60, {}, false, BenchBody};
-      RunScenario(s);
-    }
+    // --bench [fresh|reused] [P...]
+    const bool fresh = argc > 2 && std::strcmp(argv[2], "fresh") == 0;
+    std::vector<int> procs;
+    for (int i = 3; i < argc; ++i) procs.push_back(std::atoi(argv[i]));
+    if (procs.empty()) procs = {2, 4};
+    std::printf("| kind | processes | bytes per process | output | median ms | algbw GB/s | calls |\n"
+                "|---|---|---|---|---|---|---|\n");
+    for (int np : procs)
+      RunScenario({"bench " + std::to_string(np) + " processes", np, 1, 0, 60, {}, false,
+                   [fresh](Proc& p) { BenchBody(p, fresh); }});
     return Summary();
   }
   const auto start = Clock::now();

@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/pages.h"
 #include "xla_ffi/xproc/fingerprint.h"
 #include "xla_ffi/xproc/futex.h"
 #include "xla_ffi/xproc/steps.h"
@@ -284,6 +285,21 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
   return Status::Ok();
 }
 
+// XLA hands collectives fresh output buffers, and first-touching them costs more than the copy at
+// large sizes (core/pages.h). Done while peers may still be staging, after this rank arrived: huge
+// pages advised where outputs are big, then a locked `or 0` per page, which leaves the bytes as they
+// are (a mismatched call still touches no output's contents). Each rank faults its own outputs; the
+// in-process engine's sharing between ranks would need a per-call object shared by local ranks.
+static void FaultInOutputs(const CallDesc& desc, int n) {
+  thread_local std::vector<OutputRegion> regions;
+  regions.clear();
+  for (const Part& p : desc.parts)
+    if (p.units) regions.push_back({p.out, desc.out_count(p, n) * p.width(), p.out == p.in});
+  OutputFaults faults(1);
+  if (faults.Publish(0, regions)) faults.Help(0);
+  faults.Withdraw(0);
+}
+
 Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
   const int n = size();
   const uint64_t call = calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1;
@@ -316,6 +332,7 @@ Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label,
     // step - 2, and every rank has left it: all arrived at step - 1, after their reads of step - 2.
     mine.arrived.store(++step, std::memory_order_release);
     FutexWakeAll(&mine.arrived);
+    if (step_of_call == 0) FaultInOutputs(desc, n);
     Status s = WaitArrived(rank, step, where, step_of_call);
     if (!s.ok()) {
       if (s.code() != StatusCode::kInternal || header_->abort.load() != kAbortSet) Fail(rank, s.message());
