@@ -669,10 +669,13 @@ int main(int argc, char** argv) {
   const bool bench = argc > 1 && std::strcmp(argv[1], "--bench") == 0;
   const auto before = ShmEntries();
   if (bench) {
-    // --bench [fresh|reused] [P...]
+    // --bench [fresh|reused] [P...] [two_phase=BYTES]
     const bool fresh = argc > 2 && std::strcmp(argv[2], "fresh") == 0;
     std::vector<int> procs;
-    for (int i = 3; i < argc; ++i) procs.push_back(std::atoi(argv[i]));
+    for (int i = 3; i < argc; ++i) {
+      if (std::strncmp(argv[i], "two_phase=", 10) == 0) SetXprocTwoPhaseBytes(std::strtoull(argv[i] + 10, nullptr, 10));
+      else procs.push_back(std::atoi(argv[i]));
+    }
     if (procs.empty()) procs = {2, 4};
     std::printf("| kind | processes | bytes per process | output | median ms | algbw GB/s | calls |\n"
                 "|---|---|---|---|---|---|---|\n");
@@ -687,6 +690,12 @@ int main(int argc, char** argv) {
                [](Proc& p) { Correctness(p, true); }});
   RunScenario({"4 processes x 1 rank: every kind x dtype x op", 4, 1, 64 << 10, 30, {}, false,
                [](Proc& p) { Correctness(p, true); }});
+  // The same with every all_reduce in two phases (off by default).
+  const uint64_t two_phase = XprocTwoPhaseBytes();
+  SetXprocTwoPhaseBytes(0);
+  RunScenario({"4 processes x 1 rank, two-phase all_reduce", 4, 1, 64 << 10, 30, {}, false,
+               [](Proc& p) { Correctness(p, true); }});
+  SetXprocTwoPhaseBytes(two_phase);
   RunScenario({"2 processes x 4 ranks on threads", 2, 4, 64 << 10, 30, {}, false,
                [](Proc& p) { Correctness(p, false); }});
   RunScenario({"mismatch: the same error everywhere, outputs untouched", 3, 1, 64 << 10, 30, {}, true, Mismatch});

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <utility>
@@ -34,6 +35,9 @@ size_t SlotBytesFromEnv() {
   return static_cast<size_t>(bytes);
 }
 std::atomic<size_t> g_xproc_slot_bytes{SlotBytesFromEnv()};
+// Off: on the 2-core test machine (4 processes on 2 cores) the second barrier per step cost more
+// than the traffic it saves (docs/xproc.md, "Two-phase all_reduce").
+std::atomic<uint64_t> g_xproc_two_phase_bytes{UINT64_MAX};
 std::string& CachePath() {
   static auto* path = new std::string();
   return *path;
@@ -72,6 +76,8 @@ void SetPopulateOutputs(bool on) { g_populate_outputs.store(on, std::memory_orde
 
 size_t XprocSlotBytes() { return g_xproc_slot_bytes.load(std::memory_order_relaxed); }
 void SetXprocSlotBytes(size_t bytes) { g_xproc_slot_bytes.store(bytes, std::memory_order_relaxed); }
+uint64_t XprocTwoPhaseBytes() { return g_xproc_two_phase_bytes.load(std::memory_order_relaxed); }
+void SetXprocTwoPhaseBytes(uint64_t bytes) { g_xproc_two_phase_bytes.store(bytes, std::memory_order_relaxed); }
 
 int DebugLevel() { return g_debug_level.load(std::memory_order_relaxed); }
 void SetDebugLevel(int level) { g_debug_level.store(level, std::memory_order_relaxed); }

@@ -5,6 +5,7 @@
 //   devices   int64[n]           the group's global device ids in rank order
 //   RankBlock[n]                 one cache line each: arrival counter, pid, device
 //   data      [2][n] slots       slot = Fingerprint area + slot_bytes of staged data
+//   results   [2] slot_bytes     two-phase all_reduce: rank r's reduced slice of each step
 #pragma once
 
 #include <atomic>
@@ -30,7 +31,7 @@ struct Header {
   uint64_t slot_bytes;   // data bytes of one slot
   uint64_t slot_stride;  // kFingerprintBytes + slot_bytes
   uint64_t total_bytes;
-  uint64_t devices_offset, ranks_offset, data_offset;
+  uint64_t devices_offset, ranks_offset, data_offset, results_offset;
   uint32_t creator_pid;
   uint32_t reserved;
   alignas(64) std::atomic<uint32_t> abort;  // kAbort*; a futex word nobody waits on, read between slices
@@ -52,7 +53,7 @@ static_assert(sizeof(RankBlock) == 64);
 inline constexpr size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
 struct Layout {
-  size_t devices_offset, ranks_offset, data_offset, slot_stride, total_bytes;
+  size_t devices_offset, ranks_offset, data_offset, results_offset, slot_stride, total_bytes;
 };
 
 inline Layout ComputeLayout(uint32_t n, size_t slot_bytes) {
@@ -61,7 +62,8 @@ inline Layout ComputeLayout(uint32_t n, size_t slot_bytes) {
   l.ranks_offset = RoundUp(l.devices_offset + n * sizeof(int64_t), 64);
   l.data_offset = RoundUp(l.ranks_offset + n * sizeof(RankBlock), 4096);
   l.slot_stride = kFingerprintBytes + slot_bytes;
-  l.total_bytes = l.data_offset + 2 * size_t{n} * l.slot_stride;
+  l.results_offset = l.data_offset + 2 * size_t{n} * l.slot_stride;
+  l.total_bytes = l.results_offset + 2 * slot_bytes;
   return l;
 }
 

@@ -62,7 +62,7 @@ Status CheckMembers(std::span<const int64_t> devices, std::span<const int64_t> l
 
 Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes) {
   if (n == 0) return Status::InvalidArgument("flexlink: cross-process group: no ranks");
-  const size_t most = kMaxDataBytes / (2 * n) / 4096 * 4096;
+  const size_t most = kMaxDataBytes / (2 * (n + 1)) / 4096 * 4096;
   if (most < kMinSlotBytes)
     return Status::InvalidArgument("flexlink: cross-process group of " + std::to_string(n) +
                                    " ranks: too many for a 256 MiB segment with 64 KiB slots");
@@ -81,6 +81,7 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int
       calls_(new std::atomic<uint64_t>[devices.size()]) {
   ranks_ = reinterpret_cast<RankBlock*>(segment_->data() + header_->ranks_offset);
   data_ = segment_->data() + header_->data_offset;
+  results_ = segment_->data() + header_->results_offset;
   for (size_t r = 0; r < devices_.size(); ++r) calls_[r].store(0);
 }
 
@@ -104,6 +105,7 @@ Status ProcessGroup::Create(std::span<const int64_t> devices, std::span<const in
   h->devices_offset = layout.devices_offset;
   h->ranks_offset = layout.ranks_offset;
   h->data_offset = layout.data_offset;
+  h->results_offset = layout.results_offset;
   h->creator_pid = static_cast<uint32_t>(getpid());
   std::memcpy(segment->data() + layout.devices_offset, devices.data(), n * sizeof(int64_t));
   auto* ranks = reinterpret_cast<RankBlock*>(segment->data() + layout.ranks_offset);
@@ -147,6 +149,7 @@ Status ProcessGroup::Attach(const std::string& name, std::span<const int64_t> de
   if (h->slot_bytes == 0 || h->slot_bytes % 4096 || layout.total_bytes != h->total_bytes ||
       layout.total_bytes > segment->size() || layout.devices_offset != h->devices_offset ||
       layout.ranks_offset != h->ranks_offset || layout.data_offset != h->data_offset ||
+      layout.results_offset != h->results_offset ||
       layout.slot_stride != h->slot_stride)
     return Status::FailedPrecondition(what + "header inconsistent with its size");
   std::vector<int64_t> theirs(h->n);
@@ -300,6 +303,18 @@ static void FaultInOutputs(const CallDesc& desc, int n) {
   faults.Withdraw(0);
 }
 
+Status ProcessGroup::Barrier(int rank, uint32_t* step, const Where& where, int step_of_call, bool fault_outputs,
+                             const CallDesc& desc) {
+  RankBlock& mine = ranks_[rank];
+  // Release: peers that see the new count see what this rank wrote for the barrier.
+  mine.arrived.store(++*step, std::memory_order_release);
+  FutexWakeAll(&mine.arrived);
+  if (fault_outputs) FaultInOutputs(desc, size());
+  Status s = WaitArrived(rank, *step, where, step_of_call);
+  if (!s.ok() && (s.code() != StatusCode::kInternal || header_->abort.load() != kAbortSet)) Fail(rank, s.message());
+  return s;
+}
+
 Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
   const int n = size();
   const uint64_t call = calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1;
@@ -320,24 +335,19 @@ Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label,
   thread_local std::vector<StepPiece> pieces;
   thread_local std::vector<const char*> slots;
   slots.resize(n);
-  RankBlock& mine = ranks_[rank];
-  // Only this rank's thread writes its counter, so its value is this rank's global step count.
-  uint32_t step = mine.arrived.load(std::memory_order_relaxed);
+  // Every rank makes the same choice from the same description.
+  const bool two_phase = desc.kind == Kind::kAllReduce && n >= 3 && desc.InputBytes(n) >= XprocTwoPhaseBytes();
+  // Only this rank's thread writes its counter, so its value is the number of barriers this rank has
+  // entered. What is written for barrier k lives in buffer k & 1 (slots, results): it is read only
+  // between barrier k and k + 1, and rewritten only for barrier k + 2, by a rank that passed k + 1,
+  // i.e. after every rank arrived at k + 1 and so finished reading it.
+  uint32_t step = ranks_[rank].arrived.load(std::memory_order_relaxed);
   for (int step_of_call = 0; cursor.Next(&pieces); ++step_of_call) {
     const int buffer = step & 1;
     char* own = Slot(buffer, rank);
     if (step_of_call == 0) WriteFingerprint(desc, own);
     for (const StepPiece& piece : pieces) Stage(desc, n, rank, piece, own + kFingerprintBytes);
-    // Release: peers that see the new count see the staged bytes. Buffer `step & 1` was last read at
-    // step - 2, and every rank has left it: all arrived at step - 1, after their reads of step - 2.
-    mine.arrived.store(++step, std::memory_order_release);
-    FutexWakeAll(&mine.arrived);
-    if (step_of_call == 0) FaultInOutputs(desc, n);
-    Status s = WaitArrived(rank, step, where, step_of_call);
-    if (!s.ok()) {
-      if (s.code() != StatusCode::kInternal || header_->abort.load() != kAbortSet) Fail(rank, s.message());
-      return s;
-    }
+    FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, step_of_call, step_of_call == 0, desc));
     for (int j = 0; j < n; ++j) slots[j] = Slot(buffer, j) + kFingerprintBytes;
     if (step_of_call == 0) {
       // Every rank compares the same fingerprints, so all reach the same verdict at the same step and
@@ -346,14 +356,22 @@ Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label,
         if (SameFingerprint(Slot(buffer, 0), Slot(buffer, j))) continue;
         // Described from rank 0's side, so that every rank's message is the same.
         return Status::InvalidArgument(
-            where_as(DescribeFingerprint(Slot(buffer, 0))) + ": ranks disagree on the call: rank 0 (device " + std::to_string(devices_[0]) + ") has " +
-            DescribeFingerprint(Slot(buffer, 0)) + ", rank " + std::to_string(j) + " (device " +
-            std::to_string(devices_[j]) + ") has " + DescribeFingerprint(Slot(buffer, j)) +
+            where_as(DescribeFingerprint(Slot(buffer, 0))) + ": ranks disagree on the call: rank 0 (device " +
+            std::to_string(devices_[0]) + ") has " + DescribeFingerprint(Slot(buffer, 0)) + ", rank " +
+            std::to_string(j) + " (device " + std::to_string(devices_[j]) + ") has " +
+            DescribeFingerprint(Slot(buffer, j)) +
             " (every device must call the collective with the same operands: number, shapes and dtypes, and "
             "the same reduction or pairs)");
       }
     }
-    for (const StepPiece& piece : pieces) Compute(desc, n, rank, piece, slots.data());
+    if (!two_phase) {
+      for (const StepPiece& piece : pieces) Compute(desc, n, rank, piece, slots.data());
+      continue;
+    }
+    char* result = Result(step & 1);
+    for (const StepPiece& piece : pieces) ReduceSlice(desc, n, rank, piece, slots.data(), result);
+    FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, step_of_call, false, desc));
+    for (const StepPiece& piece : pieces) CopyResult(desc, n, piece, result);
   }
   return Status::Ok();
 }

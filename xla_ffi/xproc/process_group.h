@@ -50,14 +50,19 @@ class ProcessGroup {
   std::optional<std::string> broken() const;
 
  private:
+  using Where = std::function<std::string()>;  // the call as messages name it
   ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int64_t> devices,
                std::span<const int64_t> local_devices);
   Status Claim();  // writes this process's pid into its ranks' control blocks
   char* Slot(int buffer, int rank) const {
     return data_ + (static_cast<size_t>(buffer) * devices_.size() + rank) * header_->slot_stride;
   }
+  char* Result(int buffer) const { return results_ + static_cast<size_t>(buffer) * header_->slot_bytes; }
+  // Publishes this rank's arrival at its next barrier (`*step` + 1) and waits for every rank there;
+  // on failure records it for the whole group (Fail) unless it is another rank's report.
+  Status Barrier(int rank, uint32_t* step, const Where& where, int step_of_call, bool fault_outputs,
+                 const CallDesc& desc);
   std::string RankName(int rank) const;  // "rank 2 (device 2048, pid 12345)"
-  using Where = std::function<std::string()>;  // the call as messages name it
   Status WaitArrived(int rank, uint32_t target, const Where& where, int step_of_call);
   Status AbortError(const Where& where);
   // Records `message` as the group's failure (first failure wins) and wakes every waiter.
@@ -68,6 +73,7 @@ class ProcessGroup {
   Header* header_;
   RankBlock* ranks_;
   char* data_;
+  char* results_;
   std::vector<int64_t> devices_, local_;
   std::vector<char> local_rank_;
   std::unique_ptr<std::atomic<uint64_t>[]> calls_;  // per rank

@@ -99,4 +99,35 @@ void Compute(const CallDesc& desc, int n, int rank, const StepPiece& piece, cons
   }
 }
 
+namespace {
+
+// Rank r's slice of a piece's units, starting on cache-line multiples of elements.
+UnitRange Slice(size_t units, int n, int rank, size_t width) {
+  const size_t align = std::max<size_t>(1, 64 / width);
+  const size_t chunk = RoundUp((units + n - 1) / n, align);
+  const size_t begin = std::min(units, chunk * rank);
+  return {begin, std::min(units, begin + chunk)};
+}
+
+}  // namespace
+
+void ReduceSlice(const CallDesc& desc, int n, int rank, const StepPiece& piece, const char* const* slots, char* result) {
+  const Part& p = desc.parts[piece.part];
+  const size_t w = p.width();
+  const UnitRange s = Slice(piece.units.size(), n, rank, w);
+  if (s.empty()) return;
+  thread_local std::vector<const void*> srcs;
+  srcs.resize(n);
+  for (int j = 0; j < n; ++j) srcs[j] = slots[j] + piece.offset + s.begin * w;
+  GetReduceKernel(p.dtype, desc.op)(srcs.data(), n, result + piece.offset + s.begin * w, s.size());
+}
+
+void CopyResult(const CallDesc& desc, int n, const StepPiece& piece, const char* result) {
+  const Part& p = desc.parts[piece.part];
+  const size_t w = p.width();
+  const bool stream = shm::StreamSeparate(p.in, p.out, desc.out_count(p, n) * w);
+  shm::CopyOut(static_cast<char*>(p.out) + piece.units.begin * w, result + piece.offset, piece.units.size() * w,
+               stream);
+}
+
 }  // namespace flexlink::xproc

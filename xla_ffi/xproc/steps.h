@@ -39,4 +39,11 @@ void Stage(const CallDesc& desc, int n, int rank, const StepPiece& piece, char* 
 // After it: this rank's output units of `piece` from every rank's slot (`slots[j]`, rank order).
 void Compute(const CallDesc& desc, int n, int rank, const StepPiece& piece, const char* const* slots);
 
+// all_reduce in two phases (n >= 3, large calls): after the first barrier rank r reduces only its
+// slice of each piece over every slot into the shared `result` area (same offsets as the slots);
+// after a second barrier every rank copies the whole piece out. Per rank (2 + 1 + 1/n + 2)·N bytes
+// of memory traffic instead of (n + 3)·N, for one more barrier per step.
+void ReduceSlice(const CallDesc& desc, int n, int rank, const StepPiece& piece, const char* const* slots, char* result);
+void CopyResult(const CallDesc& desc, int n, const StepPiece& piece, const char* result);
+
 }  // namespace flexlink::xproc
