@@ -188,9 +188,7 @@ uint64_t ProcessGroup::calls() const {
 std::optional<std::string> ProcessGroup::broken() const {
   if (!is_broken_.load(std::memory_order_acquire)) {
     if (header_->abort.load(std::memory_order_acquire) != kAbortSet) return std::nullopt;
-    const_cast<ProcessGroup*>(this)->SetBroken("rank " + std::to_string(header_->abort_rank) + " (device " +
-                                               std::to_string(devices_[header_->abort_rank]) + ") reported: " +
-                                               std::string(header_->abort_message));
+    const_cast<ProcessGroup*>(this)->SetBroken(AbortReason());
   }
   std::lock_guard<std::mutex> lock(mu_);
   return broken_;
@@ -222,10 +220,16 @@ void ProcessGroup::Fail(int rank, const std::string& message) {
   for (size_t r = 0; r < devices_.size(); ++r) FutexWakeAll(&ranks_[r].arrived);
 }
 
-Status ProcessGroup::AbortError(const Where& where) {
+std::string ProcessGroup::AbortReason() const {
+  // Another process wrote these: the rank is range-checked and the message bounded, not trusted.
   const int r = header_->abort_rank;
-  const std::string reason = "rank " + std::to_string(r) + " (device " + std::to_string(devices_[r]) +
-                             ") reported: " + std::string(header_->abort_message);
+  const std::string who = r >= 0 && r < size() ? "rank " + std::to_string(r) + " (device " + std::to_string(devices_[r]) + ")"
+                                               : std::string("a rank");
+  return who + " reported: " + std::string(header_->abort_message, strnlen(header_->abort_message, kAbortMessageBytes));
+}
+
+Status ProcessGroup::AbortError(const Where& where) {
+  const std::string reason = AbortReason();
   SetBroken(reason);
   return Status::Internal(where() + ": " + reason);
 }

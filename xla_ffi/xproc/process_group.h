@@ -65,6 +65,7 @@ class ProcessGroup {
   std::string RankName(int rank) const;  // "rank 2 (device 2048, pid 12345)"
   Status WaitArrived(int rank, uint32_t target, const Where& where, int step_of_call);
   Status AbortError(const Where& where);
+  std::string AbortReason() const;  // "rank R (device D) reported: <message>" from the header
   // Records `message` as the group's failure (first failure wins) and wakes every waiter.
   void Fail(int rank, const std::string& message);
   void SetBroken(const std::string& reason);
