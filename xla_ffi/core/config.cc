@@ -2,6 +2,8 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <utility>
 
@@ -19,6 +21,23 @@ std::atomic<uint64_t> g_autotune_min_bytes{1 << 20};
 std::atomic<uint64_t> g_tune_max_bytes{16 << 20};
 std::atomic<bool> g_tune_use_cache{true};
 std::mutex g_cache_mu;
+
+size_t SlotBytesFromEnv() {
+  constexpr size_t kDefault = size_t{4} << 20;
+  const char* v = std::getenv("FLEXLINK_XPROC_SLOT_BYTES");
+  if (!v || !*v) return kDefault;
+  char* end = nullptr;
+  const unsigned long long bytes = std::strtoull(v, &end, 10);
+  if (*end != 0 || bytes == 0) {
+    std::fprintf(stderr, "flexlink: ignoring FLEXLINK_XPROC_SLOT_BYTES=%s (not a positive integer)\n", v);
+    return kDefault;
+  }
+  return static_cast<size_t>(bytes);
+}
+std::atomic<size_t> g_xproc_slot_bytes{SlotBytesFromEnv()};
+// Off: on the 2-core test machine (4 processes on 2 cores) the second barrier per step cost more
+// than the traffic it saves (docs/xproc.md, "Two-phase all_reduce").
+std::atomic<uint64_t> g_xproc_two_phase_bytes{UINT64_MAX};
 std::string& CachePath() {
   static auto* path = new std::string();
   return *path;
@@ -54,6 +73,11 @@ void SetTuneCachePath(std::string path) {
 
 bool PopulateOutputs() { return g_populate_outputs.load(std::memory_order_relaxed); }
 void SetPopulateOutputs(bool on) { g_populate_outputs.store(on, std::memory_order_relaxed); }
+
+size_t XprocSlotBytes() { return g_xproc_slot_bytes.load(std::memory_order_relaxed); }
+void SetXprocSlotBytes(size_t bytes) { g_xproc_slot_bytes.store(bytes, std::memory_order_relaxed); }
+uint64_t XprocTwoPhaseBytes() { return g_xproc_two_phase_bytes.load(std::memory_order_relaxed); }
+void SetXprocTwoPhaseBytes(uint64_t bytes) { g_xproc_two_phase_bytes.store(bytes, std::memory_order_relaxed); }
 
 int DebugLevel() { return g_debug_level.load(std::memory_order_relaxed); }
 void SetDebugLevel(int level) { g_debug_level.store(level, std::memory_order_relaxed); }

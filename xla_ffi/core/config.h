@@ -50,6 +50,17 @@ void SetTuneMaxBytes(uint64_t bytes);
 std::string TuneCachePath();
 void SetTuneCachePath(std::string path);
 
+// Data bytes of one slot of a cross-process group's segment (xla_ffi/xproc/, docs/xproc.md) when
+// the group's creator asks for the default: FLEXLINK_XPROC_SLOT_BYTES if set (read once, here: the
+// one place the C++ side reads the environment, since processes create groups before Python could
+// configure them), else 4 MiB. The group clamps it to [64 KiB, 256 MiB / (2 n)].
+size_t XprocSlotBytes();
+void SetXprocSlotBytes(size_t bytes);
+// Cross-process all_reduce of at least this many bytes per rank on 3+ ranks reduces in two phases
+// (each rank its slice, then all copy; docs/xproc.md). Default: never (UINT64_MAX), see config.cc.
+uint64_t XprocTwoPhaseBytes();
+void SetXprocTwoPhaseBytes(uint64_t bytes);
+
 // Logging on stderr (FLEXLINK_DEBUG): 0 off, kDebugInfo logs stage-1 results and plan changes.
 inline constexpr int kDebugInfo = 1;
 int DebugLevel();

@@ -20,6 +20,8 @@
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/links/link.h"
 #include "xla_ffi/plan/balancer.h"
+#include "xla_ffi/xproc/process_group.h"
+#include "xla_ffi/xproc/registry.h"
 
 namespace flexlink {
 namespace {
@@ -185,6 +187,15 @@ Status RunCollectiveOrThrow(const CollectiveArgs& args) {
       if (zeros) std::memset(p.out, 0, p.bytes());
       else if (p.out != p.in) std::memcpy(p.out, p.in, p.bytes());
     return Status::Ok();
+  }
+  // A group whose ranks live in several processes runs on its shared segment (docs/xproc.md).
+  if (xproc::ProcessGroup* cross = xproc::FindProcessGroup(members)) {
+    const auto start = std::chrono::steady_clock::now();
+    Status status = cross->Run(rank, desc, args.label, args.run_id);
+    if (rank == 0 && status.ok())
+      RecordLinkCall("shm", desc.InputBytes(n),
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return status;
   }
   Group* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));

@@ -20,6 +20,7 @@
 #include "xla_ffi/ffi/handlers.h"
 #include "xla_ffi/ffi/py_values.h"
 #include "xla_ffi/links/tcp_xproc.h"
+#include "xla_ffi/xproc/registry.h"
 
 namespace nb = nanobind;
 
@@ -169,6 +170,52 @@ nb::dict Registrations() {
   return d;
 }
 
+// Cross-process groups (docs/xproc.md): bad arguments are ValueErrors, system failures (shm_open,
+// mmap, a refused segment) RuntimeErrors carrying strerror's text.
+void ThrowIfError(const Status& s) {
+  if (s.ok()) return;
+  if (s.code() == StatusCode::kInvalidArgument) throw nb::value_error(s.message().c_str());
+  throw std::runtime_error(s.message());
+}
+
+std::string XprocCreate(const std::vector<int64_t>& devices, const std::vector<int64_t>& local_devices,
+                        int64_t slot_bytes) {
+  if (slot_bytes < 0) throw nb::value_error("xproc_create: slot_bytes must be >= 0 (0: the default)");
+  std::string name;
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = xproc::CreateProcessGroup(devices, local_devices, static_cast<size_t>(slot_bytes), &name);
+  }
+  ThrowIfError(s);
+  return name;
+}
+
+void XprocAttach(const std::string& name, const std::vector<int64_t>& devices,
+                 const std::vector<int64_t>& local_devices) {
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = xproc::AttachProcessGroup(name, devices, local_devices);
+  }
+  ThrowIfError(s);
+}
+
+nb::list XprocGroups() {
+  nb::list out;
+  for (const auto& g : xproc::ProcessGroups()) {
+    nb::dict d;
+    d["name"] = g.name;
+    d["devices"] = g.devices;
+    d["local_devices"] = g.local_devices;
+    d["slot_bytes"] = g.slot_bytes;
+    d["calls"] = g.calls;
+    d["broken"] = g.broken ? nb::object(nb::str(g.broken->c_str())) : nb::none();
+    out.append(d);
+  }
+  return out;
+}
+
 nb::dict Stats() {
   EnsureLinks();
   return py::LinkStats();
@@ -214,6 +261,16 @@ NB_MODULE(_flexlink, m) {
         "Fault fresh outputs in with one madvise(MADV_POPULATE_WRITE) instead of a store per page "
         "(default off; see docs/engine.md).");
   m.def("populate_outputs", &PopulateOutputs);
+  m.def("xproc_create", &XprocCreate, nb::arg("devices"), nb::arg("local_devices"), nb::arg("slot_bytes") = 0,
+        "Creates a shared segment for the cross-process group `devices` (global ids in rank order), "
+        "claims this process's ranks `local_devices`, registers the group; returns the segment name.");
+  m.def("xproc_attach", &XprocAttach, nb::arg("name"), nb::arg("devices"), nb::arg("local_devices"),
+        "Maps the segment `name` made for `devices`, claims this process's ranks, registers the group.");
+  m.def(
+      "xproc_unlink", [](const std::string& name) { ThrowIfError(xproc::UnlinkProcessSegment(name)); },
+      nb::arg("name"), "Removes the segment's name (mappings stay valid).");
+  m.def("xproc_groups", &XprocGroups,
+        "Per registered cross-process group: name, devices, local_devices, slot_bytes, calls, broken.");
   DefineControl(m);
 
   // --- The tcp link across processes (xla_ffi/links/tcp_xproc.h): two phases, the ports and the

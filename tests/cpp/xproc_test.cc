@@ -1,0 +1,715 @@
+// Cross-process engine tests (xla_ffi/xproc/, docs/xproc.md): the parent forks P processes, one of
+// them creates the group's segment and passes its name on, the others attach; then every process
+// runs its ranks (one thread each) through flexlink::RunCollective, the FFI handlers' entry point,
+// and checks the results against references computed here from every rank's (regenerated) input.
+// Children report their counts through a pipe and their exit status; the parent never creates a
+// thread (fork stays safe), reaps every child, and an alarm() backstops any hang.
+//
+//   xproc_test            the tests
+//   xproc_test --bench    median time per call, AllReduce f32 and AllGather, 2 and 4 processes
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <dirent.h>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/stats.h"
+#include "xla_ffi/xproc/process_group.h"
+#include "xla_ffi/xproc/registry.h"
+#include "xla_ffi/xproc/segment.h"
+#include "tests/cpp/check.h"
+#include "tests/cpp/reference.h"
+
+using namespace flexlink;
+using namespace flexlink::testing;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kFirstDevice = 100;  // device ids differ from ranks, so messages must map them
+constexpr size_t kNameBytes = 64;
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// ---- pipes with deadlines -------------------------------------------------------------------
+
+bool ReadFull(int fd, void* buf, size_t n, int timeout_ms) {
+  char* p = static_cast<char*>(buf);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (n > 0) {
+    const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+    if (left <= 0) return false;
+    pollfd pfd{fd, POLLIN, 0};
+    if (poll(&pfd, 1, left) <= 0) continue;
+    const ssize_t r = read(fd, p, n);
+    if (r <= 0) return false;  // EOF: the writer died
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool WriteFull(int fd, const void* buf, size_t n) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    const ssize_t r = write(fd, p, n);
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// ---- one process's view -------------------------------------------------------------------
+
+struct Proc {
+  int index = 0, procs = 0, per_proc = 0;
+  std::vector<int64_t> devices;  // the whole group, rank order
+  std::vector<int> ranks;        // this process's ranks
+  std::string name;
+  std::string token;  // what the parent compares across processes (e.g. an error message)
+  int n() const { return static_cast<int>(devices.size()); }
+};
+
+struct Operand {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> in_dims;
+};
+
+struct Case {
+  Kind kind = Kind::kAllReduce;
+  ReduceOp op = ReduceOp::kSum;
+  std::vector<Operand> operands;
+  int64_t axis = 0;
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  bool in_place = false;
+  uint32_t seed = 1;
+};
+
+size_t Prod(const std::vector<int64_t>& d) {
+  size_t p = 1;
+  for (auto x : d) p *= static_cast<size_t>(x);
+  return p;
+}
+
+std::vector<int64_t> OutDims(const Case& c, const Operand& o, int n) {
+  std::vector<int64_t> d = o.in_dims;
+  if (c.kind == Kind::kAllGather) d[c.axis] *= n;
+  if (c.kind == Kind::kReduceScatter) d[c.axis] /= n;
+  return d;
+}
+
+std::string Describe(const Case& c, int n) {
+  std::string s = std::string(Name(c.kind));
+  if (Reduces(c.kind)) s += "(" + std::string(Name(c.op)) + ")";
+  for (const auto& o : c.operands) {
+    s += " " + std::string(Name(o.dtype)) + "[";
+    for (auto x : o.in_dims) s += std::to_string(x) + ",";
+    s += "]";
+  }
+  s += " axis " + std::to_string(c.axis) + " n " + std::to_string(n);
+  if (c.in_place) s += " in place";
+  for (const auto& [a, b] : c.pairs) s += " " + std::to_string(a) + "->" + std::to_string(b);
+  return s;
+}
+
+std::vector<uint8_t> Input(const Case& c, size_t operand, int rank) {
+  const Operand& o = c.operands[operand];
+  return RandomData(o.dtype, Prod(o.in_dims), c.seed * 7919u + static_cast<uint32_t>(operand * 131 + rank), false);
+}
+
+// The expected output of `rank` for one operand, from every rank's input.
+std::vector<uint8_t> Reference(const Case& c, size_t operand, int n, int rank) {
+  const Operand& op = c.operands[operand];
+  std::vector<std::vector<uint8_t>> in;
+  for (int r = 0; r < n; ++r) in.push_back(Input(c, operand, r));
+  std::vector<const uint8_t*> srcs;
+  for (auto& v : in) srcs.push_back(v.data());
+  const size_t w = ByteWidth(op.dtype), count = Prod(op.in_dims);
+  size_t outer = 1;
+  for (int64_t i = 0; i < c.axis; ++i) outer *= static_cast<size_t>(op.in_dims[i]);
+  std::vector<uint8_t> out;
+  switch (c.kind) {
+    case Kind::kPpermute: return RefPpermute(c.pairs, srcs, count * w, rank);
+    case Kind::kAllToAll: return RefAllToAll(op.in_dims, c.axis, srcs, w, rank);
+    case Kind::kAllReduce:
+      out.resize(count * w);
+      for (size_t i = 0; i < count; ++i) RefReduce(op.dtype, c.op, srcs, i, &out[i * w]);
+      return out;
+    case Kind::kAllGather: {
+      const size_t inner = count / outer;
+      out.resize(count * n * w);
+      for (size_t o = 0; o < outer; ++o)
+        for (int k = 0; k < n; ++k)
+          std::memcpy(&out[((o * n + k) * inner) * w], srcs[k] + o * inner * w, inner * w);
+      return out;
+    }
+    case Kind::kReduceScatter: {
+      const size_t out_count = count / n, inner = out_count / outer;
+      out.resize(out_count * w);
+      for (size_t o = 0; o < outer; ++o)
+        for (size_t i = 0; i < inner; ++i)
+          RefReduce(op.dtype, c.op, srcs, (o * n + rank) * inner + i, &out[(o * inner + i) * w]);
+      return out;
+    }
+  }
+  return out;
+}
+
+// One rank's call of `c` on operand buffers `ins` -> `outs` (outs unused where in place).
+Status CallOn(const Proc& p, int rank, const Case& c, const std::vector<void*>& ins, const std::vector<void*>& outs) {
+  const int n = p.n();
+  std::vector<std::vector<int64_t>> out_dims;
+  std::vector<OperandRequest> ops(c.operands.size());
+  for (size_t i = 0; i < c.operands.size(); ++i) out_dims.push_back(OutDims(c, c.operands[i], n));
+  for (size_t i = 0; i < c.operands.size(); ++i) {
+    OperandRequest& o = ops[i];
+    o.in_dtype = o.out_dtype = c.operands[i].dtype;
+    o.in_dims = c.operands[i].in_dims;
+    o.out_dims = out_dims[i];
+    o.in = ins[i];
+    o.out = c.in_place ? ins[i] : outs[i];
+  }
+  std::vector<int64_t> flat_pairs;
+  for (const auto& [s, d] : c.pairs) flat_pairs.insert(flat_pairs.end(), {s, d});
+  const std::vector<int64_t> sizes = {n};
+  CollectiveArgs a;
+  a.groups = p.devices;
+  a.group_sizes = sizes;
+  a.device = p.devices[rank];
+  a.run_id = 7;
+  a.label = "xproc_test";
+  a.request.kind = c.kind;
+  a.request.reduction = Name(c.op);
+  a.request.axis = c.axis;
+  a.request.pairs = flat_pairs;
+  a.request.operands = ops;
+  return RunCollective(a);
+}
+
+Status Call(const Proc& p, int rank, const Case& c, std::vector<std::vector<uint8_t>>& ins,
+            std::vector<std::vector<uint8_t>>& outs) {
+  std::vector<void*> in, out;
+  for (auto& v : ins) in.push_back(v.data());
+  for (auto& v : outs) out.push_back(v.data());
+  return CallOn(p, rank, c, in, out);
+}
+
+// Runs f(rank) for this process's ranks, one thread each.
+void OnRanks(const Proc& p, const std::function<void(int)>& f) {
+  std::vector<std::thread> threads;
+  for (int r : p.ranks) threads.emplace_back([&, r] { f(r); });
+  for (auto& t : threads) t.join();
+}
+
+// Runs `c` on every local rank and checks each output against the reference. Returns the outputs.
+std::vector<std::vector<std::vector<uint8_t>>> CheckCase(const Proc& p, const Case& c) {
+  const int n = p.n();
+  std::vector<std::vector<std::vector<uint8_t>>> results(n);
+  std::vector<Status> st(n);
+  std::vector<std::vector<std::vector<uint8_t>>> ins(n), outs(n);
+  for (int r : p.ranks)
+    for (size_t i = 0; i < c.operands.size(); ++i) {
+      ins[r].push_back(Input(c, i, r));
+      outs[r].emplace_back(Prod(OutDims(c, c.operands[i], n)) * ByteWidth(c.operands[i].dtype), 0xAB);
+    }
+  OnRanks(p, [&](int r) { st[r] = Call(p, r, c, ins[r], outs[r]); });
+  for (int r : p.ranks) {
+    std::string why;
+    for (size_t i = 0; i < c.operands.size() && st[r].ok() && why.empty(); ++i) {
+      const auto& got = c.in_place ? ins[r][i] : outs[r][i];
+      const size_t wrong = CountWrong(c.operands[i].dtype, got, Reference(c, i, n, r));
+      if (wrong) why = "operand " + std::to_string(i) + ": " + std::to_string(wrong) + " wrong elements";
+    }
+    if (!st[r].ok()) why = st[r].message();
+    Expect(why.empty(), Describe(c, n) + " rank " + std::to_string(r) + ": " + why);
+    results[r] = c.in_place ? ins[r] : outs[r];
+  }
+  return results;
+}
+
+// ---- the cases ------------------------------------------------------------------------------
+
+const DType kDtypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kS32,
+                         DType::kS8,  DType::kU8,  DType::kPred, DType::kC64};
+const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMax, ReduceOp::kMin};
+
+bool Supported(DType t, ReduceOp op) {
+  return !((t == DType::kC64 || t == DType::kC128) && (op == ReduceOp::kMax || op == ReduceOp::kMin));
+}
+
+// With a 64 KiB slot, `big` units span several steps for every dtype of 2+ bytes, and odd counts
+// leave a partial last step.
+std::vector<Case> Cases(int n, bool full) {
+  std::vector<Case> cases;
+  uint32_t seed = 1;
+  const int64_t big = full ? 40001 : 20011;
+  for (DType t : kDtypes)
+    for (ReduceOp op : kOps) {
+      if (!Supported(t, op)) continue;
+      cases.push_back({Kind::kAllReduce, op, {{t, {op == ReduceOp::kSum ? big : 1003}}}, 0, {}, false, seed++});
+      if (full || op == ReduceOp::kSum)
+        cases.push_back({Kind::kReduceScatter, op, {{t, {3, n * 2341}}}, 1, {}, false, seed++});
+    }
+  for (DType t : kDtypes) {
+    cases.push_back({Kind::kAllGather, ReduceOp::kSum, {{t, {3, 7001}}}, 1, {}, false, seed++});
+    cases.push_back({Kind::kAllGather, ReduceOp::kSum, {{t, {big}}}, 0, {}, false, seed++});
+    cases.push_back({Kind::kAllToAll, ReduceOp::kSum, {{t, {5, n * 1201}}}, 1, {}, false, seed++});
+    std::vector<std::pair<int64_t, int64_t>> shift;
+    for (int r = 0; r < n; ++r) shift.push_back({r, (r + 1) % n});
+    cases.push_back({Kind::kPpermute, ReduceOp::kSum, {{t, {big}}}, 0, shift, false, seed++});
+  }
+  // Partial permutations: some ranks receive nothing (zeros), some send nothing, one to itself.
+  cases.push_back({Kind::kPpermute, ReduceOp::kSum, {{DType::kF32, {30011}}}, 0, {{0, 1}}, false, seed++});
+  cases.push_back({Kind::kPpermute, ReduceOp::kSum, {{DType::kS32, {999}}}, 0,
+                   n > 2 ? std::vector<std::pair<int64_t, int64_t>>{{1, 0}, {n - 1, n - 1}}
+                         : std::vector<std::pair<int64_t, int64_t>>{{1, 1}},
+                   false, seed++});
+  cases.push_back({Kind::kPpermute, ReduceOp::kSum, {{DType::kF32, {513}}}, 0, {}, false, seed++});
+  // In place.
+  cases.push_back({Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {50021}}}, 0, {}, true, seed++});
+  cases.push_back({Kind::kPpermute, ReduceOp::kSum, {{DType::kF64, {20001}}}, 0, {{0, n - 1}, {n - 1, 0}}, true, seed++});
+  cases.push_back({Kind::kAllToAll, ReduceOp::kSum, {{DType::kF32, {3, n * 4001}}}, 1, {}, true, seed++});
+  // Multi-part calls: mixed dtypes, tiny and multi-step parts, a zero-size part.
+  cases.push_back({Kind::kAllReduce, ReduceOp::kSum,
+                   {{DType::kF32, {40001}}, {DType::kBF16, {7}}, {DType::kS32, {1}}, {DType::kF64, {0}}, {DType::kU8, {70001}}},
+                   0, {}, false, seed++});
+  cases.push_back({Kind::kAllReduce, ReduceOp::kMax, {{DType::kF16, {5, 3}}, {DType::kS8, {12345}}}, 0, {}, false, seed++});
+  cases.push_back({Kind::kAllGather, ReduceOp::kSum, {{DType::kF32, {2, 9001}}, {DType::kPred, {1, 13}}, {DType::kC64, {4, 3}}},
+                   1, {}, false, seed++});
+  cases.push_back({Kind::kReduceScatter, ReduceOp::kSum, {{DType::kF32, {2, n * 5003}}, {DType::kS32, {1, n * 3}}}, 1, {}, false, seed++});
+  cases.push_back({Kind::kAllToAll, ReduceOp::kSum, {{DType::kBF16, {n * 2, 3001}}, {DType::kU8, {n}}}, 0, {}, false, seed++});
+  cases.push_back({Kind::kPpermute, ReduceOp::kSum, {{DType::kF32, {25001}}, {DType::kBF16, {3}}}, 0, {{0, 1}, {1, 0}}, false, seed++});
+  return cases;
+}
+
+// ---- scenarios run in the children ------------------------------------------------------------
+
+void Correctness(Proc& p, bool full) {
+  for (const Case& c : Cases(p.n(), full)) CheckCase(p, c);
+  // Bitwise determinism: the same call again gives the same bits (float sums in fixed rank order).
+  const Case det{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {100003}}}, 0, {}, false, 99};
+  const auto a = CheckCase(p, det), b = CheckCase(p, det);
+  for (int r : p.ranks) Expect(a[r] == b[r], "determinism: rank " + std::to_string(r) + " differs between runs");
+  const auto groups = xproc::ProcessGroups();
+  Expect(groups.size() == 1 && groups[0].slot_bytes == (64 << 10) && !groups[0].broken &&
+             groups[0].calls == Cases(p.n(), full).size() + 2,
+         "xproc groups(): one group, 64 KiB slots, every call counted, not broken: " +
+             (groups.empty() ? std::string("none")
+                             : std::to_string(groups.size()) + " groups, slot " + std::to_string(groups[0].slot_bytes) +
+                                   ", calls " + std::to_string(groups[0].calls) + ", broken " + groups[0].broken.value_or("no")));
+}
+
+void Mismatch(Proc& p) {
+  const int n = p.n();
+  std::vector<Status> st(n);
+  std::vector<std::vector<uint8_t>> outs(n);
+  OnRanks(p, [&](int r) {
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {r == 1 ? 100 : 99}}}, 0, {}, false, 5};
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, r)}, out = {std::vector<uint8_t>(100 * 4, 0xAB)};
+    st[r] = Call(p, r, c, in, out);
+    outs[r] = out[0];
+  });
+  for (int r : p.ranks) {
+    const std::string& m = st[r].message();
+    Expect(st[r].code() == StatusCode::kInvalidArgument && m.find("ranks disagree") != std::string::npos &&
+               m.find("float32[99 per rank]") != std::string::npos && m.find("float32[100 per rank]") != std::string::npos &&
+               m.find("rank 1 (device 101)") != std::string::npos,
+           "mismatch names both calls: " + m);
+    Expect(std::all_of(outs[r].begin(), outs[r].end(), [](uint8_t b) { return b == 0xAB; }),
+           "mismatch: rank " + std::to_string(r) + "'s output untouched");
+    if (r == p.ranks[0]) p.token = m;
+    Expect(m == p.token, "mismatch: the same message on every rank of a process");
+  }
+  // The group stays usable: every rank failed at the same step.
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {70001}}}, 0, {}, false, 6});
+}
+
+// Rank `victim`'s process dies: by _exit before the call, or SIGKILL while it waits inside the call.
+void PeerDies(Proc& p, int victim, bool sigkill) {
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {1000}}}, 0, {}, false, 11});
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {300000}}}, 0, {}, false, 12};
+  if (p.index == victim) {
+    if (!sigkill) _exit(42);
+    std::thread killer([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      raise(SIGKILL);
+    });
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, p.ranks[0])}, out = {in[0]};
+    (void)Call(p, p.ranks[0], c, in, out);
+    killer.join();
+    _exit(43);  // not reached: the call cannot complete without rank 0, which comes later
+  }
+  if (sigkill && p.index == 0) std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  const int n = p.n();
+  std::vector<Status> st(n);
+  std::vector<double> secs(n);
+  OnRanks(p, [&](int r) {
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, r)}, out = {in[0]};
+    const auto t = Clock::now();
+    st[r] = Call(p, r, c, in, out);
+    secs[r] = Since(t);
+  });
+  const std::string dead = "rank " + std::to_string(victim) + " (device " + std::to_string(kFirstDevice + victim) + ", pid ";
+  for (int r : p.ranks) {
+    const std::string& m = st[r].message();
+    Expect(!st[r].ok() && m.find(dead) != std::string::npos && m.find(" exited") != std::string::npos &&
+               m.find("xproc_test") != std::string::npos && m.find("on group [100, ") != std::string::npos,
+           "dead peer named: " + m);
+    Expect(secs[r] < TimeoutSeconds() / 2, "dead peer found in " + std::to_string(secs[r]) + " s, well before the deadline");
+  }
+  // Later calls fail at once with the original reason.
+  OnRanks(p, [&](int r) {
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, r)}, out = {in[0]};
+    const auto t = Clock::now();
+    st[r] = Call(p, r, c, in, out);
+    secs[r] = Since(t);
+  });
+  for (int r : p.ranks)
+    Expect(st[r].code() == StatusCode::kFailedPrecondition && st[r].message().find("broken") != std::string::npos &&
+               st[r].message().find(dead) != std::string::npos && secs[r] < 0.5,
+           "later call fails at once: " + st[r].message());
+}
+
+// Rank 1's process never calls: the others time out naming it; it then finds the group broken.
+void Deadline(Proc& p) {
+  const Case c{Kind::kAllGather, ReduceOp::kSum, {{DType::kF32, {4096}}}, 0, {}, false, 21};
+  const int n = p.n();
+  std::vector<Status> st(n);
+  std::vector<double> secs(n);
+  if (p.index == 1) std::this_thread::sleep_for(std::chrono::duration<double>(TimeoutSeconds() + 1.0));
+  OnRanks(p, [&](int r) {
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, r)}, out = {std::vector<uint8_t>(in[0].size() * n)};
+    const auto t = Clock::now();
+    st[r] = Call(p, r, c, in, out);
+    secs[r] = Since(t);
+  });
+  for (int r : p.ranks) {
+    const std::string& m = st[r].message();
+    if (p.index == 1) {
+      Expect(st[r].code() == StatusCode::kFailedPrecondition && m.find("broken") != std::string::npos &&
+                 m.find("timed out") != std::string::npos && secs[r] < 0.5,
+             "the late rank finds the group broken at once: " + m);
+    } else {
+      // The first local rank to time out reports the deadline; a second one of the same process may
+      // see that report first (the abort word) and fail with it.
+      const std::string missing = "waiting for rank " + std::to_string(p.per_proc) + " (device " +
+                                  std::to_string(kFirstDevice + p.per_proc) + ", pid ";
+      Expect((st[r].code() == StatusCode::kDeadlineExceeded ||
+              (st[r].code() == StatusCode::kInternal && m.find("reported") != std::string::npos)) &&
+                 m.find("timed out after") != std::string::npos && m.find(missing) != std::string::npos &&
+                 m.find("all_gather float32[4096 per rank") != std::string::npos &&
+                 secs[r] > TimeoutSeconds() * 0.9 && secs[r] < TimeoutSeconds() + 1.0,
+             "deadline names the missing rank: " + m);
+    }
+  }
+}
+
+// ---- the parent's side ------------------------------------------------------------------------
+
+struct Child {
+  pid_t pid = -1;
+  int up = -1, down = -1;  // child -> parent, parent -> child
+};
+
+struct Scenario {
+  std::string what;
+  int procs = 2, per_proc = 1;
+  size_t slot_bytes = 64 << 10;
+  double timeout_s = 30;
+  std::vector<int> dies;  // process indices expected to die (no report)
+  bool same_token = false;
+  std::function<void(Proc&)> body;
+};
+
+struct Report {
+  int32_t passed = 0, failed = 0;
+  char token[512] = {};
+};
+
+[[noreturn]] void ChildMain(const Scenario& s, int index, Child self) {
+  alarm(120);  // a hang ends this process (the parent sees the signal) instead of the test
+  SetTimeoutSeconds(s.timeout_s);
+  g_passed = g_failed = 0;
+  Proc p;
+  p.index = index;
+  p.procs = s.procs;
+  p.per_proc = s.per_proc;
+  for (int r = 0; r < s.procs * s.per_proc; ++r) p.devices.push_back(kFirstDevice + r);
+  std::vector<int64_t> local;
+  for (int k = 0; k < s.per_proc; ++k) {
+    p.ranks.push_back(index * s.per_proc + k);
+    local.push_back(p.devices[p.ranks.back()]);
+  }
+  char name[kNameBytes] = {};
+  if (index == 0) {
+    std::string made;
+    Status st = xproc::CreateProcessGroup(p.devices, local, s.slot_bytes, &made);
+    if (!st.ok()) std::printf("FAIL: create: %s\n", st.message().c_str());
+    std::snprintf(name, sizeof name, "%s", made.c_str());
+    if (!WriteFull(self.up, name, sizeof name)) _exit(3);
+  } else {
+    if (!ReadFull(self.down, name, sizeof name, 20000)) _exit(4);
+    Status st = xproc::AttachProcessGroup(name, p.devices, local);
+    if (!st.ok()) std::printf("FAIL: attach: %s\n", st.message().c_str());
+    if (!WriteFull(self.up, "A", 1)) _exit(3);
+  }
+  p.name = name;
+  char go;
+  if (!ReadFull(self.down, &go, 1, 20000) || go != 'G') _exit(4);
+  s.body(p);
+  Report rep;
+  rep.passed = g_passed;
+  rep.failed = g_failed;
+  std::snprintf(rep.token, sizeof rep.token, "%s", p.token.c_str());
+  std::fflush(stdout);
+  WriteFull(self.up, &rep, sizeof rep);
+  _exit(g_failed ? 1 : 0);
+}
+
+std::vector<std::string> ShmEntries() {
+  std::vector<std::string> names;
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d))
+      if (std::strncmp(e->d_name, "flexlink-", 9) == 0) names.push_back(e->d_name);
+    closedir(d);
+  }
+  return names;
+}
+
+void RunScenario(const Scenario& s) {
+  const auto start = Clock::now();
+  std::fflush(stdout);
+  std::vector<Child> kids(s.procs);
+  for (int i = 0; i < s.procs; ++i) {
+    int up[2], down[2];
+    if (pipe(up) != 0 || pipe(down) != 0) {
+      Expect(false, s.what + ": pipe");
+      return;
+    }
+    const pid_t pid = fork();
+    if (pid == 0) {
+      for (int j = 0; j < i; ++j) {
+        close(kids[j].up);
+        close(kids[j].down);
+      }
+      close(up[0]);
+      close(down[1]);
+      ChildMain(s, i, Child{getpid(), up[1], down[0]});
+    }
+    close(up[1]);
+    close(down[0]);
+    kids[i] = Child{pid, up[0], down[1]};
+  }
+  char name[kNameBytes] = {};
+  bool ok = ReadFull(kids[0].up, name, sizeof name, 20000) && name[0] == '/';
+  Expect(ok, s.what + ": the creator sent the segment name");
+  if (ok) {
+    // The segment is private: mode 0600, a 32-hex random name.
+    struct stat st;
+    const std::string path = std::string("/dev/shm") + name;
+    Expect(stat(path.c_str(), &st) == 0 && (st.st_mode & 0777) == 0600, s.what + ": segment mode 0600");
+    Expect(xproc::Segment::ValidName(name) && std::strlen(name) == 10 + 32, s.what + ": name /flexlink-<32 hex>: " + name);
+    for (int i = 1; i < s.procs; ++i) ok &= WriteFull(kids[i].down, name, sizeof name);
+    for (int i = 1; i < s.procs; ++i) {
+      char a;
+      ok &= ReadFull(kids[i].up, &a, 1, 20000);
+    }
+    Expect(ok, s.what + ": every process attached");
+    // As the Python glue does: unlink as soon as every process has mapped it.
+    Expect(xproc::UnlinkProcessSegment(name).ok(), s.what + ": unlink");
+    Expect(stat(path.c_str(), &st) != 0, s.what + ": nothing left in /dev/shm");
+  }
+  for (auto& k : kids) WriteFull(k.down, ok ? "G" : "X", 1);
+  std::string token;
+  for (int i = 0; i < s.procs; ++i) {
+    const bool dies = std::find(s.dies.begin(), s.dies.end(), i) != s.dies.end();
+    Report rep;
+    const bool got = ReadFull(kids[i].up, &rep, sizeof rep, 90000);
+    if (dies) {
+      Expect(!got, s.what + ": process " + std::to_string(i) + " died without a report");
+      continue;
+    }
+    Expect(got, s.what + ": process " + std::to_string(i) + " reported");
+    if (!got) continue;
+    g_passed += rep.passed;
+    g_failed += rep.failed;
+    if (s.same_token) {
+      if (i == 0) token = rep.token;
+      Expect(!token.empty() && token == rep.token, s.what + ": the same error in every process: " + rep.token);
+    }
+  }
+  for (int i = 0; i < s.procs; ++i) {
+    int status = 0;
+    // Every child exits within the read deadlines above or its own alarm; kill it if not.
+    pid_t r = 0;
+    for (int tries = 0; tries < 200 && (r = waitpid(kids[i].pid, &status, WNOHANG)) == 0; ++tries)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (r == 0) {
+      kill(kids[i].pid, SIGKILL);
+      waitpid(kids[i].pid, &status, 0);
+    }
+    const bool dies = std::find(s.dies.begin(), s.dies.end(), i) != s.dies.end();
+    const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!dies) Expect(clean, s.what + ": process " + std::to_string(i) + " exit status " + std::to_string(status));
+    close(kids[i].up);
+    close(kids[i].down);
+  }
+  std::printf("  %-58s %6.2f s\n", s.what.c_str(), Since(start));
+}
+
+// Attach refuses what it must, in the parent itself (no threads are made, no group registered).
+void AttachChecks() {
+  std::unique_ptr<xproc::Segment> seg;
+  Expect(xproc::AttachProcessGroup("/etc-passwd", std::vector<int64_t>{0, 1}, std::vector<int64_t>{0}).code() == StatusCode::kInvalidArgument, "attach: bad name");
+  Expect(!xproc::AttachProcessGroup("/flexlink-00000000000000000000000000000000", std::vector<int64_t>{0, 1},
+                                    std::vector<int64_t>{0}).ok(), "attach: no such segment");
+  // A segment readable by others is refused.
+  const std::string open_name = "/flexlink-0123456789abcdef0123456789abcdef";
+  const int fd = shm_open(open_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  Expect(fd >= 0 && fchmod(fd, 0644) == 0 && ftruncate(fd, 1 << 16) == 0, "make a 0644 segment");
+  if (fd >= 0) close(fd);
+  Status s = xproc::Segment::Attach(open_name, &seg);
+  Expect(!s.ok() && s.message().find("mode 0644") != std::string::npos, "attach refuses mode 0644: " + s.message());
+  shm_unlink(open_name.c_str());
+  // A segment of the wrong group, or of another layout, is refused.
+  std::string name;
+  Status made = xproc::CreateProcessGroup(std::vector<int64_t>{5, 6, 7}, std::vector<int64_t>{5}, 0, &name);
+  Expect(made.ok(), "create: " + made.message());
+  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{5, 6, 7}, std::vector<int64_t>{6}, 0, &name).code() ==
+             StatusCode::kInvalidArgument, "create: the same group twice in one process");
+  // (Attaching in the creating process is refused as already registered; a fresh process would
+  // see the device check below, exercised through the segment alone.)
+  s = xproc::Segment::Attach(name, &seg);
+  Expect(s.ok() && seg->size() > 4096, "the creator's segment attaches");
+  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{1, 1}, std::vector<int64_t>{1}, 0, &name).code() ==
+             StatusCode::kInvalidArgument, "create: a device twice");
+  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{1, 2}, std::vector<int64_t>{3}, 0, &name).code() ==
+             StatusCode::kInvalidArgument, "create: a local device outside the group");
+  const auto groups = xproc::ProcessGroups();
+  size_t default_slot = 0;
+  (void)xproc::ChooseSlotBytes(3, 0, &default_slot);
+  Expect(groups.size() == 1 && groups[0].slot_bytes == default_slot && default_slot >= (64 << 10) && groups[0].local_devices == std::vector<int64_t>{5},
+         "groups(): the default slot");
+  Expect(xproc::UnlinkProcessSegment(groups[0].name).ok(), "unlink the parent's group");
+  Expect(!xproc::UnlinkProcessSegment(groups[0].name).ok(), "a second unlink fails");
+}
+
+// ---- benchmark --------------------------------------------------------------------------------
+
+// fresh: every call gets a newly mapped output (as XLA hands out), faulted in by the call.
+void BenchBody(Proc& p, bool fresh) {
+  const int rank = p.ranks[0], n = p.n();
+  for (Kind kind : {Kind::kAllReduce, Kind::kAllGather})
+    for (size_t bytes = 64 << 10; bytes <= (64u << 20); bytes *= 4) {
+      const int64_t count = static_cast<int64_t>(bytes / 4);
+      Case c{kind, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 1};
+      std::vector<std::vector<uint8_t>> in = {std::vector<uint8_t>(bytes, 1)};
+      std::vector<std::vector<uint8_t>> out = {std::vector<uint8_t>(kind == Kind::kAllGather ? bytes * n : bytes)};
+      std::vector<double> t;
+      const auto begin = Clock::now();
+      for (int it = 0;; ++it) {
+        // Ranks agree on the iteration count: everyone stops when rank 0 says so (its clock, or 200
+        // timed calls), told through a 1-element all_reduce (max) outside the timed call.
+        const size_t out_bytes = out[0].size();
+        void* fresh_out = fresh ? mmap(nullptr, out_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                                : out[0].data();
+        if (fresh_out == MAP_FAILED) return;
+        const auto t0 = Clock::now();
+        Status s = CallOn(p, rank, c, {in[0].data()}, {fresh_out});
+        const double secs = Since(t0);
+        if (fresh) munmap(fresh_out, out_bytes);
+        if (!s.ok()) {
+          std::printf("FAIL: bench: %s\n", s.message().c_str());
+          return;
+        }
+        if (it >= 3) t.push_back(secs);
+        Case stop{Kind::kAllReduce, ReduceOp::kMax, {{DType::kS32, {1}}}, 0, {}, false, 1};
+        int32_t mine = rank == 0 && (it == 3 + 200 || (it >= 3 + 5 && Since(begin) >= 1.5)), all = 0;
+        std::vector<std::vector<uint8_t>> si = {std::vector<uint8_t>(4)}, so = {std::vector<uint8_t>(4)};
+        std::memcpy(si[0].data(), &mine, 4);
+        (void)Call(p, rank, stop, si, so);
+        std::memcpy(&all, so[0].data(), 4);
+        if (all) break;
+      }
+      std::sort(t.begin(), t.end());
+      const double med = t[t.size() / 2];
+      const double algbytes = static_cast<double>(kind == Kind::kAllGather ? bytes * n : bytes);
+      if (rank == 0) {
+        char line[160];
+        std::snprintf(line, sizeof line, "| %-10s | %d | %8zu KiB | %s | %9.3f | %6.2f | %zu |\n",
+                      std::string(Name(kind)).c_str(), n, bytes >> 10, fresh ? "fresh " : "reused", med * 1e3,
+                      algbytes / med / 1e9, t.size());
+        std::printf("%s", line);
+        std::fflush(stdout);
+      }
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  alarm(900);  // backstop for the whole program
+  const bool bench = argc > 1 && std::strcmp(argv[1], "--bench") == 0;
+  const auto before = ShmEntries();
+  if (bench) {
+    // --bench [fresh|reused] [P...] [two_phase=BYTES]
+    const bool fresh = argc > 2 && std::strcmp(argv[2], "fresh") == 0;
+    std::vector<int> procs;
+    for (int i = 3; i < argc; ++i) {
+      if (std::strncmp(argv[i], "two_phase=", 10) == 0) SetXprocTwoPhaseBytes(std::strtoull(argv[i] + 10, nullptr, 10));
+      else procs.push_back(std::atoi(argv[i]));
+    }
+    if (procs.empty()) procs = {2, 4};
+    std::printf("| kind | processes | bytes per process | output | median ms | algbw GB/s | calls |\n"
+                "|---|---|---|---|---|---|---|\n");
+    for (int np : procs)
+      RunScenario({"bench " + std::to_string(np) + " processes", np, 1, 0, 60, {}, false,
+                   [fresh](Proc& p) { BenchBody(p, fresh); }});
+    return Summary();
+  }
+  const auto start = Clock::now();
+  std::printf("xproc_test\n");
+  RunScenario({"2 processes x 1 rank: every kind x dtype x op", 2, 1, 64 << 10, 30, {}, false,
+               [](Proc& p) { Correctness(p, true); }});
+  RunScenario({"4 processes x 1 rank: every kind x dtype x op", 4, 1, 64 << 10, 30, {}, false,
+               [](Proc& p) { Correctness(p, true); }});
+  // The same with every all_reduce in two phases (off by default).
+  const uint64_t two_phase = XprocTwoPhaseBytes();
+  SetXprocTwoPhaseBytes(0);
+  RunScenario({"4 processes x 1 rank, two-phase all_reduce", 4, 1, 64 << 10, 30, {}, false,
+               [](Proc& p) { Correctness(p, true); }});
+  SetXprocTwoPhaseBytes(two_phase);
+  RunScenario({"2 processes x 4 ranks on threads", 2, 4, 64 << 10, 30, {}, false,
+               [](Proc& p) { Correctness(p, false); }});
+  RunScenario({"mismatch: the same error everywhere, outputs untouched", 3, 1, 64 << 10, 30, {}, true, Mismatch});
+  RunScenario({"mismatch, 2 processes x 2 ranks", 2, 2, 64 << 10, 30, {}, true, Mismatch});
+  RunScenario({"a process _exits before the call", 3, 1, 64 << 10, 20, {2}, false,
+               [](Proc& p) { PeerDies(p, 2, false); }});
+  RunScenario({"a process is SIGKILLed inside the call", 4, 1, 64 << 10, 20, {3}, false,
+               [](Proc& p) { PeerDies(p, 3, true); }});
+  RunScenario({"a process never calls: deadline", 2, 1, 64 << 10, 1.5, {}, false, Deadline});
+  RunScenario({"a process never calls: deadline, 2 x 2 ranks", 2, 2, 64 << 10, 1.5, {}, false, Deadline});
+  AttachChecks();
+  const auto after = ShmEntries();
+  Expect(after.size() <= before.size(), "no /dev/shm/flexlink-* left (" + std::to_string(after.size()) + " now, " +
+                                            std::to_string(before.size()) + " before)");
+  std::printf("total %.1f s\n", Since(start));
+  return Summary();
+}

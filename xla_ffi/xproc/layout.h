@@ -1,0 +1,70 @@
+// The layout of a cross-process group's segment (docs/xproc.md). Every process maps the same bytes;
+// the words that ranks wait on are 32-bit atomics used as shared futexes.
+//
+//   Header (one page)            magic, version, n, slot sizes, offsets, abort word and message
+//   devices   int64[n]           the group's global device ids in rank order
+//   RankBlock[n]                 one cache line each: arrival counter, pid, device
+//   data      [2][n] slots       slot = Fingerprint area + slot_bytes of staged data
+//   results   [2] slot_bytes     two-phase all_reduce: rank r's reduced slice of each step
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace flexlink::xproc {
+
+inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-endian
+inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr size_t kAbortMessageBytes = 3072;
+// A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
+// slot of the call's first step, so it is double-buffered with the data for free: the same
+// one-barrier argument that protects the data protects it (docs/xproc.md, "Steps").
+inline constexpr size_t kFingerprintBytes = 4096;
+
+inline constexpr uint32_t kAbortNone = 0, kAbortWriting = 1, kAbortSet = 2;
+
+struct Header {
+  uint64_t magic;  // written last by the creator (release): an attacher never sees a half-made header
+  uint32_t version;
+  uint32_t n;
+  uint64_t slot_bytes;   // data bytes of one slot
+  uint64_t slot_stride;  // kFingerprintBytes + slot_bytes
+  uint64_t total_bytes;
+  uint64_t devices_offset, ranks_offset, data_offset, results_offset;
+  uint32_t creator_pid;
+  uint32_t reserved;
+  alignas(64) std::atomic<uint32_t> abort;  // kAbort*; a futex word nobody waits on, read between slices
+  int32_t abort_rank;
+  char abort_message[kAbortMessageBytes];
+};
+static_assert(sizeof(Header) <= 4096);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+// One rank's control block, on its own cache line: peers poll `arrived` while its owner writes it.
+struct alignas(64) RankBlock {
+  std::atomic<uint32_t> arrived;  // steps this rank has staged, over all calls (wraps)
+  std::atomic<int32_t> pid;       // 0 until the rank's process attached
+  int64_t device;
+  int32_t process_index;
+};
+static_assert(sizeof(RankBlock) == 64);
+
+inline constexpr size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+struct Layout {
+  size_t devices_offset, ranks_offset, data_offset, results_offset, slot_stride, total_bytes;
+};
+
+inline Layout ComputeLayout(uint32_t n, size_t slot_bytes) {
+  Layout l;
+  l.devices_offset = 4096;
+  l.ranks_offset = RoundUp(l.devices_offset + n * sizeof(int64_t), 64);
+  l.data_offset = RoundUp(l.ranks_offset + n * sizeof(RankBlock), 4096);
+  l.slot_stride = kFingerprintBytes + slot_bytes;
+  l.results_offset = l.data_offset + 2 * size_t{n} * l.slot_stride;
+  l.total_bytes = l.results_offset + 2 * slot_bytes;
+  return l;
+}
+
+}  // namespace flexlink::xproc

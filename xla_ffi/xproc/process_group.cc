@@ -1,0 +1,383 @@
+#include "xla_ffi/xproc/process_group.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/pages.h"
+#include "xla_ffi/xproc/fingerprint.h"
+#include "xla_ffi/xproc/futex.h"
+#include "xla_ffi/xproc/steps.h"
+
+namespace flexlink::xproc {
+namespace {
+
+constexpr size_t kMinSlotBytes = size_t{64} << 10;
+constexpr size_t kMaxDataBytes = size_t{256} << 20;
+// A waiter yields a few times before it sleeps (a peer in the middle of a copy is usually done within
+// microseconds), then sleeps on the futex in slices so that it notices an abort or a dead peer.
+constexpr int kYields = 8;
+constexpr auto kSlice = std::chrono::milliseconds(20);
+
+using Clock = std::chrono::steady_clock;
+
+// Whether `pid` is gone: no such process, or a zombie (dead, not reaped yet by its parent).
+bool ProcessGone(int32_t pid) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
+}
+
+std::string Ids(std::span<const int64_t> ids) { return FormatIds(ids); }
+
+Status CheckMembers(std::span<const int64_t> devices, std::span<const int64_t> local, std::vector<char>* local_rank) {
+  const std::string what = "flexlink: cross-process group " + Ids(devices) + ": ";
+  if (devices.empty()) return Status::InvalidArgument(what + "devices must not be empty");
+  FLEXLINK_RETURN_IF_ERROR(CheckDistinct(devices, "cross-process group"));
+  local_rank->assign(devices.size(), 0);
+  for (int64_t d : local) {
+    auto it = std::find(devices.begin(), devices.end(), d);
+    if (it == devices.end())
+      return Status::InvalidArgument(what + "local device " + std::to_string(d) + " is not in the group");
+    char& mark = (*local_rank)[it - devices.begin()];
+    if (mark) return Status::InvalidArgument(what + "local device " + std::to_string(d) + " is named twice");
+    mark = 1;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes) {
+  if (n == 0) return Status::InvalidArgument("flexlink: cross-process group: no ranks");
+  const size_t most = kMaxDataBytes / (2 * (n + 1)) / 4096 * 4096;
+  if (most < kMinSlotBytes)
+    return Status::InvalidArgument("flexlink: cross-process group of " + std::to_string(n) +
+                                   " ranks: too many for a 256 MiB segment with 64 KiB slots");
+  size_t want = requested ? requested : XprocSlotBytes();
+  want = std::clamp(want, kMinSlotBytes, most);
+  *slot_bytes = want / 4096 * 4096;
+  return Status::Ok();
+}
+
+ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int64_t> devices,
+                           std::span<const int64_t> local_devices)
+    : segment_(std::move(segment)),
+      header_(reinterpret_cast<Header*>(segment_->data())),
+      devices_(devices.begin(), devices.end()),
+      local_(local_devices.begin(), local_devices.end()),
+      calls_(new std::atomic<uint64_t>[devices.size()]) {
+  ranks_ = reinterpret_cast<RankBlock*>(segment_->data() + header_->ranks_offset);
+  data_ = segment_->data() + header_->data_offset;
+  results_ = segment_->data() + header_->results_offset;
+  for (size_t r = 0; r < devices_.size(); ++r) calls_[r].store(0);
+}
+
+Status ProcessGroup::Create(std::span<const int64_t> devices, std::span<const int64_t> local_devices,
+                            size_t slot_bytes, std::unique_ptr<ProcessGroup>* out) {
+  std::vector<char> local_rank;
+  FLEXLINK_RETURN_IF_ERROR(CheckMembers(devices, local_devices, &local_rank));
+  const uint32_t n = static_cast<uint32_t>(devices.size());
+  size_t slot = 0;
+  FLEXLINK_RETURN_IF_ERROR(ChooseSlotBytes(n, slot_bytes, &slot));
+  const Layout layout = ComputeLayout(n, slot);
+  std::unique_ptr<Segment> segment;
+  FLEXLINK_RETURN_IF_ERROR(Segment::Create(layout.total_bytes, &segment));
+  // ftruncate zero-fills: counters, pids and the abort word start at 0.
+  auto* h = reinterpret_cast<Header*>(segment->data());
+  h->version = kLayoutVersion;
+  h->n = n;
+  h->slot_bytes = slot;
+  h->slot_stride = layout.slot_stride;
+  h->total_bytes = layout.total_bytes;
+  h->devices_offset = layout.devices_offset;
+  h->ranks_offset = layout.ranks_offset;
+  h->data_offset = layout.data_offset;
+  h->results_offset = layout.results_offset;
+  h->creator_pid = static_cast<uint32_t>(getpid());
+  std::memcpy(segment->data() + layout.devices_offset, devices.data(), n * sizeof(int64_t));
+  auto* ranks = reinterpret_cast<RankBlock*>(segment->data() + layout.ranks_offset);
+  for (uint32_t r = 0; r < n; ++r) {
+    ranks[r].device = devices[r];
+    ranks[r].process_index = -1;
+  }
+  __atomic_store_n(&h->magic, kMagic, __ATOMIC_RELEASE);
+  std::unique_ptr<ProcessGroup> g(new ProcessGroup(std::move(segment), devices, local_devices));
+  g->local_rank_ = std::move(local_rank);
+  Status s = g->Claim();
+  if (!s.ok()) {
+    (void)Segment::Unlink(g->name());
+    return s;
+  }
+  *out = std::move(g);
+  return Status::Ok();
+}
+
+Status ProcessGroup::Attach(const std::string& name, std::span<const int64_t> devices,
+                            std::span<const int64_t> local_devices, std::unique_ptr<ProcessGroup>* out) {
+  std::vector<char> local_rank;
+  FLEXLINK_RETURN_IF_ERROR(CheckMembers(devices, local_devices, &local_rank));
+  std::unique_ptr<Segment> segment;
+  FLEXLINK_RETURN_IF_ERROR(Segment::Attach(name, &segment));
+  const std::string what = "flexlink: cross-process segment " + name + ": ";
+  if (segment->size() < sizeof(Header))
+    return Status::FailedPrecondition(what + "too small (" + std::to_string(segment->size()) + " bytes) for a header");
+  const auto* h = reinterpret_cast<const Header*>(segment->data());
+  if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != kMagic)
+    return Status::FailedPrecondition(what + "not a FlexLink group segment (bad magic), or not initialised yet");
+  if (h->version != kLayoutVersion)
+    return Status::FailedPrecondition(what + "layout version " + std::to_string(h->version) + ", this build has " +
+                                      std::to_string(kLayoutVersion) + " (processes of different builds)");
+  if (h->n != devices.size())
+    return Status::InvalidArgument(what + "made for " + std::to_string(h->n) + " ranks, attached as a group of " +
+                                   std::to_string(devices.size()) + " " + Ids(devices));
+  // Offsets are recomputed, not trusted: a header that disagrees with the layout of its own n and
+  // slot size is refused before anything is read through them.
+  const Layout layout = ComputeLayout(h->n, h->slot_bytes);
+  if (h->slot_bytes == 0 || h->slot_bytes % 4096 || layout.total_bytes != h->total_bytes ||
+      layout.total_bytes > segment->size() || layout.devices_offset != h->devices_offset ||
+      layout.ranks_offset != h->ranks_offset || layout.data_offset != h->data_offset ||
+      layout.results_offset != h->results_offset ||
+      layout.slot_stride != h->slot_stride)
+    return Status::FailedPrecondition(what + "header inconsistent with its size");
+  std::vector<int64_t> theirs(h->n);
+  std::memcpy(theirs.data(), segment->data() + h->devices_offset, h->n * sizeof(int64_t));
+  if (!std::equal(theirs.begin(), theirs.end(), devices.begin(), devices.end()))
+    return Status::InvalidArgument(what + "made for devices " + Ids(theirs) + ", attached as " + Ids(devices) +
+                                   " (every process must name the group's devices in the same rank order)");
+  std::unique_ptr<ProcessGroup> g(new ProcessGroup(std::move(segment), devices, local_devices));
+  g->local_rank_ = std::move(local_rank);
+  FLEXLINK_RETURN_IF_ERROR(g->Claim());
+  *out = std::move(g);
+  return Status::Ok();
+}
+
+Status ProcessGroup::Claim() {
+  const int32_t me = static_cast<int32_t>(getpid());
+  for (size_t r = 0; r < devices_.size(); ++r) {
+    if (!local_rank_[r]) continue;
+    int32_t expected = 0;
+    if (ranks_[r].pid.compare_exchange_strong(expected, me) || expected == me) continue;
+    for (size_t q = 0; q < r; ++q)  // leave the segment as we found it
+      if (local_rank_[q]) ranks_[q].pid.store(0);
+    return Status::InvalidArgument("flexlink: cross-process segment " + name() + ": rank " + std::to_string(r) +
+                                   " (device " + std::to_string(devices_[r]) + ") is already attached by pid " +
+                                   std::to_string(expected) + (ProcessGone(expected) ? " (which has exited)" : ""));
+  }
+  return Status::Ok();
+}
+
+uint64_t ProcessGroup::calls() const {
+  uint64_t most = 0;
+  for (size_t r = 0; r < devices_.size(); ++r) most = std::max(most, calls_[r].load());
+  return most;
+}
+
+std::optional<std::string> ProcessGroup::broken() const {
+  if (!is_broken_.load(std::memory_order_acquire)) {
+    if (header_->abort.load(std::memory_order_acquire) != kAbortSet) return std::nullopt;
+    const_cast<ProcessGroup*>(this)->SetBroken(AbortReason());
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_;
+}
+
+std::string ProcessGroup::RankName(int rank) const {
+  const int32_t pid = ranks_[rank].pid.load(std::memory_order_relaxed);
+  return "rank " + std::to_string(rank) + " (device " + std::to_string(devices_[rank]) +
+         (pid ? ", pid " + std::to_string(pid) : std::string(", not attached by any process yet")) + ")";
+}
+
+void ProcessGroup::SetBroken(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (is_broken_.load(std::memory_order_relaxed)) return;
+  broken_ = reason;
+  is_broken_.store(true, std::memory_order_release);
+}
+
+void ProcessGroup::Fail(int rank, const std::string& message) {
+  uint32_t expected = kAbortNone;
+  if (header_->abort.compare_exchange_strong(expected, kAbortWriting, std::memory_order_acq_rel)) {
+    header_->abort_rank = rank;
+    const size_t len = std::min(message.size(), kAbortMessageBytes - 1);
+    std::memcpy(header_->abort_message, message.data(), len);
+    header_->abort_message[len] = 0;
+    header_->abort.store(kAbortSet, std::memory_order_release);
+    SetBroken(message);
+  }
+  for (size_t r = 0; r < devices_.size(); ++r) FutexWakeAll(&ranks_[r].arrived);
+}
+
+std::string ProcessGroup::AbortReason() const {
+  // Another process wrote these: the rank is range-checked and the message bounded, not trusted.
+  const int r = header_->abort_rank;
+  const std::string who = r >= 0 && r < size() ? "rank " + std::to_string(r) + " (device " + std::to_string(devices_[r]) + ")"
+                                               : std::string("a rank");
+  return who + " reported: " + std::string(header_->abort_message, strnlen(header_->abort_message, kAbortMessageBytes));
+}
+
+Status ProcessGroup::AbortError(const Where& where) {
+  const std::string reason = AbortReason();
+  SetBroken(reason);
+  return Status::Internal(where() + ": " + reason);
+}
+
+Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, int step_of_call) {
+  const double timeout = TimeoutSeconds();
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(timeout, 1e9)));
+  Clock::time_point next_liveness = start;
+  const int n = size();
+  auto arrived = [&](int j) {
+    return static_cast<int32_t>(ranks_[j].arrived.load(std::memory_order_acquire) - target) >= 0;
+  };
+  auto missing = [&] {
+    std::vector<int> m;
+    for (int j = 0; j < n; ++j)
+      if (!arrived(j)) m.push_back(j);
+    return m;
+  };
+  auto list = [&](const std::vector<int>& ranks) {
+    std::string s;
+    for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + RankName(ranks[i]);
+    return s;
+  };
+  for (int k = 1; k <= n; ++k) {
+    const int j = (rank + k) % n;  // own rank last: it has arrived already
+    for (int spins = 0;; ++spins) {
+      const uint32_t seen = ranks_[j].arrived.load(std::memory_order_acquire);
+      if (static_cast<int32_t>(seen - target) >= 0) break;
+      if (spins < kYields) {
+        sched_yield();
+        continue;
+      }
+      if (header_->abort.load(std::memory_order_acquire) == kAbortSet) return AbortError(where);
+      const Clock::time_point now = Clock::now();
+      if (now >= next_liveness) {
+        next_liveness = now + kSlice;
+        std::vector<int> gone;
+        for (int m : missing())
+          if (ProcessGone(ranks_[m].pid.load(std::memory_order_relaxed))) gone.push_back(m);
+        if (!gone.empty())
+          return Status::Internal(where() + ": " + list(gone) + " exited" +
+                                  " before arriving at step " + std::to_string(step_of_call) +
+                                  " of the call (its process ended; the group is broken, later calls on it "
+                                  "fail at once)");
+      }
+      if (now >= deadline) {
+        char secs[32];
+        std::snprintf(secs, sizeof secs, "%g", timeout);
+        return Status::DeadlineExceeded(
+            where() + ": timed out after " + secs + " s waiting for " + list(missing()) + " to arrive at step " +
+            std::to_string(step_of_call) +
+            " of the call (a device that never issues the matching collective, or issues collectives in a "
+            "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)");
+      }
+      FutexWait(&ranks_[j].arrived, seen, std::min<Clock::duration>(kSlice, deadline - now));
+    }
+  }
+  return Status::Ok();
+}
+
+// XLA hands collectives fresh output buffers, and first-touching them costs more than the copy at
+// large sizes (core/pages.h). Done while peers may still be staging, after this rank arrived: huge
+// pages advised where outputs are big, then a locked `or 0` per page, which leaves the bytes as they
+// are (a mismatched call still touches no output's contents). Each rank faults its own outputs; the
+// in-process engine's sharing between ranks would need a per-call object shared by local ranks.
+static void FaultInOutputs(const CallDesc& desc, int n) {
+  thread_local std::vector<OutputRegion> regions;
+  regions.clear();
+  for (const Part& p : desc.parts)
+    if (p.units) regions.push_back({p.out, desc.out_count(p, n) * p.width(), p.out == p.in});
+  OutputFaults faults(1);
+  if (faults.Publish(0, regions)) faults.Help(0);
+  faults.Withdraw(0);
+}
+
+Status ProcessGroup::Barrier(int rank, uint32_t* step, const Where& where, int step_of_call, bool fault_outputs,
+                             const CallDesc& desc) {
+  RankBlock& mine = ranks_[rank];
+  // Release: peers that see the new count see what this rank wrote for the barrier.
+  mine.arrived.store(++*step, std::memory_order_release);
+  FutexWakeAll(&mine.arrived);
+  if (fault_outputs) FaultInOutputs(desc, size());
+  Status s = WaitArrived(rank, *step, where, step_of_call);
+  if (!s.ok() && (s.code() != StatusCode::kInternal || header_->abort.load() != kAbortSet)) Fail(rank, s.message());
+  return s;
+}
+
+Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
+  const int n = size();
+  const uint64_t call = calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1;
+  // Built only for a message: the label, the call, the group, the link, run and call number.
+  auto where_as = [&](const std::string& call_described) {
+    return ErrorPrefix(label) + call_described + " on group " + Ids(devices_) + " (link shm across processes, run " +
+           std::to_string(run_id) + ", call " + std::to_string(call) + " on this group)";
+  };
+  const Where where = [&] { return where_as(desc.Describe()); };
+  if (auto reason = broken())
+    return Status::FailedPrecondition(where() + ": the cross-process group is broken: " + *reason);
+  const size_t slot = header_->slot_bytes;
+  for (size_t i = 0; i < desc.parts.size(); ++i)
+    if (StagedBytesPerUnit(desc, desc.parts[i], n) > slot)
+      return Status::InvalidArgument(where() + ": a unit of operand " + std::to_string(i) + " needs more than the " +
+                                     std::to_string(slot) + "-byte slot");
+  StepCursor cursor(desc, n, slot);
+  thread_local std::vector<StepPiece> pieces;
+  thread_local std::vector<const char*> slots;
+  slots.resize(n);
+  // Every rank makes the same choice from the same description.
+  const bool two_phase = desc.kind == Kind::kAllReduce && n >= 3 && desc.InputBytes(n) >= XprocTwoPhaseBytes();
+  // Only this rank's thread writes its counter, so its value is the number of barriers this rank has
+  // entered. What is written for barrier k lives in buffer k & 1 (slots, results): it is read only
+  // between barrier k and k + 1, and rewritten only for barrier k + 2, by a rank that passed k + 1,
+  // i.e. after every rank arrived at k + 1 and so finished reading it.
+  uint32_t step = ranks_[rank].arrived.load(std::memory_order_relaxed);
+  for (int step_of_call = 0; cursor.Next(&pieces); ++step_of_call) {
+    const int buffer = step & 1;
+    char* own = Slot(buffer, rank);
+    if (step_of_call == 0) WriteFingerprint(desc, own);
+    for (const StepPiece& piece : pieces) Stage(desc, n, rank, piece, own + kFingerprintBytes);
+    FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, step_of_call, step_of_call == 0, desc));
+    for (int j = 0; j < n; ++j) slots[j] = Slot(buffer, j) + kFingerprintBytes;
+    if (step_of_call == 0) {
+      // Every rank compares the same fingerprints, so all reach the same verdict at the same step and
+      // the group stays in step after a mismatch (no rank touched an output).
+      for (int j = 1; j < n; ++j) {
+        if (SameFingerprint(Slot(buffer, 0), Slot(buffer, j))) continue;
+        // Described from rank 0's side, so that every rank's message is the same.
+        return Status::InvalidArgument(
+            where_as(DescribeFingerprint(Slot(buffer, 0))) + ": ranks disagree on the call: rank 0 (device " +
+            std::to_string(devices_[0]) + ") has " + DescribeFingerprint(Slot(buffer, 0)) + ", rank " +
+            std::to_string(j) + " (device " + std::to_string(devices_[j]) + ") has " +
+            DescribeFingerprint(Slot(buffer, j)) +
+            " (every device must call the collective with the same operands: number, shapes and dtypes, and "
+            "the same reduction or pairs)");
+      }
+    }
+    if (!two_phase) {
+      for (const StepPiece& piece : pieces) Compute(desc, n, rank, piece, slots.data());
+      continue;
+    }
+    char* result = Result(step & 1);
+    for (const StepPiece& piece : pieces) ReduceSlice(desc, n, rank, piece, slots.data(), result);
+    FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, step_of_call, false, desc));
+    for (const StepPiece& piece : pieces) CopyResult(desc, n, piece, result);
+  }
+  return Status::Ok();
+}
+
+}  // namespace flexlink::xproc

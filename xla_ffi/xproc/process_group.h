@@ -1,0 +1,86 @@
+// A FlexLink group whose ranks live in several processes of one host: a shared segment (layout.h)
+// and the step protocol over it (docs/xproc.md). One object per process and group; every local rank's
+// device thread calls Run for its own rank.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "xla_ffi/core/call.h"
+#include "xla_ffi/core/status.h"
+#include "xla_ffi/xproc/layout.h"
+#include "xla_ffi/xproc/segment.h"
+
+namespace flexlink::xproc {
+
+// The slot size a group of n ranks gets for a request (0: config's XprocSlotBytes): at least
+// 64 KiB, at most 256 MiB for the whole data area, a multiple of 4 KiB.
+Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes);
+
+class ProcessGroup {
+ public:
+  // Creates the segment for `devices` (global ids in rank order) and claims `local_devices`.
+  static Status Create(std::span<const int64_t> devices, std::span<const int64_t> local_devices,
+                       size_t slot_bytes, std::unique_ptr<ProcessGroup>* out);
+  // Maps segment `name`, checks its header against `devices` and claims `local_devices`.
+  static Status Attach(const std::string& name, std::span<const int64_t> devices,
+                       std::span<const int64_t> local_devices, std::unique_ptr<ProcessGroup>* out);
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  // Rank `rank`'s part of one call (a local rank; zero-size calls never get here). Errors name the
+  // collective by `label`; `run_id` only appears in messages.
+  Status Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
+
+  const std::string& name() const { return segment_->name(); }
+  const std::vector<int64_t>& devices() const { return devices_; }
+  const std::vector<int64_t>& local_devices() const { return local_; }
+  bool is_local(int rank) const { return local_rank_[rank] != 0; }
+  size_t slot_bytes() const { return header_->slot_bytes; }
+  int size() const { return static_cast<int>(devices_.size()); }
+  uint64_t calls() const;  // calls started by this process's ranks (the most of any local rank)
+  std::optional<std::string> broken() const;
+
+ private:
+  using Where = std::function<std::string()>;  // the call as messages name it
+  ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int64_t> devices,
+               std::span<const int64_t> local_devices);
+  Status Claim();  // writes this process's pid into its ranks' control blocks
+  char* Slot(int buffer, int rank) const {
+    return data_ + (static_cast<size_t>(buffer) * devices_.size() + rank) * header_->slot_stride;
+  }
+  char* Result(int buffer) const { return results_ + static_cast<size_t>(buffer) * header_->slot_bytes; }
+  // Publishes this rank's arrival at its next barrier (`*step` + 1) and waits for every rank there;
+  // on failure records it for the whole group (Fail) unless it is another rank's report.
+  Status Barrier(int rank, uint32_t* step, const Where& where, int step_of_call, bool fault_outputs,
+                 const CallDesc& desc);
+  std::string RankName(int rank) const;  // "rank 2 (device 2048, pid 12345)"
+  Status WaitArrived(int rank, uint32_t target, const Where& where, int step_of_call);
+  Status AbortError(const Where& where);
+  std::string AbortReason() const;  // "rank R (device D) reported: <message>" from the header
+  // Records `message` as the group's failure (first failure wins) and wakes every waiter.
+  void Fail(int rank, const std::string& message);
+  void SetBroken(const std::string& reason);
+
+  std::unique_ptr<Segment> segment_;
+  Header* header_;
+  RankBlock* ranks_;
+  char* data_;
+  char* results_;
+  std::vector<int64_t> devices_, local_;
+  std::vector<char> local_rank_;
+  std::unique_ptr<std::atomic<uint64_t>[]> calls_;  // per rank
+  std::atomic<bool> is_broken_{false};
+  mutable std::mutex mu_;
+  std::string broken_;
+};
+
+}  // namespace flexlink::xproc
