@@ -26,12 +26,14 @@ import threading
 import jax
 
 from jax_flexlink._src import compat
+from jax_flexlink._src import hosts
 from jax_flexlink._src.collective import NotLowerable
 
 _lock = threading.Lock()
 _prepared: dict[tuple[int, ...], str] = {}  # group devices -> segment name (unlinked or not)
 _created_unlinked: dict[str, bool] = {}  # segments this process created -> unlinked yet
 _device_process: dict[int, int] = {}
+_device_object: dict[int, object] = {}
 # (group, tcp link) -> connections its listeners refused for a missing or wrong token
 _refused: dict[tuple, int] = {}
 
@@ -45,6 +47,7 @@ def device_process(device_id: int) -> int:
       except RuntimeError:
         continue
       _device_process.update({d.id: d.process_index for d in devices})
+      _device_object.update({d.id: d for d in devices})
   try:
     return _device_process[device_id]
   except KeyError:
@@ -69,6 +72,10 @@ def prepare(groups, group_sizes, platforms) -> None:
     me = jax.process_index()
     if all(device_process(d) != me for d in group):
       continue  # this process runs none of its ranks
+    if len(set(hosts.hosts_of([_device_object[d] for d in group]))) > 1:  # hierarchical.py splits such groups before this
+      raise NotLowerable(
+          f"the group of devices {list(group)} spans hosts, and a FlexLink group runs inside one "
+          "host (groups across hosts run hierarchically, docs/multihost.md)")
     if any(p != "cpu" for p in platforms):
       raise NotLowerable(
           f"the group of devices {list(group)} spans processes, and FlexLink runs groups across "

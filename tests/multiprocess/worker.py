@@ -1,0 +1,167 @@
+"""One process of a multi-process FlexLink check (started by `python -m jax_flexlink.launch`).
+
+Every collective over a mesh of all processes' devices, FlexLink against jax.lax (gloo), on groups
+inside one process and across processes. Prints one line per check and exits non-zero on the first
+mismatch. Modes (argv[1]): `collectives` (the checks), `kill` (process 1 dies at a collective, the
+others must fail naming it), `plan` (repeated calls: every rank's result identical, stats agree).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(os.environ["FLEXLINK_COORDINATOR"],
+                           num_processes=int(os.environ["FLEXLINK_NUM_PROCESSES"]),
+                           process_id=int(os.environ["FLEXLINK_PROCESS_ID"]))
+import jax_flexlink as flx  # noqa: E402 - after jax.distributed, as a user would
+
+ME = jax.process_index()
+NPROC = jax.process_count()
+DEVICES = jax.devices()
+N = len(DEVICES)
+K = len(jax.local_devices())
+
+
+def say(*args):
+  print(*args, flush=True)
+
+
+def global_array(mesh, spec, host):
+  return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
+
+
+def local_values(arr):
+  """This process's shards, in device order, as numpy."""
+  return [np.asarray(s.data) for s in sorted(arr.addressable_shards, key=lambda s: s.device.id)]
+
+
+def data(shape, dtype, seed):
+  rng = np.random.default_rng(seed)
+  if np.issubdtype(dtype, np.integer):
+    return rng.integers(-100, 100, size=shape).astype(dtype)
+  if dtype == np.bool_:
+    return rng.integers(0, 2, size=shape).astype(bool)
+  return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def compare(name, mesh, spec_in, spec_out, body_flx, body_lax, host):
+  x = global_array(mesh, spec_in, host)
+  kw = dict(mesh=mesh, in_specs=spec_in, out_specs=spec_out, check_vma=False)
+  got = local_values(jax.jit(jax.shard_map(body_flx, **kw))(x))
+  want = local_values(jax.jit(jax.shard_map(body_lax, **kw))(x))
+  for g, w in zip(got, want):
+    if g.shape != w.shape or g.dtype != w.dtype:
+      raise AssertionError(f"{name}: got {g.dtype}{g.shape}, lax gives {w.dtype}{w.shape}")
+    exact = np.issubdtype(w.dtype, np.integer) or w.dtype == np.bool_
+    ok = np.array_equal(g, w) if exact else np.allclose(
+        g.astype(np.float64), w.astype(np.float64), rtol=2e-2 if w.dtype.itemsize == 2 else 1e-5,
+        atol=1e-2 if w.dtype.itemsize == 2 else 1e-5)
+    if not ok:
+      raise AssertionError(f"{name}: FlexLink's result differs from lax's")
+  say(f"ok {name}")
+
+
+def collectives():
+  meshes = {"x": Mesh(np.array(DEVICES), ("x",))}
+  if K > 1:  # 'p' crosses processes, 'd' stays inside one; and the transposed layout
+    grid = np.array(DEVICES).reshape(NPROC, K)
+    meshes["pd"] = Mesh(grid, ("p", "d"))
+    meshes["dp"] = Mesh(grid.T, ("d", "p"))
+  checks = 0
+  for mesh_name, mesh in meshes.items():
+    for axes in ([mesh.axis_names] if mesh_name == "x" else [("p",), ("d",), ("p", "d")]):
+      size = int(np.prod([mesh.shape[a] for a in axes]))
+      rows = N * size
+      spec = P(mesh.axis_names)  # every device its own rows
+      for dtype in (np.float32, jnp.bfloat16, np.int32, np.int8):
+        host = data((rows, 24), dtype, seed=checks)
+        tag = f"{mesh_name}/{','.join(axes)}/{np.dtype(dtype).name}"
+        for op in ("psum", "pmax", "pmin"):
+          f = getattr(flx, op)
+          lx = getattr(jax.lax, op)
+          compare(f"{op} {tag}", mesh, spec, spec, lambda v: f(v, axes), lambda v: lx(v, axes), host)
+          checks += 1
+        compare(f"pmean {tag}", mesh, spec, spec, lambda v: flx.pmean(v.astype(jnp.float32), axes),
+                lambda v: jax.lax.pmean(v.astype(jnp.float32), axes), host)
+        for tiled in (False, True):
+          for axis in (0, 1):
+            compare(f"all_gather axis={axis} tiled={tiled} {tag}", mesh, spec, spec,
+                    lambda v: flx.all_gather(v, axes, axis=axis, tiled=tiled),
+                    lambda v: jax.lax.all_gather(v, axes, axis=axis, tiled=tiled), host)
+          compare(f"psum_scatter tiled={tiled} {tag}", mesh, spec, spec,
+                  lambda v: flx.psum_scatter(v, axes, scatter_dimension=0, tiled=tiled),
+                  lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=0, tiled=tiled), host)
+          checks += 3
+        perm = [(i, (i + 1) % size) for i in range(size)]
+        compare(f"ppermute ring {tag}", mesh, spec, spec, lambda v: flx.ppermute(v, axes, perm),
+                lambda v: jax.lax.ppermute(v, axes, perm), host)
+        partial = [(0, size - 1)]
+        compare(f"ppermute 0->{size - 1} {tag}", mesh, spec, spec,
+                lambda v: flx.ppermute(v, axes, partial), lambda v: jax.lax.ppermute(v, axes, partial),
+                host)
+        compare(f"all_to_all {tag}", mesh, spec, spec,
+                lambda v: flx.all_to_all(v, axes, 0, 0, tiled=True),
+                lambda v: jax.lax.all_to_all(v, axes, 0, 0, tiled=True), host)
+        checks += 5
+  # A pytree of mixed dtypes is one call; a large operand runs in several slot steps.
+  mesh = meshes["x"]
+  tree = {"a": data((N * 3, 1000), np.float32, 1), "b": data((N * 5,), np.int32, 2),
+          "c": data((N * 2, 7), jnp.bfloat16, 3)}
+  xs = {k: global_array(mesh, P("x"), v) for k, v in tree.items()}
+  kw = dict(mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+  got = jax.jit(jax.shard_map(lambda t: flx.psum(t, "x"), **kw))(xs)
+  want = jax.jit(jax.shard_map(lambda t: jax.lax.psum(t, "x"), **kw))(xs)
+  for k in tree:
+    for g, w in zip(local_values(got[k]), local_values(want[k])):
+      assert np.allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=2e-2), k
+  say("ok pytree psum")
+  big = data((N * 1024, 2048), np.float32, 4)  # 8 MiB per device: several steps of a 4 MiB slot
+  compare("psum 8 MiB per device", mesh, P("x"), P("x"), lambda v: flx.psum(v, "x"),
+          lambda v: jax.lax.psum(v, "x"), big)
+  compare("all_gather 8 MiB per device", mesh, P("x"), P("x"), lambda v: flx.all_gather(v, "x", tiled=True),
+          lambda v: jax.lax.all_gather(v, "x", tiled=True), big[: N * 128])
+  checks += 3
+  groups = flx._src.processes.groups() if hasattr(flx, "_src") else []
+  say(f"ALL OK {checks} checks; cross-process groups set up here: {len(groups)}")
+
+
+def kill():
+  mesh = Mesh(np.array(DEVICES), ("x",))
+  f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  x = global_array(mesh, P("x"), np.ones((N, 1024), np.float32))
+  f(x).block_until_ready()  # the group works, and its segment is already unlinked
+  say("warm")
+  if ME == NPROC - 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+  start = time.monotonic()
+  try:
+    f(x).block_until_ready()
+  except Exception as e:  # noqa: BLE001 - the error is what this mode checks
+    say(f"FAILED after {time.monotonic() - start:.2f} s: {e}")
+    sys.stdout.flush()
+    os._exit(3)
+  say("UNEXPECTED: the collective completed without the killed process")
+  os._exit(4)
+
+
+def plan():
+  mesh = Mesh(np.array(DEVICES), ("x",))
+  f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  x = global_array(mesh, P("x"), data((N * 256, 1024), np.float32, 7))
+  first = local_values(f(x))
+  for _ in range(20):
+    again = local_values(f(x))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again)), "results changed between calls"
+  say(f"ALL OK plan: 21 identical calls; checksum {float(np.sum(first[0], dtype=np.float64)):.6f}")
+
+
+if __name__ == "__main__":
+  {"collectives": collectives, "kill": kill, "plan": plan}[sys.argv[1]]()

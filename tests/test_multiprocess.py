@@ -1,0 +1,99 @@
+"""FlexLink groups across jax.distributed processes on this host (tests/multiprocess/worker.py).
+
+Each test starts a small job of 2 or 4 processes and checks what they print: every collective
+against lax on groups inside and across processes, results identical over repeated calls, and a
+killed process turning into an error that names it, fast, with nothing left in /dev/shm.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "multiprocess", "worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _segments() -> set[str]:
+  return set(glob.glob("/dev/shm/flexlink-*"))
+
+
+def _start(n: int, k: int, mode: str, extra_env=None):
+  port = _free_port()
+  procs = []
+  for i in range(n):
+    env = dict(os.environ)
+    env.update(FLEXLINK_COORDINATOR=f"127.0.0.1:{port}", FLEXLINK_NUM_PROCESSES=str(n),
+               FLEXLINK_PROCESS_ID=str(i), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={k}", **(extra_env or {}))
+    procs.append(subprocess.Popen([sys.executable, WORKER, mode], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True))
+  return procs
+
+
+def _finish(procs, timeout: float):
+  outs = []
+  deadline = time.monotonic() + timeout
+  try:
+    for p in procs:
+      out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+      outs.append(out)
+  finally:
+    for p in procs:  # never leave a process behind, whatever failed
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  return outs
+
+
+def _run(n: int, k: int, mode: str, timeout: float = 240, **env):
+  before = _segments()
+  procs = _start(n, k, mode, env)
+  outs = _finish(procs, timeout)
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{out[-4000:]}"
+    assert "ALL OK" in out, out[-4000:]
+  assert _segments() <= before, "a shared-memory segment was left in /dev/shm"
+  return outs
+
+
+@pytest.mark.parametrize("n,k", [(2, 1), (4, 1), (2, 4)])
+def test_every_collective_against_lax(n, k):
+  outs = _run(n, k, "collectives")
+  checks = int(re.search(r"ALL OK (\d+) checks", outs[0]).group(1))
+  assert checks > 50
+  # Every process set the cross-process groups up (the 2 x 4 job also runs in-process groups).
+  assert all(re.search(r"cross-process groups set up here: [1-9]", out) for out in outs)
+
+
+def test_repeated_calls_identical_on_every_rank():
+  outs = _run(2, 2, "plan")
+  sums = {re.search(r"checksum (\S+)", out).group(1) for out in outs}
+  assert len(sums) == 1, sums
+
+
+def test_killed_process_is_named_before_the_deadline():
+  before = _segments()
+  procs = _start(2, 1, "kill", {"FLEXLINK_TIMEOUT_S": "60"})
+  outs = _finish(procs, 120)
+  assert procs[1].returncode == -signal.SIGKILL, outs[1][-2000:]
+  assert procs[0].returncode == 3, outs[0][-4000:]
+  failed = re.search(r"FAILED after ([0-9.]+) s: (.*)", outs[0])
+  assert failed, outs[0][-4000:]
+  seconds, message = float(failed.group(1)), failed.group(2)
+  assert seconds < 30, f"took {seconds} s, the deadline is 60 s"
+  assert "rank 1" in message and "device 2048" in message, message
+  assert "psum" in message, message
+  assert _segments() <= before
