@@ -80,10 +80,14 @@ def launcher_command(c: MpConfig, timeout_s: float, json_out: str, bench_argv: l
     return cmd
 
 
-def relay_line(line: str) -> str:
-    """Rank 0's lines are the table: printed without the launcher's '[0] ' prefix. Any other rank's
-    line (they print nothing unless something went wrong) keeps its prefix."""
-    return line[4:] if line.startswith("[0] ") else line
+def relay_line(line: str) -> tuple[str, str]:
+    """(stream, text) for a line of the launcher's stdout: rank 0's lines are the table, printed
+    without the launcher's '[0] ' prefix, except gloo's connection notes (printed from C++ on the first
+    native call, in the middle of a table), which go to stderr like everything of the other ranks."""
+    if not line.startswith("[0] "):
+        return "err", line
+    text = line[4:]
+    return ("err", line) if text.startswith("[Gloo] ") else ("out", text)
 
 
 def worker_env(environ=os.environ) -> dict:
@@ -129,6 +133,8 @@ def merge(docs: list[tuple[MpConfig, int, dict | None]], command: str, argv: lis
                "errors": errors, "skipped": skipped,
                "avg_busbw_gbps": sum(bus) / len(bus) if bus else None,
                "baseline_avg_busbw_gbps": sum(bbus) / len(bbus) if bbus else None}
+    if got:  # the run's span: the first configuration's start, the last one's end
+        base["finished_utc"] = got[-1].get("finished_utc", base.get("finished_utc"))
     base.update({"command": command, "argv": list(argv), "scenario": "multiprocess",
                  "devices": max((c.processes * c.devices_per_process for c, _, _ in docs), default=0),
                  "summary": summary, "rows": rows,
@@ -147,7 +153,8 @@ def _run_one(cmd: list[str], timeout_s: float, out) -> int:
 
     def pump():
         for line in proc.stdout:
-            print(relay_line(line.rstrip("\n")), file=out, flush=True)
+            stream, text = relay_line(line.rstrip("\n"))
+            print(text, file=out if stream == "out" else sys.stderr, flush=True)
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:

@@ -64,9 +64,10 @@ def test_worker_arguments():
 
 
 def test_relay_and_environment():
-    assert multiprocess.relay_line("[0] #  size") == "#  size"
-    assert multiprocess.relay_line("[1] Traceback") == "[1] Traceback"   # other ranks keep their prefix
-    assert multiprocess.relay_line("[10] x") == "[10] x"
+    assert multiprocess.relay_line("[0] #  size") == ("out", "#  size")
+    assert multiprocess.relay_line("[1] Traceback") == ("err", "[1] Traceback")  # others keep their prefix
+    assert multiprocess.relay_line("[10] x") == ("err", "[10] x")
+    assert multiprocess.relay_line("[0] [Gloo] Rank 0 is connected") == ("err", "[0] [Gloo] Rank 0 is connected")
     assert multiprocess.worker_env({})["FLEXLINK_TIMEOUT_S"] == multiprocess.WORKER_FLEXLINK_TIMEOUT_S
     assert multiprocess.worker_env({"FLEXLINK_TIMEOUT_S": "7"})["FLEXLINK_TIMEOUT_S"] == "7"
 
@@ -126,6 +127,7 @@ def test_merge():
             (b, 1, _config_doc("4x1", 4, [_flex_failed_row(devices=4, baseline_busbw_gbps=0.03072)],
                                errors=["4x1: AllReduce sum float: FlexLink: rank 0: ..."], ok=False)),
             (c, 124, None)]
+    docs[1][2]["started_utc"], docs[1][2]["finished_utc"] = "t5", "t9"
     m = multiprocess.merge(docs, "python -m jax_flexlink.bench --scenario multiprocess", ["--scenario", "multiprocess"])
     assert report.validate(m) == []
     assert [r["config"] for r in m["rows"]] == ["2x1", "2x1", "4x1"]
@@ -137,5 +139,6 @@ def test_merge():
     assert s["baseline_avg_busbw_gbps"] == pytest.approx((0.02 + 0.01 + 0.03072) / 3)
     assert [(x["config"], x["exit_status"]) for x in m["configurations"]] == [("2x1", 0), ("4x1", 1), ("2hx2x1", 124)]
     assert m["devices"] == 4 and m["scenario"] == "multiprocess"
+    assert (m["started_utc"], m["finished_utc"]) == ("t0", "t9")  # first start, last end
     ok = multiprocess.merge(docs[:1], "cmd", [])
     assert ok["summary"]["ok"] and ok["summary"]["errors"] == []
