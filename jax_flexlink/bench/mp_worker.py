@@ -23,6 +23,10 @@ import sys
 # a FlexLink call to reach its own deadline); the launcher's deadline bounds the job anyway.
 EXCHANGE_TIMEOUT_MS = 600_000
 
+# The native baseline across processes: XLA:CPU's gloo collectives (jax 0.10's default), set explicitly
+# so that another default cannot change what the column measures.
+CPU_COLLECTIVES = "gloo"
+
 # A row's measured fields (runner.Runner._measure's), all None where nothing could be timed.
 _MEASURED = [f"{side}{k}" for side in ("", "baseline_") for k in (
     "time_us", "time_min_us", "time_max_us", "time_median_us", "time_mean_us", "algbw_gbps", "busbw_gbps",
@@ -121,7 +125,7 @@ def make_runner(cfg, rank: int, nprocs: int, config_name: str, out=sys.stdout):
             self.say(f"# multiprocess configuration {config_name}: {nprocs} processes x {local} host "
                      f"device{'s' if local > 1 else ''} = {jax.device_count()} devices, "
                      f"{_hosts_text()}; native = jax.lax over "
-                     f"{jax.config.jax_cpu_collectives_implementation}; times are the slowest process's per "
+                     f"{CPU_COLLECTIVES}; times are the slowest process's per "
                      "call; #wrong sums every process's shards")
 
         def run_section(self, coll_name, op, dtype):
@@ -163,7 +167,7 @@ def make_runner(cfg, rank: int, nprocs: int, config_name: str, out=sys.stdout):
             doc["multiprocess"] = {"config": config_name, "processes": nprocs,
                                    "devices_per_process": jax.local_device_count(),
                                    "hosts": _env_int("FLEXLINK_NUM_HOSTS"),
-                                   "cpu_collectives": jax.config.jax_cpu_collectives_implementation}
+                                   "cpu_collectives": CPU_COLLECTIVES}
             for row in doc["rows"]:
                 row["config"] = config_name
                 row["processes"] = nprocs
@@ -197,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(2, 1)
     rank, nprocs = launch.initialize(initialization_timeout=120)
     import jax
-    # The native baseline across processes: XLA:CPU's gloo collectives (jax 0.10's default, said
-    # explicitly so that another default cannot change what the column measures).
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
     from . import cli
     from .backend import BenchError
     from . import report
