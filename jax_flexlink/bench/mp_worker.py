@@ -128,6 +128,25 @@ def make_runner(cfg, rank: int, nprocs: int, config_name: str, out=sys.stdout):
                      f"{CPU_COLLECTIVES}; times are the slowest process's per "
                      "call; #wrong sums every process's shards")
 
+        def probe_flexlink(self, fn, arg):
+            """As in one process, and agreed: every process skips the section if one cannot lower it
+            (NotImplementedError), and any other error there is the section's FlexLink error, so that
+            its native side is still timed (in one process such an error ends the section)."""
+            skip = error = None
+            try:
+                fn.lower(arg)
+            except NotImplementedError as e:
+                skip = str(e)
+            except Exception as e:
+                error = f"{type(e).__name__} while lowering: {runner._one_line(e)}"
+            got = self.exchange({"skip": skip, "error": error})
+            skipped = next((g["skip"] for g in got if g["skip"]), None)
+            if skipped is not None:
+                raise NotImplementedError(skipped)
+            failed = next(((r, g["error"]) for r, g in enumerate(got) if g["error"]), None)
+            if failed is not None:
+                self._note_failure(*failed)
+
         def run_section(self, coll_name, op, dtype):
             self.section = (coll_name, op, dtype)
             super().run_section(coll_name, op, dtype)

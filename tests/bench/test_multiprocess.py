@@ -142,3 +142,35 @@ def test_merge():
     assert (m["started_utc"], m["finished_utc"]) == ("t0", "t9")  # first start, last end
     ok = multiprocess.merge(docs[:1], "cmd", [])
     assert ok["summary"]["ok"] and ok["summary"]["errors"] == []
+
+
+class _Lowers:
+    def __init__(self, exc=None):
+        self.exc = exc
+
+    def lower(self, arg):
+        if self.exc:
+            raise self.exc
+
+
+def test_worker_lowering_probe():
+    """One process stands in for the job (no jax.distributed client: every exchange is its own value)."""
+    import io
+
+    from jax_flexlink.bench import mp_worker
+    cfg = cli.parse(["--scenario", "multiprocess", "--_impl", "lax"])
+    out = io.StringIO()
+    r = mp_worker.make_runner(cfg, 0, 1, "2x1", out=out)
+    r.section = ("all_reduce", "sum", "float")
+    r.probe_flexlink(_Lowers(), None)
+    assert r.flex_failed == {} and r.errors == []
+    with pytest.raises(NotImplementedError, match="no such target"):
+        r.probe_flexlink(_Lowers(NotImplementedError("no such target")), None)
+    assert r.flex_failed == {}
+    r.probe_flexlink(_Lowers(ValueError("group spans hosts\nbad layout")), None)
+    msg = "rank 0: ValueError while lowering: group spans hosts ... bad layout"
+    assert r.flex_failed == {("all_reduce", "sum", "float"): msg}
+    assert r.errors == [f"2x1: AllReduce sum float: FlexLink: {msg}"]
+    assert f"# FlexLink ERROR AllReduce sum float: {msg}" in out.getvalue()
+    quiet = mp_worker.make_runner(cfg, 1, 2, "2x1", out=io.StringIO())
+    assert not quiet.reporting and r.reporting  # only rank 0 prints
