@@ -12,7 +12,7 @@ import re
 import shlex
 import sys
 
-from . import collectives, scenarios, sizes, timing
+from . import collectives, multiprocess, scenarios, sizes, timing
 
 DEFAULTS = {"warmup_iters": 2, "minbytes": "4K", "maxbytes": "64M", "stepfactor": None, "stepbytes": None,
             "op": "sum", "datatype": "float", "collective": "all_reduce,all_gather"}
@@ -40,6 +40,8 @@ class Config:
     settings: dict
     stat: str = "median"       # the time a table shows and speedups use: "median" or "mean"
     platform: str = "cpu"      # "cpu" (host devices) or "gpu" (jax.devices("gpu")), from the scenario
+    mp_configs: list = dataclasses.field(default_factory=list)  # --scenario multiprocess: its launches
+    mp_timeout: float | None = None   # --scenario multiprocess: the launcher's deadline per configuration
 
 
 def _size_arg(text: str) -> int:
@@ -102,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="both, side by side (default)")
     g.add_argument("--baseline", choices=["native", "none"], default="native",
                    help="compare with the same jax.lax collective in the same run (default), or not")
+    g.add_argument("--mp-configs", metavar="LIST",
+                   help="--scenario multiprocess: its launches, PxK (P processes x K host devices) or "
+                        "HhxPxK (H emulated hosts x P processes x K devices), comma separated "
+                        f"(default {multiprocess.DEFAULT_CONFIGS})")
+    g.add_argument("--mp-timeout", type=float, metavar="S",
+                   help="--scenario multiprocess: the launcher's deadline per configuration, in seconds "
+                        f"(default {multiprocess.DEFAULT_TIMEOUT_S:g})")
     g = p.add_argument_group("timing and checking")
     g.add_argument("-n", "--iters", type=_nonneg_int, default=0,
                    help=f"timed iterations per size; 0 = auto: ~{timing.AUTO_BYTES_BUDGET >> 20} MiB per "
@@ -159,13 +168,14 @@ def parse(argv: list[str] | None = None) -> Config:
     if a.devices is not None and a.devices < 1:
         p.error("--devices must be >= 1")
     devices = a.devices if a.devices is not None else (scen.devices or 0)
+    mp_configs, mp_timeout = _multiprocess_flags(p, a, scen)
     if a.plot:
         from . import report
         try:
             report.check_plot_available()
         except RuntimeError as e:
             p.error(str(e))
-    modes = {"inplace": [True], "outofplace": [False]}.get(a.mode or "both", [False, True])
+    modes = {"inplace": [True], "outofplace": [False]}.get(a.mode or d.get("mode") or "both", [False, True])
     links = a.links if a.links is not None else scen.links
     settings = {"minbytes": minb, "maxbytes": maxb, "stepfactor": stepf, "stepbytes": stepb,
                 "iters": a.iters or "auto", "stat": a.stat, "warmup": pick("warmup_iters"), "check": a.check, "seed": a.seed,
@@ -175,7 +185,29 @@ def parse(argv: list[str] | None = None) -> Config:
                   warmup=pick("warmup_iters"), check=bool(a.check), devices=devices, links=links, modes=modes,
                   baseline=a.baseline, json_path=a.json, plot_path=a.plot, scenario=scen.name,
                   seed=a.seed, impl=a.impl, argv=argv, settings=settings, stat=a.stat,
-                  platform=scen.platform)
+                  platform=scen.platform, mp_configs=mp_configs, mp_timeout=mp_timeout)
+
+
+def _multiprocess_flags(p: argparse.ArgumentParser, a: argparse.Namespace, scen) -> tuple[list, float | None]:
+    """--mp-configs and --mp-timeout belong to --scenario multiprocess, whose device counts they give."""
+    if scen.name != "multiprocess":
+        for flag, v in (("--mp-configs", a.mp_configs), ("--mp-timeout", a.mp_timeout)):
+            if v is not None:
+                p.error(f"{flag} applies only to --scenario multiprocess")
+        return [], None
+    if a.devices is not None:
+        p.error("--devices does not apply to --scenario multiprocess; its --mp-configs give the processes and "
+                "devices (e.g. --mp-configs 2x2: 2 processes x 2 devices)")
+    if a.plot:
+        p.error("--plot is not supported with --scenario multiprocess (use --json)")
+    try:
+        configs = multiprocess.parse_configs(a.mp_configs or multiprocess.DEFAULT_CONFIGS)
+    except ValueError as e:
+        p.error(str(e))
+    timeout = multiprocess.DEFAULT_TIMEOUT_S if a.mp_timeout is None else a.mp_timeout
+    if not timeout > 0:
+        p.error(f"--mp-timeout must be > 0, got {a.mp_timeout}")
+    return configs, timeout
 
 
 _DEVCOUNT_RE = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -229,6 +261,8 @@ def ensure_device_count(n: int, may_restart: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
+    if cfg.scenario == "multiprocess":  # one launch per configuration; this process starts no backend
+        return multiprocess.run(cfg)
     if cfg.platform == "cpu":  # GPUs are what the machine has; XLA_FLAGS counts host devices only
         ensure_device_count(cfg.devices, may_restart=argv is None)
     from . import runner  # imports jax, now that XLA_FLAGS is final

@@ -28,6 +28,9 @@ ROW_FIELDS: dict[str, tuple] = {
     "speedup_median": _NUM + (type(None),), "speedup_mean": _NUM + (type(None),),
     "baseline_wrong": (int, type(None)), "aliased": (bool, type(None)),
 }
+# FlexLink's measured fields: null in a row with a `flexlink_error` (the error text) instead.
+FLEX_MEASURED = ("time_us", "algbw_gbps", "busbw_gbps", "time_min_us", "time_max_us", "time_median_us",
+                 "time_mean_us")
 TOP_FIELDS: dict[str, tuple] = {
     "schema": (str,), "machine": (dict,), "versions": (dict,), "links": (str,), "command": (str,),
     "argv": (list,), "scenario": (str,), "devices": (int,), "baseline": (str,), "settings": (dict,),
@@ -114,9 +117,12 @@ def validate(doc: dict) -> list[str]:
         if not isinstance(row, dict):
             errs.append(f"rows[{i}] is not an object")
             continue
+        flex_failed = isinstance(row.get("flexlink_error"), str)
         for k, types in ROW_FIELDS.items():
             if k not in row:
                 errs.append(f"rows[{i}] lacks {k!r}")
+            elif flex_failed and k in FLEX_MEASURED and row[k] is None:
+                pass  # a row whose FlexLink side raised (--scenario multiprocess) has no FlexLink time
             elif not isinstance(row[k], types) or (isinstance(row[k], bool) and bool not in types):
                 errs.append(f"rows[{i}].{k} has type {type(row[k]).__name__}")
         errs.extend(f"rows[{i}]: {e}" for e in _row_conventions(row))

@@ -69,7 +69,22 @@ class Runner:
         self.skipped: list[dict] = []   # sections whose FlexLink side could not run, with the reason
 
     def say(self, line: str = "") -> None:
-        print(line, file=self.out, flush=True)
+        if self.reporting:
+            print(line, file=self.out, flush=True)
+
+    # Where one job spans several processes (bench/mp_worker.py), these combine what each process
+    # measured and counted on its own devices into the job's; in one process they change nothing.
+    reporting = True                 # whether this process prints the table
+
+    def job_timings(self, timings: list) -> list:
+        return timings
+
+    def job_wrong(self, local: int | None) -> int | None:
+        return local
+
+    def probe_flexlink(self, fn, arg) -> None:
+        """Lowers the section's FlexLink program once; NotImplementedError: this build cannot run it."""
+        fn.lower(arg)
 
     # -------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -144,7 +159,7 @@ class Runner:
             shape = (n * coll.counts(first, itemsize, n)[1],)
             arg = jax.ShapeDtypeStruct(shape, collectives.DTYPES[dtype], sharding=self.sharding)
             try:
-                fns[("flex", cfg.modes[0])].lower(arg)
+                self.probe_flexlink(fns[("flex", cfg.modes[0])], arg)
             except NotImplementedError as e:
                 self._skip(coll, op_label, dtype, f"{self.flex.label} cannot run it: {_one_line(e)}")
                 return
@@ -190,8 +205,11 @@ class Runner:
         self.skipped.append({"collective": coll.name, "op": op_label, "dtype": dtype, "reason": reason})
 
     def _measure(self, impls: list, x, expected, inplace: bool, iters: int, nbytes: int,
-                 factor: float) -> dict:
-        """Times FlexLink (impls[0]) and the baseline (impls[1], if any) interleaved; checks both."""
+                 factor: float, sides: tuple = ("", "baseline_")) -> dict:
+        """Times FlexLink (impls[0]) and the baseline (impls[1], if any) interleaved; checks both.
+
+        sides names the row fields each of impls fills: "" FlexLink's, "baseline_" the baseline's
+        (("baseline_",) times the baseline alone; FlexLink's fields stay None)."""
         cfg = self.cfg
         if inplace:  # a donated input is consumed: a fresh, completed on-device copy per call (untimed)
             def make_arg():
@@ -202,12 +220,14 @@ class Runner:
         before = self.flex.link_bytes()
         ts, outs, probed = timing.time_interleaved(impls, make_arg, cfg.warmup, iters,
                                                    [_pointers if inplace else None])
+        ts = self.job_timings(ts)
         res = {"shares": _shares(before, self.flex.link_bytes()),
                "aliased": (bool(probed[0]) and _pointers(outs[0]) == probed[0]) if inplace else None}
-        wrongs = [_wrong(o, expected, self.mesh_devices) if cfg.check else None for o in outs]
+        wrongs = [self.job_wrong(_wrong(o, expected, self.mesh_devices) if cfg.check else None) for o in outs]
         del outs
-        for prefix, k in (("", 0), ("baseline_", 1)):
-            t = ts[k] if k < len(ts) else None
+        for prefix in ("", "baseline_"):
+            k = sides.index(prefix) if prefix in sides else None
+            t = ts[k] if k is not None and k < len(ts) else None
             algbw, busbw = timing.bandwidths(nbytes, t.value(cfg.stat), factor) if t else (None, None)
             res.update({f"{prefix}time_us": t.value(cfg.stat) * 1e6 if t else None,
                         f"{prefix}time_min_us": t.min_s * 1e6 if t else None,
@@ -217,7 +237,7 @@ class Runner:
                         f"{prefix}algbw_gbps": algbw, f"{prefix}busbw_gbps": busbw,
                         f"{prefix}wrong": wrongs[k] if t else None})
         for stat in timing.STATS:
-            ok = len(ts) > 1 and ts[0].value(stat) > 0
+            ok = len(ts) > 1 and sides[:2] == ("", "baseline_") and ts[0].value(stat) > 0
             res[f"speedup_{stat}"] = ts[1].value(stat) / ts[0].value(stat) if ok else None
         res["speedup"] = res[f"speedup_{cfg.stat}"]
         return res

@@ -40,8 +40,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              "FlexLink side (benchmarks/gpu_check.sh).",
              devices=None, platform="gpu",
              defaults={"minbytes": "4K", "maxbytes": "256M", "stepfactor": 4.0}),
-    Scenario("multiprocess", "several processes, one host device each (later issue).",
-             unavailable="scenario 'multiprocess' is not implemented yet (a later issue)"),
+    Scenario("multiprocess",
+             "jax.distributed processes on this machine, one job of python -m jax_flexlink.launch per "
+             "configuration (--mp-configs, default 2x1, 4x1 and 2 emulated hosts x 2 processes); the mesh "
+             "spans all processes' devices; native = jax.lax over gloo.",
+             devices=None,  # per configuration (--mp-configs), not --devices
+             defaults={"minbytes": "64K", "maxbytes": "64M", "stepfactor": 4.0, "mode": "outofplace"}),
 ]}
 DEFAULT_SCENARIO = "host8"
 

@@ -101,8 +101,11 @@ def size_line(rows: dict[bool, dict], modes: list[bool], baseline: bool, stat: s
     shares: dict[str, float] = {}
     for inplace in modes:
         r = rows.get(inplace)
-        vals = ([fmt_time(r["time_us"]), fmt_bw(r["algbw_gbps"]), fmt_bw(r["busbw_gbps"]),
-                 fmt_wrong(r["wrong"])] if r else ["-"] * 4)
+        if r and r.get("flexlink_error"):  # its FlexLink side raised (the error is printed above)
+            vals = ["ERROR", "-", "-", "-"]
+        else:
+            vals = ([fmt_time(r["time_us"]), fmt_bw(r["algbw_gbps"]), fmt_bw(r["busbw_gbps"]),
+                     fmt_wrong(r["wrong"])] if r else ["-"] * 4)
         if baseline:
             vals += ([fmt_time(r["baseline_time_us"]), fmt_bw(r["baseline_algbw_gbps"]),
                       fmt_bw(r["baseline_busbw_gbps"]), fmt_wrong(r["baseline_wrong"])] if r else ["-"] * 4)
@@ -119,8 +122,8 @@ def size_line(rows: dict[bool, dict], modes: list[bool], baseline: bool, stat: s
 
 def footer(rows: list[dict], baseline: bool) -> list[str]:
     """nccl-tests' two footer lines (over FlexLink rows), plus the native average and the total check."""
-    checked = [r for r in rows if r.get("wrong") is not None]
-    wrong = sum(r["wrong"] for r in checked) + sum(r.get("baseline_wrong") or 0 for r in rows)
+    checked = [r for r in rows if r.get("wrong") is not None or r.get("baseline_wrong") is not None]
+    wrong = sum(r.get("wrong") or 0 for r in checked) + sum(r.get("baseline_wrong") or 0 for r in rows)
     busbw = [r["busbw_gbps"] for r in rows if r.get("busbw_gbps") is not None]
     avg = sum(busbw) / len(busbw) if busbw else math.nan
     status = "OK" if wrong == 0 else "FAILED"
@@ -129,7 +132,8 @@ def footer(rows: list[dict], baseline: bool) -> list[str]:
     elif not checked:
         status = "OK (not checked: -c 0)"
     lines = [f"# Out of bounds values : {wrong} {status}",
-             f"# Avg bus bandwidth    : {avg:.4f} " if busbw else "# Avg bus bandwidth    : N/A (no rows)"]
+             f"# Avg bus bandwidth    : {avg:.4f} " if busbw else
+             f"# Avg bus bandwidth    : N/A ({'no rows' if not rows else 'no FlexLink row ran'})"]
     if baseline:
         b = [r["baseline_busbw_gbps"] for r in rows if r.get("baseline_busbw_gbps") is not None]
         if b:

@@ -2,6 +2,7 @@
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -328,9 +329,51 @@ def test_emulated_scenario_without_emulated_links_fails_clearly():
     assert "unknown link kind" in p.stderr
 
 
-def test_unavailable_scenario_fails_clearly():
-    p = _bench(["--scenario", "multiprocess"], timeout=120)
-    assert p.returncode == 2 and "not implemented yet" in p.stderr
+def test_multiprocess_scenario_self_test(tmp_path):
+    """Two launches (2 processes, 2 emulated hosts x 2 processes), jax.lax over gloo on both sides: the
+    launcher plumbing, rank 0's table, cross-process timing and #wrong, the merged JSON."""
+    out = tmp_path / "mp.json"
+    p = _bench(["--scenario", "multiprocess", "--mp-configs", "2x1,2hx2x1", "-b", "64K", "-e", "256K", "-n", "2",
+                "-w", "1", "--_impl", "lax", "--mp-timeout", "240", "--json", str(out)], timeout=400)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    assert report.validate(doc) == [] and doc["summary"]["ok"]
+    assert [(c["config"], c["processes"], c["hosts"], c["exit_status"]) for c in doc["configurations"]] == [
+        ("2x1", 2, None, 0), ("2hx2x1", 4, 2, 0)]
+    rows = doc["rows"]
+    assert len(rows) == 8  # 2 configurations x 2 collectives x 2 sizes, out-of-place
+    assert {(r["config"], r["devices"]) for r in rows} == {("2x1", 2), ("2hx2x1", 4)}
+    assert all(r["wrong"] == 0 and r["baseline_wrong"] == 0 and r["time_us"] > 0 for r in rows)
+    lines = p.stdout.splitlines()
+    assert sum(ln.startswith("# AllReduce  op sum  type float  on 4 devices") for ln in lines) == 1
+    assert not any(re.match(r"\[\d+\] ", ln) for ln in lines), "only rank 0 prints, without the launcher's prefix"
+    assert "2 emulated hosts (FLEXLINK_HOST_ID host0 here)" in p.stdout
+
+
+def test_multiprocess_scenario_reports_a_failing_flexlink_side_per_section(tmp_path):
+    """Until the engine spans processes, a FlexLink group across processes fails at FlexLink's deadline:
+    each section says so, the native side is still timed and checked, and the exit status is 1. With
+    an engine that spans processes the same run must pass with every element right."""
+    out = tmp_path / "mp.json"
+    env = dict(_env(), FLEXLINK_TIMEOUT_S="3")
+    p = subprocess.run([sys.executable, "-m", "jax_flexlink.bench", "--scenario", "multiprocess", "--mp-configs",
+                        "2x1", "-b", "64K", "-e", "256K", "-n", "2", "-w", "1", "--mp-timeout", "240",
+                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=400)
+    doc = json.loads(out.read_text())
+    assert report.validate(doc) == []
+    rows = doc["rows"]
+    assert len(rows) == 4 and all(r["baseline_wrong"] == 0 and r["baseline_time_us"] > 0 for r in rows)
+    failed = [r for r in rows if r.get("flexlink_error")]
+    if not failed:
+        assert p.returncode == 0 and all(r["wrong"] == 0 for r in rows), p.stdout + p.stderr
+        return
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert len(failed) == 4 and all(r["time_us"] is None and r["speedup"] is None for r in failed)
+    assert "# FlexLink ERROR AllReduce sum float: rank " in p.stdout
+    assert "# FlexLink ERROR AllGather none float: rank " in p.stdout
+    assert p.stdout.count("ERROR       -       -       -") == 4
+    assert len(doc["summary"]["errors"]) == 2 and not doc["summary"]["ok"]
+    assert "# 2x1" in p.stdout and "FAILED (exit 1" in p.stdout
 
 
 def test_gpu_scenario_without_a_gpu_fails_clearly():

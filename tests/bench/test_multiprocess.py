@@ -1,0 +1,176 @@
+"""--scenario multiprocess: its flags, configurations, launcher command, output relay, JSON merge and
+the table of rows whose FlexLink side failed (no processes started here; test_e2e.py runs it)."""
+import pytest
+
+from jax_flexlink.bench import cli, multiprocess, report, table
+from jax_flexlink.bench.multiprocess import MpConfig
+
+from test_report import _doc, _row
+
+
+def test_default_configurations_and_sweep():
+    c = cli.parse(["--scenario", "multiprocess"])
+    assert c.mp_configs == [MpConfig("2x1", 2, 1, None), MpConfig("4x1", 4, 1, None), MpConfig("2hx2x1", 4, 1, 2)]
+    assert c.sizes == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    assert c.collectives == ["all_reduce", "all_gather"] and c.modes == [False]  # out-of-place by default
+    assert c.mp_timeout == multiprocess.DEFAULT_TIMEOUT_S
+    assert cli.parse(["--scenario", "multiprocess", "--both"]).modes == [False, True]
+    c = cli.parse(["--scenario", "multiprocess", "--mp-configs", "3x2,2hx3x1", "--mp-timeout", "30"])
+    assert c.mp_configs == [MpConfig("3x2", 3, 2, None), MpConfig("2hx3x1", 6, 1, 2)] and c.mp_timeout == 30
+    assert cli.parse([]).mp_configs == [] and cli.parse([]).modes == [False, True]  # host8 unchanged
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mp-configs", "2x1"], "--mp-configs applies only to --scenario multiprocess"),
+    (["--mp-timeout", "5"], "--mp-timeout applies only to --scenario multiprocess"),
+    (["--scenario", "multiprocess", "--mp-configs", "2"], "bad multiprocess configuration '2'"),
+    (["--scenario", "multiprocess", "--mp-configs", "2x0"], "counts must be >= 1"),
+    (["--scenario", "multiprocess", "--mp-configs", "0hx2x1"], "counts must be >= 1"),
+    (["--scenario", "multiprocess", "--mp-configs", "1x4"], "has one process"),
+    (["--scenario", "multiprocess", "--mp-configs", "2x1,2x1"], "listed twice"),
+    (["--scenario", "multiprocess", "--mp-timeout", "0"], "--mp-timeout must be > 0"),
+    (["--scenario", "multiprocess", "--devices", "4"], "--devices does not apply to --scenario multiprocess"),
+    (["--scenario", "multiprocess", "--plot", "x.png"], "--plot is not supported"),
+])
+def test_usage_errors_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_describe():
+    assert MpConfig("2x1", 2, 1, None).describe() == "2 processes x 1 host device = 2 devices"
+    assert (MpConfig("2hx2x2", 4, 2, 2).describe()
+            == "2 emulated hosts x 2 processes x 2 host devices = 8 devices")
+
+
+def test_launcher_command():
+    c = MpConfig("2hx2x1", 4, 1, 2)
+    cmd = multiprocess.launcher_command(c, 90, "/tmp/o.json", ["--scenario", "multiprocess", "-b", "1M"],
+                                        python="py")
+    assert cmd == ["py", "-m", "jax_flexlink.launch", "-n", "4", "--devices-per-process", "1", "--hosts", "2",
+                   "--timeout", "90", "--", "py", "-m", "jax_flexlink.bench.mp_worker", "--config", "2hx2x1",
+                   "--json-out", "/tmp/o.json", "--", "--scenario", "multiprocess", "-b", "1M"]
+    assert "--hosts" not in multiprocess.launcher_command(MpConfig("2x1", 2, 1, None), 1, "o", [])
+
+
+def test_worker_arguments():
+    from jax_flexlink.bench import mp_worker
+    a = mp_worker.parse_args(["--config", "2x1", "--json-out", "f.json", "--", "--scenario", "multiprocess",
+                              "-C", "all_gather"])
+    assert (a.config, a.json_out, a.bench_argv) == ("2x1", "f.json", ["--scenario", "multiprocess", "-C",
+                                                                      "all_gather"])
+
+
+def test_relay_and_environment():
+    assert multiprocess.relay_line("[0] #  size") == ("out", "#  size")
+    assert multiprocess.relay_line("[1] Traceback") == ("err", "[1] Traceback")  # others keep their prefix
+    assert multiprocess.relay_line("[10] x") == ("err", "[10] x")
+    assert multiprocess.relay_line("[0] [Gloo] Rank 0 is connected") == ("err", "[0] [Gloo] Rank 0 is connected")
+    assert multiprocess.worker_env({})["FLEXLINK_TIMEOUT_S"] == multiprocess.WORKER_FLEXLINK_TIMEOUT_S
+    assert multiprocess.worker_env({"FLEXLINK_TIMEOUT_S": "7"})["FLEXLINK_TIMEOUT_S"] == "7"
+
+
+def test_exit_status():
+    assert multiprocess.exit_status([0, 0, 0]) == 0
+    assert multiprocess.exit_status([0, 1, 0]) == 1
+    assert multiprocess.exit_status([0, 124]) == 1
+    assert multiprocess.exit_status([2, 2]) == 2 and multiprocess.exit_status([2, 1]) == 1
+    assert "deadline" in multiprocess.status_text(124) and multiprocess.status_text(0) == "ok"
+
+
+def _bw_row(devices, algbw, **kw):
+    """A row whose busbw follows AllReduce's factor on its device count, both sides."""
+    f = 2 * (devices - 1) / devices
+    return _row(devices=devices, algbw_gbps=algbw, busbw_gbps=algbw * f, baseline_algbw_gbps=algbw / 2,
+                baseline_busbw_gbps=algbw / 2 * f, **kw)
+
+
+def _flex_failed_row(**kw):
+    r = _row(time_us=None, time_min_us=None, time_max_us=None, time_median_us=None, time_mean_us=None,
+             algbw_gbps=None, busbw_gbps=None, wrong=None, speedup=None, speedup_median=None, speedup_mean=None,
+             flexlink_error="rank 0: DEADLINE_EXCEEDED: flexlink: ...", devices=2,
+             baseline_algbw_gbps=0.02048, baseline_busbw_gbps=0.02048)
+    r.update(kw)
+    return r
+
+
+def test_rows_whose_flexlink_side_failed():
+    line = table.size_line({False: _flex_failed_row()}, [False], True)
+    assert line.split()[4:13] == ["ERROR", "-", "-", "-", "200.0", "0.02", "0.02", "0", "N/A"]
+    lines = table.footer([_flex_failed_row()], baseline=True)
+    assert lines[0] == "# Out of bounds values : 0 OK"  # the native side was checked
+    assert lines[1] == "# Avg bus bandwidth    : N/A (no FlexLink row ran)"
+    assert table.footer([_flex_failed_row(baseline_wrong=5)], True)[0] == "# Out of bounds values : 5 FAILED"
+    assert report.validate(_doc([_flex_failed_row()])) == []
+    # FlexLink's time may be missing only where the row says why.
+    bad = _flex_failed_row()
+    del bad["flexlink_error"]
+    assert any("time_us" in e for e in report.validate(_doc([bad])))
+
+
+def _config_doc(name, processes, rows, errors=(), ok=True):
+    d = _doc(rows)
+    d["summary"].update(errors=list(errors), skipped=[], ok=ok)
+    d["multiprocess"] = {"config": name, "processes": processes}
+    for r in d["rows"]:
+        r["config"] = name
+    return d
+
+
+def test_merge():
+    a = MpConfig("2x1", 2, 1, None)
+    b = MpConfig("4x1", 4, 1, None)
+    c = MpConfig("2hx2x1", 4, 1, 2)
+    docs = [(a, 0, _config_doc("2x1", 2, [_bw_row(2, 0.04), _bw_row(2, 0.02)])),
+            (b, 1, _config_doc("4x1", 4, [_flex_failed_row(devices=4, baseline_busbw_gbps=0.03072)],
+                               errors=["4x1: AllReduce sum float: FlexLink: rank 0: ..."], ok=False)),
+            (c, 124, None)]
+    docs[1][2]["started_utc"], docs[1][2]["finished_utc"] = "t5", "t9"
+    m = multiprocess.merge(docs, "python -m jax_flexlink.bench --scenario multiprocess", ["--scenario", "multiprocess"])
+    assert report.validate(m) == []
+    assert [r["config"] for r in m["rows"]] == ["2x1", "2x1", "4x1"]
+    s = m["summary"]
+    assert not s["ok"] and s["out_of_bounds"] == 0
+    assert s["errors"] == ["4x1: AllReduce sum float: FlexLink: rank 0: ...",
+                           "2hx2x1: FAILED: the launcher's deadline passed (exit 124) (no JSON)"]
+    assert s["avg_busbw_gbps"] == pytest.approx((0.04 + 0.02) / 2)
+    assert s["baseline_avg_busbw_gbps"] == pytest.approx((0.02 + 0.01 + 0.03072) / 3)
+    assert [(x["config"], x["exit_status"]) for x in m["configurations"]] == [("2x1", 0), ("4x1", 1), ("2hx2x1", 124)]
+    assert m["devices"] == 4 and m["scenario"] == "multiprocess"
+    assert (m["started_utc"], m["finished_utc"]) == ("t0", "t9")  # first start, last end
+    ok = multiprocess.merge(docs[:1], "cmd", [])
+    assert ok["summary"]["ok"] and ok["summary"]["errors"] == []
+
+
+class _Lowers:
+    def __init__(self, exc=None):
+        self.exc = exc
+
+    def lower(self, arg):
+        if self.exc:
+            raise self.exc
+
+
+def test_worker_lowering_probe():
+    """One process stands in for the job (no jax.distributed client: every exchange is its own value)."""
+    import io
+
+    from jax_flexlink.bench import mp_worker
+    cfg = cli.parse(["--scenario", "multiprocess", "--_impl", "lax"])
+    out = io.StringIO()
+    r = mp_worker.make_runner(cfg, 0, 1, "2x1", out=out)
+    r.section = ("all_reduce", "sum", "float")
+    r.probe_flexlink(_Lowers(), None)
+    assert r.flex_failed == {} and r.errors == []
+    with pytest.raises(NotImplementedError, match="no such target"):
+        r.probe_flexlink(_Lowers(NotImplementedError("no such target")), None)
+    assert r.flex_failed == {}
+    r.probe_flexlink(_Lowers(ValueError("group spans hosts\nbad layout")), None)
+    msg = "rank 0: ValueError while lowering: group spans hosts ... bad layout"
+    assert r.flex_failed == {("all_reduce", "sum", "float"): msg}
+    assert r.errors == [f"2x1: AllReduce sum float: FlexLink: {msg}"]
+    assert f"# FlexLink ERROR AllReduce sum float: {msg}" in out.getvalue()
+    quiet = mp_worker.make_runner(cfg, 1, 2, "2x1", out=io.StringIO())
+    assert not quiet.reporting and r.reporting  # only rank 0 prints

@@ -1,0 +1,275 @@
+"""`python -m jax_flexlink.launch`: output, exit codes, deadline, cleanup, and a real jax.distributed job.
+
+Every launcher run here is a subprocess with a timeout; children report their pids in a directory so
+that the tests can check that none is left running afterwards.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jax_flexlink import launch
+
+LAUNCH = [sys.executable, "-m", "jax_flexlink.launch"]
+
+
+def run_launcher(args, timeout=120, env=None):
+    return subprocess.run(LAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          timeout=timeout, env=env)
+
+
+def script(tmp_path, body, name="prog.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def alive(pid):
+    """Running (a zombie no longer runs; our container's init may be slow to reap orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_all_gone(pids, within_s=5.0):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    left = [p for p in pids if alive(p)]
+    for p in left:  # do not leave them to the next test either
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes left running: {left}"
+
+
+def read_pids(d):
+    return [int(f.read_text()) for f in d.iterdir() if f.suffix == ".pid"]
+
+
+# A rank that records its pid (and its child's, if it starts one), then behaves as told by argv.
+PIDS_PROG = """
+    import os, subprocess, sys, time
+    d, role = sys.argv[1], sys.argv[2:]
+    rank = int(os.environ["FLEXLINK_PROCESS_ID"])
+    n = int(os.environ["FLEXLINK_NUM_PROCESSES"])
+    open(os.path.join(d, f"rank{rank}.pid"), "w").write(str(os.getpid()))
+    if rank == 0:  # a grandchild in rank 0's process group: it must not outlive the job either
+        child = subprocess.Popen(["sleep", "300"])
+        open(os.path.join(d, "child.pid"), "w").write(str(child.pid))
+    deadline = time.monotonic() + 60
+    while len([f for f in os.listdir(d) if f.endswith(".pid")]) < n + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print(f"rank {rank} ready", flush=True)
+    action = role[rank] if rank < len(role) else "sleep"
+    if action == "sleep":
+        time.sleep(300)
+    elif action == "ok":
+        sys.exit(0)
+    elif action == "kill":
+        os.kill(os.getpid(), 9)
+    else:
+        time.sleep(0.2)
+        sys.exit(int(action))
+"""
+
+
+def test_all_ranks_succeed_with_prefixed_whole_lines(tmp_path):
+    prog = script(tmp_path, """
+        import os, sys
+        r = os.environ["FLEXLINK_PROCESS_ID"]
+        print(f"rank {r} of {os.environ['FLEXLINK_NUM_PROCESSES']} flags {os.environ['XLA_FLAGS']!r} "
+              f"platforms {os.environ['JAX_PLATFORMS']} coord {os.environ['FLEXLINK_COORDINATOR']}")
+        print(f"to stderr {r}", file=sys.stderr)
+        for i in range(300):  # long lines, written in pieces, from all ranks at once
+            sys.stdout.write(f"{r}:{i}:" + r * 3000)
+            sys.stdout.write("\\n")
+        sys.stdout.write(f"no newline {r}")
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_foo=1 --xla_force_host_platform_device_count=8")
+    res = run_launcher(["-n", "3", "--devices-per-process", "2", "--", sys.executable, prog], env=env)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    coords = set()
+    for r in range(3):
+        head = [ln for ln in lines if ln.startswith(f"[{r}] rank {r} of 3 ")]
+        assert len(head) == 1, lines[:5]
+        assert "flags '--xla_cpu_foo=1 --xla_force_host_platform_device_count=2'" in head[0]
+        assert "platforms cpu" in head[0]
+        coords.add(head[0].split("coord ")[1])
+        assert f"[{r}] to stderr {r}" in res.stderr.splitlines()
+        assert f"[{r}] no newline {r}" in lines
+    assert len(coords) == 1 and re.fullmatch(r"127\.0\.0\.1:\d+", coords.pop())
+    body = [ln for ln in lines if re.match(r"\[\d\] \d:\d+:", ln)]
+    assert len(body) == 900
+    for ln in body:  # every line whole: its prefix, its rank's text only, its full length
+        m = re.fullmatch(r"\[(\d)\] (\d):(\d+):(\d{3000})", ln)
+        assert m and m.group(1) == m.group(2) and set(m.group(4)) == {m.group(1)}, ln[:80]
+
+
+def test_one_process(tmp_path):
+    res = run_launcher(["-n", "1", "--", sys.executable, "-c",
+                        "import os; print(os.environ['FLEXLINK_PROCESS_ID'], os.environ['FLEXLINK_NUM_PROCESSES'])"])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "[0] 0 1\n"
+
+
+def test_failing_rank_propagates_its_code_and_stops_the_rest(tmp_path):
+    prog = script(tmp_path, PIDS_PROG)
+    t0 = time.monotonic()
+    res = run_launcher(["-n", "4", "--", sys.executable, prog, str(tmp_path), "sleep", "sleep", "7", "sleep"])
+    took = time.monotonic() - t0
+    assert res.returncode == 7, res.stderr
+    assert "jax_flexlink.launch: rank 2 exited with code 7; stopping ranks 0, 1, 3" in res.stderr
+    assert took < 60  # not the sleepers' 300 s (speed itself is not the point)
+    pids = read_pids(tmp_path)
+    assert len(pids) == 5  # four ranks and rank 0's child
+    assert_all_gone(pids)
+
+
+def test_rank_killed_by_a_signal(tmp_path):
+    prog = script(tmp_path, PIDS_PROG)
+    res = run_launcher(["-n", "2", "--", sys.executable, prog, str(tmp_path), "sleep", "kill"])
+    assert res.returncode == 128 + 9, res.stderr
+    assert "rank 1 was killed by SIGKILL; stopping ranks 0" in res.stderr
+    assert_all_gone(read_pids(tmp_path))
+
+
+def test_deadline_names_the_ranks_still_running(tmp_path):
+    prog = script(tmp_path, PIDS_PROG)
+    # 8 s: on a loaded 2-core machine three interpreters can take seconds to start; rank 0 must have
+    # finished (and left its child behind) before the deadline for the message to name 1 and 2 only.
+    res = run_launcher(["-n", "3", "--timeout", "8", "--", sys.executable, prog, str(tmp_path), "ok"])
+    assert res.returncode == 124, res.stderr
+    assert re.search(r"deadline of 8 s passed; ranks 1, 2 still running; stopping all", res.stderr)
+    assert "[0] rank 0 ready" in res.stdout
+    assert_all_gone(read_pids(tmp_path))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
+    prog = script(tmp_path, PIDS_PROG)
+    p = subprocess.Popen(LAUNCH + ["-n", "2", "--", sys.executable, prog, str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(read_pids(tmp_path)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(read_pids(tmp_path)) == 3
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    assert p.returncode == 128 + sig, err
+    assert f"interrupted ({sig.name}); stopping ranks 0, 1" in err
+    assert_all_gone(read_pids(tmp_path))
+
+
+def test_hosts_split_ranks_into_consecutive_blocks(tmp_path):
+    show = "import os; print(os.environ.get('FLEXLINK_HOST_ID'), os.environ.get('FLEXLINK_NUM_HOSTS'))"
+    res = run_launcher(["-n", "4", "--hosts", "2", "--", sys.executable, "-c", show])
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[0] host0 2", "[1] host0 2", "[2] host1 2", "[3] host1 2"]
+    # Without --hosts no rank is told it is an emulated host, whatever the launcher inherited.
+    res = run_launcher(["-n", "2", "--", sys.executable, "-c", show],
+                       env=dict(os.environ, FLEXLINK_HOST_ID="host7", FLEXLINK_NUM_HOSTS="9"))
+    assert sorted(res.stdout.splitlines()) == ["[0] None None", "[1] None None"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "0", "--", "true"], "-n must be >= 1"),
+    (["-n", "2"], "no command to run"),
+    (["-n", "2", "--"], "no command to run"),
+    (["-n", "2", "--devices-per-process", "0", "--", "true"], "--devices-per-process must be >= 1"),
+    (["-n", "4", "--hosts", "3", "--", "true"], "--hosts 3 must be >= 1 and divide -n 4"),
+    (["-n", "4", "--hosts", "0", "--", "true"], "--hosts 0 must be"),
+    (["-n", "2", "--timeout", "0", "--", "true"], "--timeout must be > 0"),
+    (["--", "true"], "required: -n"),
+    (["-n", "x", "--", "true"], "invalid int value"),
+])
+def test_usage_errors_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        launch.parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err
+
+
+def test_usage_error_from_the_command_line():
+    res = run_launcher(["-n", "0", "--", "true"], timeout=60)
+    assert res.returncode == 2 and "error: -n must be >= 1" in res.stderr
+
+
+def test_missing_program_is_a_clear_failure():
+    res = run_launcher(["-n", "2", "--", "/nonexistent/prog"], timeout=60)
+    assert res.returncode == 1
+    assert "cannot start rank 0: /nonexistent/prog" in res.stderr
+
+
+def test_environment_helpers():
+    assert launch.with_device_count("", 3) == "--xla_force_host_platform_device_count=3"
+    assert (launch.with_device_count("--a=1 --xla_force_host_platform_device_count=8 --b", 2)
+            == "--a=1 --b --xla_force_host_platform_device_count=2")
+    assert [launch.host_of(r, 6, 3) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    env = launch.child_env({"JAX_PLATFORMS": "cuda", "FLEXLINK_PROCESS_ID": "5"}, 1, 2, 4, None, 1234)
+    assert env["JAX_PLATFORMS"] == "cuda"  # a caller's choice stays
+    assert (env["FLEXLINK_PROCESS_ID"], env["FLEXLINK_NUM_PROCESSES"], env["FLEXLINK_DEVICES_PER_PROCESS"]) == (
+        "1", "2", "4")
+    assert env["FLEXLINK_COORDINATOR"] == env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
+    assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:1234"
+    assert "FLEXLINK_HOST_ID" not in env
+
+
+def test_initialize_outside_the_launcher_says_how_to_start(monkeypatch):
+    monkeypatch.delenv("FLEXLINK_COORDINATOR", raising=False)
+    with pytest.raises(RuntimeError, match=r"FLEXLINK_COORDINATOR.*not set.*python -m jax_flexlink.launch -n N"):
+        launch.initialize()
+
+
+JAX_JOB = """
+    import numpy as np
+    import jax_flexlink.launch
+    rank, n = jax_flexlink.launch.initialize(initialization_timeout=60)
+    import jax
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    K = 2
+    assert jax.process_count() == n == 2 and jax.process_index() == rank, (jax.process_count(), rank)
+    local = jax.local_devices()
+    assert len(local) == K and all(d.process_index == rank for d in local), local
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    assert len(devices) == n * K
+    mesh = Mesh(np.array(devices), ("x",))
+    m = 1000
+    glob = np.stack([np.arange(m, dtype=np.float32) * (i + 1) for i in range(n * K)])  # device i: its row
+    sharding = NamedSharding(mesh, P("x"))
+    x = jax.make_array_from_callback((n * K * m,), sharding, lambda idx: glob.reshape(-1)[idx])
+    f = jax.jit(jax.shard_map(lambda v: lax.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    y = f(x)
+    want = glob.sum(axis=0)
+    for s in y.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), want)
+    print(f"psum ok on {[d.id for d in local]} of {len(devices)}", flush=True)
+"""
+
+
+def test_real_two_process_jax_job(tmp_path):
+    prog = script(tmp_path, JAX_JOB)
+    res = run_launcher(["-n", "2", "--devices-per-process", "2", "--timeout", "240", "--",
+                        sys.executable, prog], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    oks = sorted(ln for ln in res.stdout.splitlines() if "psum ok" in ln)
+    assert len(oks) == 2 and oks[0].startswith("[0] psum ok") and oks[1].startswith("[1] psum ok")
+    assert all(ln.endswith("of 4") for ln in oks)
