@@ -31,6 +31,8 @@ def _segments() -> set[str]:
 
 
 def _start(n: int, k: int, mode: str, extra_env=None):
+  """The job's processes started here, not by the launcher (which would stop the others as soon as
+  one dies, before they can report what they saw)."""
   port = _free_port()
   procs = []
   for i in range(n):
@@ -59,12 +61,17 @@ def _finish(procs, timeout: float):
 
 
 def _run(n: int, k: int, mode: str, timeout: float = 240, **env):
+  """Runs the worker as a job of n processes x k devices through `python -m jax_flexlink.launch`;
+  returns each rank's output lines (the launcher prefixes them with the rank)."""
   before = _segments()
-  procs = _start(n, k, mode, env)
-  outs = _finish(procs, timeout)
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{out[-4000:]}"
-    assert "ALL OK" in out, out[-4000:]
+  out = subprocess.run(
+      [sys.executable, "-m", "jax_flexlink.launch", "-n", str(n), "--devices-per-process", str(k),
+       "--timeout", str(int(timeout)), "--", sys.executable, WORKER, mode],
+      env=dict(os.environ, **env), capture_output=True, text=True, timeout=timeout + 30)
+  assert out.returncode == 0, f"the job exited with {out.returncode}:\n{out.stdout[-4000:]}{out.stderr[-4000:]}"
+  outs = ["\n".join(re.findall(rf"^\[{i}\] (.*)$", out.stdout, re.M)) for i in range(n)]
+  for i, text in enumerate(outs):
+    assert "ALL OK" in text, f"rank {i}:\n{text[-4000:]}"
   assert _segments() <= before, "a shared-memory segment was left in /dev/shm"
   return outs
 

@@ -1,4 +1,5 @@
-"""One process of a multi-process FlexLink check (started by `python -m jax_flexlink.launch`).
+"""One process of a multi-process FlexLink check (started by `python -m jax_flexlink.launch`, or by
+the test itself where it must outlive a dead peer).
 
 Every collective over a mesh of all processes' devices, FlexLink against jax.lax (gloo), on groups
 inside one process and across processes. Prints one line per check and exits non-zero on the first
@@ -12,16 +13,16 @@ import signal
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_flexlink.launch
+
+jax_flexlink.launch.initialize()  # jax.distributed from the launcher's (or the test's) variables
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(os.environ["FLEXLINK_COORDINATOR"],
-                           num_processes=int(os.environ["FLEXLINK_NUM_PROCESSES"]),
-                           process_id=int(os.environ["FLEXLINK_PROCESS_ID"]))
-import jax_flexlink as flx  # noqa: E402 - after jax.distributed, as a user would
+import jax_flexlink as flx  # noqa: E402
 
 ME = jax.process_index()
 NPROC = jax.process_count()
@@ -77,7 +78,7 @@ def collectives():
     meshes["dp"] = Mesh(grid.T, ("d", "p"))
   checks = 0
   for mesh_name, mesh in meshes.items():
-    for axes in ([mesh.axis_names] if mesh_name == "x" else [("p",), ("d",), ("p", "d")]):
+    for axes in ([mesh.axis_names] if mesh_name == "x" else [("p",), ("d",), mesh.axis_names]):
       size = int(np.prod([mesh.shape[a] for a in axes]))
       rows = N * size
       spec = P(mesh.axis_names)  # every device its own rows
