@@ -174,3 +174,48 @@ def test_worker_lowering_probe():
     assert f"# FlexLink ERROR AllReduce sum float: {msg}" in out.getvalue()
     quiet = mp_worker.make_runner(cfg, 1, 2, "2x1", out=io.StringIO())
     assert not quiet.reporting and r.reporting  # only rank 0 prints
+
+
+_FAILING_FLEXLINK = """
+import io, json, sys
+import jax
+from jax_flexlink.bench import cli, mp_worker
+
+def explode(x):
+    raise RuntimeError("engine broke")
+
+def failing_body(x):
+    return jax.pure_callback(explode, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+cfg = cli.parse(["--scenario", "multiprocess", "--_impl", "lax", "-b", "4K", "-e", "16K", "-n", "2", "-w", "1",
+                 "--both"])
+out = io.StringIO()
+r = mp_worker.make_runner(cfg, 0, 1, "2x1", out=out)
+r.setup()
+r.flex.body = lambda coll, op, n: failing_body
+r.run_section("all_reduce", "sum", "float")
+json.dump({"text": out.getvalue(), "rows": r.rows, "errors": r.errors}, sys.stdout)
+sys.stdout.flush()
+"""
+
+
+def test_worker_reports_a_flexlink_side_that_fails_while_running():
+    """A FlexLink body that lowers but raises when it runs (a host callback that throws): the section
+    prints the error once, every row has it, the native side is timed and checked alone. One process
+    stands in for the job; in a subprocess, because the failed callback's error stays in jax's runtime
+    tokens until the process exits."""
+    import json
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", _FAILING_FLEXLINK], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout)
+    text, rows, errors = got["text"], got["rows"], got["errors"]
+    assert text.count("# FlexLink ERROR AllReduce sum float: rank 0: ") == 1, text
+    assert "engine broke" in text
+    assert len(rows) == 4  # 4K and 16K (the scenario's factor 4), both modes
+    for row in rows:
+        assert "engine broke" in row["flexlink_error"] and row["time_us"] is None and row["speedup"] is None
+        assert row["baseline_wrong"] == 0 and row["baseline_time_us"] > 0 and row["aliased"] is None
+    assert len(errors) == 1 and errors[0].startswith("2x1: AllReduce sum float: FlexLink: rank 0: ")
+    assert text.count("ERROR       -       -       -") == 2 * 2  # each size line, both modes
