@@ -5,7 +5,7 @@ import pytest
 from jax_flexlink.bench import cli, multiprocess, report, table
 from jax_flexlink.bench.multiprocess import MpConfig
 
-from test_report import _doc, _row
+from bench_rows import _doc, _row
 
 
 def test_default_configurations_and_sweep():
