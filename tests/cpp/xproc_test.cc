@@ -607,6 +607,47 @@ void MultiLinkPeerDies(Proc& p, int victim) {
     Expect(!st[r].ok() && secs[r] < 0.5, "a later call fails at once: " + st[r].message());
 }
 
+
+// --bench-multilink: all_reduce f32 at 16 and 64 MiB per process, the segment alone against shm+tcp
+// after stage 2 converged (40 calls), median of the next 15; the leader prints the final split.
+void MultiLinkBench(Proc& p) {
+  const int rank = p.ranks[0];
+  for (size_t bytes : {size_t{16} << 20, size_t{64} << 20}) {
+    const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {static_cast<int64_t>(bytes / 4)}}}, 0, {}, false, 1};
+    std::vector<std::vector<uint8_t>> in = {std::vector<uint8_t>(bytes, 1)}, out = {std::vector<uint8_t>(bytes)};
+    auto median = [&](int warm, int timed) {
+      std::vector<double> t;
+      for (int i = 0; i < warm + timed; ++i) {
+        const auto t0 = Clock::now();
+        Status s = Call(p, rank, c, in, out);
+        if (!s.ok()) std::printf("FAIL: bench: %s\n", s.message().c_str());
+        if (i >= warm) t.push_back(Since(t0));
+      }
+      std::sort(t.begin(), t.end());
+      return t[t.size() / 2];
+    };
+    Expect(ConfigureLinks("shm").ok(), "configure shm");
+    const double alone = median(3, 15);
+    Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+    const double split = median(40, 15);
+    if (p.index == 0) {
+      std::string plan;
+      for (const auto& snap : SnapshotPlans())
+        if (snap.group == p.devices && snap.plan.bucket_bytes <= bytes && snap.plan.bucket_bytes * 2 > bytes) {
+          plan = std::string(plan::Name(snap.plan.mode));
+          for (size_t i = 0; i < snap.links.size(); ++i) {
+            char b[48];
+            std::snprintf(b, sizeof b, " %s=%.3f", snap.links[i].c_str(), snap.plan.shares[i]);
+            plan += b;
+          }
+        }
+      std::printf("| all_reduce | %d | %zu MiB | %.2f | %.2f | %s |\n", p.n(), bytes >> 20, alone * 1e3, split * 1e3,
+                  plan.c_str());
+      std::fflush(stdout);
+    }
+  }
+}
+
 // ---- the parent's side ------------------------------------------------------------------------
 
 struct Child {
@@ -895,6 +936,14 @@ int main(int argc, char** argv) {
     for (int np : procs)
       RunScenario({"bench " + std::to_string(np) + " processes", np, 1, 0, 60, {}, false,
                    [fresh](Proc& p) { BenchBody(p, fresh); }});
+    return Summary();
+  }
+  if (argc > 1 && std::strcmp(argv[1], "--bench-multilink") == 0) {
+    std::printf("| kind | processes | bytes per process | shm alone ms | shm+tcp ms | leader's plan |\n"
+                "|---|---|---|---|---|---|\n");
+    Scenario s{"bench shm+tcp, 2 processes", 2, 1, 0, 60, {}, false, MultiLinkBench};
+    s.tcp = true;
+    RunScenario(s);
     return Summary();
   }
   const auto start = Clock::now();
