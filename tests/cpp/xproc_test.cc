@@ -629,7 +629,8 @@ void MultiLinkBench(Proc& p) {
     Expect(ConfigureLinks("shm").ok(), "configure shm");
     const double alone = median(3, 15);
     Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
-    const double split = median(40, 15);
+    const int converge = std::getenv("BENCH_CONVERGE") ? std::atoi(std::getenv("BENCH_CONVERGE")) : 40;
+    const double split = median(converge, 15);
     if (p.index == 0) {
       std::string plan;
       for (const auto& snap : SnapshotPlans())
@@ -939,6 +940,7 @@ int main(int argc, char** argv) {
     return Summary();
   }
   if (argc > 1 && std::strcmp(argv[1], "--bench-multilink") == 0) {
+    if (std::getenv("BENCH_LOG")) SetDebugLevel(kDebugInfo);
     std::printf("| kind | processes | bytes per process | shm alone ms | shm+tcp ms | leader's plan |\n"
                 "|---|---|---|---|---|---|\n");
     Scenario s{"bench shm+tcp, 2 processes", 2, 1, 0, 60, {}, false, MultiLinkBench};
