@@ -85,9 +85,10 @@ def test_repeated_calls_identical_on_every_rank():
   assert len(sums) == 1, sums
 
 
-def test_killed_process_is_named_before_the_deadline():
+@pytest.mark.parametrize("links", ["shm", "shm;tcp"])
+def test_killed_process_is_named_before_the_deadline(links):
   before = _segments()
-  procs = _start(2, 1, "kill", {"FLEXLINK_TIMEOUT_S": "60"})
+  procs = _start(2, 1, "kill", {"FLEXLINK_TIMEOUT_S": "60", "FLEXLINK_LINKS": links})
   outs = _finish(procs, 120)
   assert procs[1].returncode == -signal.SIGKILL, outs[1][-2000:]
   assert procs[0].returncode == 3, outs[0][-4000:]
