@@ -83,7 +83,6 @@ class XprocExecutor {
   XprocExecutor(ProcessGroup* group, Resolved r) : g_(group), r_(std::move(r)) {
     const size_t L = r_.info.links.size();
     const int n = g_->size();
-    calls_.assign(n, 0);
     workers_.resize(L);
     for (size_t i = 0; i < L; ++i) {
       workers_[i].resize(n);
@@ -108,7 +107,9 @@ class XprocExecutor {
   Status Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
     const int n = g_->size();
     const size_t L = r_.info.links.size();
-    const uint64_t c = ++calls_[rank];
+    // The group's call number (ProcessGroup counts every call, split or not, in every process), not
+    // this executor's: after a reconfiguration the parity argument still holds across executors.
+    const uint64_t c = g_->rank_calls(rank) + 1;
     const uint64_t bytes = MessageBytes(desc, n);
     auto where = [&] {
       return ErrorPrefix(label) + desc.Describe() + " on cross-process group " + FormatIds(g_->devices()) +
@@ -243,7 +244,6 @@ class XprocExecutor {
   const Resolved r_;
   std::unique_ptr<plan::Balancer> balancer_;  // the leader's process only
   std::vector<std::vector<std::unique_ptr<LinkWorker>>> workers_;  // [link][rank]: tcp links, local ranks
-  std::vector<uint64_t> calls_;  // per rank; each entry only touched by its rank's thread
   Held held_[2];                 // leader (rank 0's thread) only: the plans of the last two calls
 };
 
