@@ -7,6 +7,7 @@ killed process turning into an error that names it, fast, with nothing left in /
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import signal
@@ -91,9 +92,10 @@ def test_repeated_calls_identical_on_every_rank():
   assert len(sums) == 1, sums
 
 
-def test_killed_process_is_named_before_the_deadline():
+@pytest.mark.parametrize("links", ["shm", "shm;tcp"])
+def test_killed_process_is_named_before_the_deadline(links):
   before = _segments()
-  procs = _start(2, 1, "kill", {"FLEXLINK_TIMEOUT_S": "60"})
+  procs = _start(2, 1, "kill", {"FLEXLINK_TIMEOUT_S": "60", "FLEXLINK_LINKS": links})
   outs = _finish(procs, 120)
   assert procs[1].returncode == -signal.SIGKILL, outs[1][-2000:]
   assert procs[0].returncode == 3, outs[0][-4000:]
@@ -104,3 +106,29 @@ def test_killed_process_is_named_before_the_deadline():
   assert "rank 1" in message and "device 2048" in message, message
   assert "psum" in message, message
   assert _segments() <= before
+
+
+@pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
+def test_several_links_split_agreed_across_processes(n, k):
+  """FLEXLINK_LINKS="shm;tcp": cross-process calls split across the segment and the tcp ring by the
+  leader's plan; every rank of every process cut the same ranges at every call, and the plan moved."""
+  outs = _run(n, k, "multilink", FLEXLINK_LINKS="shm;tcp")
+  by_call = {}
+  for out in outs:
+    splits = json.loads(re.search(r"^SPLITS (.*)$", out, re.M).group(1))
+    for call, ranks in splits.items():
+      for rank, ranges in ranks.items():
+        by_call.setdefault(int(call), {})[int(rank)] = tuple(map(tuple, ranges))
+  assert len(by_call) >= 30
+  distinct = set()
+  for call, ranks in by_call.items():
+    assert len(ranks) == n * k, (call, ranks)  # every rank of every process recorded the call
+    assert len(set(ranks.values())) == 1, (call, ranks)  # ...and cut the same ranges
+    distinct.add(next(iter(ranks.values())))
+  assert len(distinct) >= 2, "stage 2 never moved the split"
+  assert any(len([r for r in ranges if r[1] > r[0]]) == 2 for ranges in distinct), "tcp never carried bytes"
+  for out in outs:
+    groups = json.loads(re.search(r"^GROUPS (.*)$", out, re.M).group(1))
+    assert len(groups) == 1 and groups[0]["links"] == ["shm", "tcp"] and groups[0]["left_out"] == [], groups
+    assert groups[0]["refused_connections"] == {"tcp": 0}, groups
+  assert re.search(r"^PLANS [1-9]", outs[0], re.M), outs[0][-2000:]

@@ -27,12 +27,21 @@
 #include <thread>
 #include <vector>
 
+#include <sys/random.h>
+
+#include <map>
+#include <set>
+
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/link_set.h"
+#include "xla_ffi/links/tcp_xproc.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/xproc/process_group.h"
 #include "xla_ffi/xproc/registry.h"
 #include "xla_ffi/xproc/segment.h"
+#include "xla_ffi/xproc/xproc_executor.h"
 #include "tests/cpp/check.h"
 #include "tests/cpp/reference.h"
 
@@ -421,6 +430,225 @@ void Deadline(Proc& p) {
   }
 }
 
+
+// ---- several links across processes (xproc/xproc_executor.h) ---------------------------------
+
+uint64_t Fnv(const std::string& s, uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+uint64_t LinkBytes(const std::string& name) {
+  for (const auto& l : SnapshotLinkStats())
+    if (l.name == name) return l.bytes;
+  return 0;
+}
+
+// Every case on the segment + tcp (stage 2 from equal shares: both links carry bytes), against the
+// reference, then the same cases on the segment alone: bit for bit the same.
+void MultiLinkCorrectness(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  xproc::ProcessGroup* g = xproc::FindProcessGroup(p.devices);
+  Expect(g != nullptr, "the group is registered");
+  if (!g) return;
+  const xproc::XprocLinks links = xproc::XprocLinksOf(g);
+  Expect(links.links == std::vector<std::string>{"shm", "tcp"} && links.left_out.empty(),
+         "the group's links are shm and tcp");
+  const uint64_t shm0 = LinkBytes("shm"), tcp0 = LinkBytes("tcp");
+  const std::vector<Case> cases = Cases(p.n(), false);
+  std::vector<std::vector<std::vector<std::vector<uint8_t>>>> split;
+  for (const Case& c : cases) split.push_back(CheckCase(p, c));
+  if (p.index == 0) {  // the leader's process records the links' calls
+    Expect(LinkBytes("shm") > shm0 && LinkBytes("tcp") > tcp0,
+           "both links carried bytes: shm +" + std::to_string(LinkBytes("shm") - shm0) + ", tcp +" +
+               std::to_string(LinkBytes("tcp") - tcp0));
+    bool found = false;
+    for (const auto& snap : SnapshotPlans())
+      found |= snap.group == p.devices && snap.links == std::vector<std::string>{"shm", "tcp"};
+    Expect(found, "SnapshotPlans shows the cross-process group's plans");
+  }
+  Expect(ConfigureLinks("shm").ok(), "configure shm");
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const auto alone = CheckCase(p, cases[k]);
+    for (int r : p.ranks)
+      Expect(alone[r] == split[k][r], Describe(cases[k], p.n()) + " rank " + std::to_string(r) +
+                                          ": split across shm+tcp is bitwise the segment alone's");
+  }
+}
+
+// Pinned 0.7/0.3 through the leader's balancer (SetShares), and a tcp-kind link that is not
+// connected plus an emulated link: both left out, with reasons.
+void MultiLinkPinned(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  const int64_t count = 1 << 20;  // 4 MiB f32
+  Expect(SetShares(Kind::kAllReduce, count * 4, {0.7, 0.3}, true).ok(), "set_shares 0.7/0.3 pinned");
+  SetRecordSplits(true);
+  (void)TakeSplitRecords();
+  const uint64_t shm0 = LinkBytes("shm"), tcp0 = LinkBytes("tcp");
+  for (int i = 0; i < 3; ++i)
+    CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 31u + i});
+  // One more call: the leader reports a call's times after the next call's arrival.
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 40});
+  const auto recs = TakeSplitRecords();
+  SetRecordSplits(false);
+  bool all_pinned = !recs.empty();
+  for (const auto& r : recs) {
+    const double total = static_cast<double>(r.ranges.back().second);
+    all_pinned &= r.ranges.size() == 2 && std::abs(r.ranges[0].second / total - 0.7) < 0.01;
+  }
+  Expect(all_pinned, "every call cut 0.7/0.3 (" + std::to_string(recs.size()) + " records)");
+  if (p.index == 0) {
+    const uint64_t ds = LinkBytes("shm") - shm0, dt = LinkBytes("tcp") - tcp0;
+    Expect(ds > 0 && dt > 0 && std::abs(static_cast<double>(dt) / (ds + dt) - 0.3) < 0.02,
+           "link byte counters follow 0.7/0.3: shm +" + std::to_string(ds) + ", tcp +" + std::to_string(dt));
+    bool pinned = false;
+    for (const auto& snap : SnapshotPlans())
+      pinned |= snap.group == p.devices && snap.plan.mode == plan::PlanMode::kPinned;
+    Expect(pinned, "SnapshotPlans shows the pinned plan");
+  }
+  // Links that cannot span processes are left out and say why.
+  Expect(ConfigureLinks("shm;tcp;tcp:other;emulated:nic@gbps=10").ok(), "configure four links");
+  const xproc::XprocLinks links = xproc::XprocLinksOf(xproc::FindProcessGroup(p.devices));
+  Expect(links.links == std::vector<std::string>{"shm", "tcp"} && links.left_out.size() == 2 &&
+             links.left_out[0].first == "other" && links.left_out[0].second.find("not connected") != std::string::npos &&
+             links.left_out[1].first == "nic" && links.left_out[1].second.find("cannot span processes") != std::string::npos,
+         "left out: tcp:other (not connected) and emulated:nic (in-process)");
+  CheckCase(p, {Kind::kAllGather, ReduceOp::kSum, {{DType::kBF16, {3, 70001}}}, 1, {}, false, 41});
+}
+
+// Stage 2 across processes: ≥30 converging calls; every rank of every process cut the same ranges
+// at every call (this process's records hashed into the token the parent compares), and the plan
+// moved at least once.
+void MultiLinkAgreement(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  SetRecordSplits(true);
+  (void)TakeSplitRecords();
+  const int calls = 40;
+  // Checked against the reference at the first and the last call (the reference is slow); in
+  // between every call must succeed.
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {int64_t{1} << 20}}}, 0, {}, false, 50};
+  CheckCase(p, c);
+  std::vector<std::vector<std::vector<uint8_t>>> ins(p.n()), outs(p.n());
+  for (int r : p.ranks) ins[r] = {Input(c, 0, r)}, outs[r] = {std::vector<uint8_t>(ins[r][0].size())};
+  std::vector<Status> st(p.n());
+  for (int i = 0; i < calls - 2; ++i) {
+    OnRanks(p, [&](int r) { st[r] = Call(p, r, c, ins[r], outs[r]); });
+    for (int r : p.ranks) Expect(st[r].ok(), "converging call: " + st[r].message());
+  }
+  CheckCase(p, c);
+  const auto recs = TakeSplitRecords();
+  SetRecordSplits(false);
+  std::map<uint64_t, std::set<std::vector<std::pair<uint64_t, uint64_t>>>> by_call;
+  for (const auto& r : recs) by_call[r.call].insert(r.ranges);
+  bool agree = by_call.size() == static_cast<size_t>(calls) && recs.size() == by_call.size() * p.ranks.size();
+  std::string seq;
+  std::set<std::vector<std::pair<uint64_t, uint64_t>>> distinct;
+  for (const auto& [c, sets] : by_call) {
+    agree &= sets.size() == 1;
+    seq += std::to_string(c) + ":";
+    for (const auto& [b, e] : *sets.begin()) seq += std::to_string(b) + "-" + std::to_string(e) + ",";
+    distinct.insert(*sets.begin());
+  }
+  Expect(agree, "this process's ranks cut the same ranges at every call (" + std::to_string(recs.size()) + " records)");
+  Expect(distinct.size() >= 2, "stage 2 moved the split (" + std::to_string(distinct.size()) + " distinct splits)");
+  char tok[96];
+  std::snprintf(tok, sizeof tok, "splits %016llx distinct %zu", static_cast<unsigned long long>(Fnv(seq)), distinct.size());
+  p.token = tok;
+  if (p.index == 0) {
+    const auto& last = *by_call.rbegin()->second.begin();
+    std::printf("    agreement: last split shm [%llu, %llu) tcp [%llu, %llu) of %llu bytes\n",
+                (unsigned long long)last[0].first, (unsigned long long)last[0].second,
+                (unsigned long long)last[1].first, (unsigned long long)last[1].second,
+                (unsigned long long)last.back().second);
+  }
+}
+
+// A process SIGKILLed inside a split call: the others fail fast, naming what went wrong.
+void MultiLinkPeerDies(Proc& p, int victim) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  Expect(SetShares(Kind::kAllReduce, 300000 * 4, {0.5, 0.5}, true).ok(), "pinned split");
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {1000}}}, 0, {}, false, 11});
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {300000}}}, 0, {}, false, 12};
+  if (p.index == victim) {
+    std::thread killer([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      raise(SIGKILL);
+    });
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, p.ranks[0])}, out = {in[0]};
+    (void)Call(p, p.ranks[0], c, in, out);
+    killer.join();
+    _exit(43);
+  }
+  if (p.index == 0) std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  const int n = p.n();
+  std::vector<Status> st(n);
+  std::vector<double> secs(n);
+  OnRanks(p, [&](int r) {
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, r)}, out = {in[0]};
+    const auto t = Clock::now();
+    st[r] = Call(p, r, c, in, out);
+    secs[r] = Since(t);
+  });
+  for (int r : p.ranks) {
+    const std::string& m = st[r].message();
+    Expect(!st[r].ok() && m.find("xproc_test") != std::string::npos && secs[r] < TimeoutSeconds() / 2,
+           "split call with a dead peer fails fast (" + std::to_string(secs[r]) + " s): " + m);
+    Expect(m.find("device " + std::to_string(kFirstDevice + victim)) != std::string::npos || m.find("exited") != std::string::npos ||
+               m.find("closed") != std::string::npos,
+           "the error says what failed: " + m);
+  }
+  OnRanks(p, [&](int r) {
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, r)}, out = {in[0]};
+    const auto t = Clock::now();
+    st[r] = Call(p, r, c, in, out);
+    secs[r] = Since(t);
+  });
+  for (int r : p.ranks)
+    Expect(!st[r].ok() && secs[r] < 0.5, "a later call fails at once: " + st[r].message());
+}
+
+
+// --bench-multilink: all_reduce f32 at 16 and 64 MiB per process, the segment alone against shm+tcp
+// after stage 2 converged (40 calls), median of the next 15; the leader prints the final split.
+void MultiLinkBench(Proc& p) {
+  const int rank = p.ranks[0];
+  for (size_t bytes : {size_t{16} << 20, size_t{64} << 20}) {
+    const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {static_cast<int64_t>(bytes / 4)}}}, 0, {}, false, 1};
+    std::vector<std::vector<uint8_t>> in = {std::vector<uint8_t>(bytes, 1)}, out = {std::vector<uint8_t>(bytes)};
+    auto median = [&](int warm, int timed) {
+      std::vector<double> t;
+      for (int i = 0; i < warm + timed; ++i) {
+        const auto t0 = Clock::now();
+        Status s = Call(p, rank, c, in, out);
+        if (!s.ok()) std::printf("FAIL: bench: %s\n", s.message().c_str());
+        if (i >= warm) t.push_back(Since(t0));
+      }
+      std::sort(t.begin(), t.end());
+      return t[t.size() / 2];
+    };
+    Expect(ConfigureLinks("shm").ok(), "configure shm");
+    const double alone = median(3, 15);
+    Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+    const int converge = std::getenv("BENCH_CONVERGE") ? std::atoi(std::getenv("BENCH_CONVERGE")) : 40;
+    const double split = median(converge, 15);
+    if (p.index == 0) {
+      std::string plan;
+      for (const auto& snap : SnapshotPlans())
+        if (snap.group == p.devices && snap.plan.bucket_bytes <= bytes && snap.plan.bucket_bytes * 2 > bytes) {
+          plan = std::string(plan::Name(snap.plan.mode));
+          for (size_t i = 0; i < snap.links.size(); ++i) {
+            char b[48];
+            std::snprintf(b, sizeof b, " %s=%.3f", snap.links[i].c_str(), snap.plan.shares[i]);
+            plan += b;
+          }
+        }
+      std::printf("| all_reduce | %d | %zu MiB | %.2f | %.2f | %s |\n", p.n(), bytes >> 20, alone * 1e3, split * 1e3,
+                  plan.c_str());
+      std::fflush(stdout);
+    }
+  }
+}
+
 // ---- the parent's side ------------------------------------------------------------------------
 
 struct Child {
@@ -436,6 +664,7 @@ struct Scenario {
   std::vector<int> dies;  // process indices expected to die (no report)
   bool same_token = false;
   std::function<void(Proc&)> body;
+  bool tcp = false;  // also connect a cross-process tcp ring "tcp" (ports and token through the pipes)
 };
 
 struct Report {
@@ -471,6 +700,21 @@ struct Report {
     if (!WriteFull(self.up, "A", 1)) _exit(3);
   }
   p.name = name;
+  if (s.tcp) {
+    std::vector<uint16_t> ports;
+    Status st = ListenCrossProcessTcp(p.devices, local, "tcp", &ports);
+    if (!st.ok()) std::printf("FAIL: listen: %s\n", st.message().c_str());
+    ports.resize(s.per_proc);
+    if (!WriteFull(self.up, ports.data(), ports.size() * sizeof(uint16_t))) _exit(3);
+    std::vector<uint16_t> all(p.n());
+    uint8_t token[kTcpTokenBytes];
+    if (!ReadFull(self.down, all.data(), all.size() * sizeof(uint16_t), 20000) ||
+        !ReadFull(self.down, token, sizeof token, 20000))
+      _exit(4);
+    int refused = 0;
+    st = ConnectCrossProcessTcp(p.devices, local, all, token, "tcp", &refused);
+    Expect(st.ok(), "cross-process tcp ring connects: " + st.message());
+  }
   char go;
   if (!ReadFull(self.down, &go, 1, 20000) || go != 'G') _exit(4);
   s.body(p);
@@ -535,6 +779,17 @@ void RunScenario(const Scenario& s) {
     // As the Python glue does: unlink as soon as every process has mapped it.
     Expect(xproc::UnlinkProcessSegment(name).ok(), s.what + ": unlink");
     Expect(stat(path.c_str(), &st) != 0, s.what + ": nothing left in /dev/shm");
+  }
+  if (ok && s.tcp) {
+    std::vector<uint16_t> ports(s.procs * s.per_proc);
+    for (int i = 0; i < s.procs && ok; ++i)
+      ok &= ReadFull(kids[i].up, ports.data() + i * s.per_proc, s.per_proc * sizeof(uint16_t), 20000);
+    uint8_t token[kTcpTokenBytes];
+    ok &= getrandom(token, sizeof token, 0) == static_cast<ssize_t>(sizeof token);
+    for (int i = 0; i < s.procs && ok; ++i)
+      ok &= WriteFull(kids[i].down, ports.data(), ports.size() * sizeof(uint16_t)) &&
+            WriteFull(kids[i].down, token, sizeof token);
+    Expect(ok, s.what + ": tcp ports and token passed");
   }
   for (auto& k : kids) WriteFull(k.down, ok ? "G" : "X", 1);
   std::string token;
@@ -684,6 +939,15 @@ int main(int argc, char** argv) {
                    [fresh](Proc& p) { BenchBody(p, fresh); }});
     return Summary();
   }
+  if (argc > 1 && std::strcmp(argv[1], "--bench-multilink") == 0) {
+    if (std::getenv("BENCH_LOG")) SetDebugLevel(kDebugInfo);
+    std::printf("| kind | processes | bytes per process | shm alone ms | shm+tcp ms | leader's plan |\n"
+                "|---|---|---|---|---|---|\n");
+    Scenario s{"bench shm+tcp, 2 processes", 2, 1, 0, 60, {}, false, MultiLinkBench};
+    s.tcp = true;
+    RunScenario(s);
+    return Summary();
+  }
   const auto start = Clock::now();
   std::printf("xproc_test\n");
   RunScenario({"2 processes x 1 rank: every kind x dtype x op", 2, 1, 64 << 10, 30, {}, false,
@@ -706,6 +970,21 @@ int main(int argc, char** argv) {
                [](Proc& p) { PeerDies(p, 3, true); }});
   RunScenario({"a process never calls: deadline", 2, 1, 64 << 10, 1.5, {}, false, Deadline});
   RunScenario({"a process never calls: deadline, 2 x 2 ranks", 2, 2, 64 << 10, 1.5, {}, false, Deadline});
+  auto multi = [](std::string what, int procs, int per_proc, double timeout, std::vector<int> dies, bool same,
+                  std::function<void(Proc&)> body) {
+    Scenario s{what, procs, per_proc, 64 << 10, timeout, dies, same, std::move(body)};
+    s.tcp = true;
+    RunScenario(s);
+  };
+  multi("shm+tcp, 2 processes: every kind, bitwise the segment's", 2, 1, 30, {}, false, MultiLinkCorrectness);
+  multi("shm+tcp, 4 processes: every kind, bitwise the segment's", 4, 1, 30, {}, false, MultiLinkCorrectness);
+  multi("shm+tcp, 2 processes x 2 ranks", 2, 2, 30, {}, false, MultiLinkCorrectness);
+  multi("shm+tcp: pinned 0.7/0.3, links left out", 2, 1, 30, {}, false, MultiLinkPinned);
+  multi("shm+tcp: plan agreement over 40 calls, 2 processes", 2, 1, 30, {}, true, MultiLinkAgreement);
+  multi("shm+tcp: plan agreement, 4 processes", 4, 1, 30, {}, true, MultiLinkAgreement);
+  multi("shm+tcp: plan agreement, 2 processes x 2 ranks", 2, 2, 30, {}, true, MultiLinkAgreement);
+  multi("shm+tcp: a process SIGKILLed inside a split call", 3, 1, 20, {2}, false,
+        [](Proc& p) { MultiLinkPeerDies(p, 2); });
   AttachChecks();
   const auto after = ShmEntries();
   Expect(after.size() <= before.size(), "no /dev/shm/flexlink-* left (" + std::to_string(after.size()) + " now, " +

@@ -4,10 +4,14 @@ the test itself where it must outlive a dead peer).
 Every collective over a mesh of all processes' devices, FlexLink against jax.lax (gloo), on groups
 inside one process and across processes. Prints one line per check and exits non-zero on the first
 mismatch. Modes (argv[1]): `collectives` (the checks), `kill` (process 1 dies at a collective, the
-others must fail naming it), `plan` (repeated calls: every rank's result identical, stats agree).
+others must fail naming it), `plan` (repeated calls: every rank's result identical, stats agree),
+`multilink` (run with FLEXLINK_LINKS="shm;tcp": every kind against lax while cross-process calls are
+split across the segment and the tcp ring, then converging calls; prints this process's split records
+of the cross-process group, its xproc_groups() entry and, on process 0, the group's plans).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -164,5 +168,49 @@ def plan():
   say(f"ALL OK plan: 21 identical calls; checksum {float(np.sum(first[0], dtype=np.float64)):.6f}")
 
 
+def multilink():
+  from jax_flexlink import _flexlink  # noqa: PLC0415 - the split records and groups
+  _flexlink.set_record_splits(True)
+  mesh = Mesh(np.array(DEVICES), ("x",))
+  spec = P("x")
+  checks = 0
+  for dtype in (np.float32, jnp.bfloat16, np.int32):
+    host = data((N * 64, 130), dtype, seed=10 + checks)
+    tag = np.dtype(dtype).name
+    for op in ("psum", "pmax"):
+      f, lx = getattr(flx, op), getattr(jax.lax, op)
+      compare(f"{op} {tag}", mesh, spec, spec, lambda v: f(v, "x"), lambda v: lx(v, "x"), host)
+    compare(f"all_gather {tag}", mesh, spec, spec, lambda v: flx.all_gather(v, "x", tiled=True),
+            lambda v: jax.lax.all_gather(v, "x", tiled=True), host)
+    compare(f"psum_scatter {tag}", mesh, spec, spec,
+            lambda v: flx.psum_scatter(v, "x", scatter_dimension=0, tiled=True),
+            lambda v: jax.lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True), host)
+    perm = [(i, (i + 1) % N) for i in range(N)]
+    compare(f"ppermute {tag}", mesh, spec, spec, lambda v: flx.ppermute(v, "x", perm),
+            lambda v: jax.lax.ppermute(v, "x", perm), host)
+    compare(f"all_to_all {tag}", mesh, spec, spec, lambda v: flx.all_to_all(v, "x", 0, 0, tiled=True),
+            lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True), host)
+    checks += 6
+  # Converging calls: stage 2 moves the split; every rank must cut the same ranges at every call.
+  f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=spec, out_specs=spec))
+  x = global_array(mesh, spec, data((N * 256, 1024), np.float32, 7))
+  for _ in range(30):
+    f(x).block_until_ready()
+  group = "[" + ", ".join(str(d.id) for d in DEVICES) + "]"
+  records = [r for r in _flexlink.take_split_records() if r["group"] == group]
+  splits = {}
+  for r in records:
+    splits.setdefault(str(r["call"]), {})[str(r["rank"])] = [list(p) for p in r["ranges"]]
+  say("SPLITS " + json.dumps(splits))
+  ids = [d.id for d in DEVICES]
+  mine = [g for g in _flexlink.xproc_groups() if list(g["devices"]) == ids]
+  say("GROUPS " + json.dumps([{k: g[k] for k in ("links", "left_out", "refused_connections", "calls")}
+                              for g in mine]))
+  if ME == 0:
+    plans = [p for p in flx.stats()["plans"] if list(p.get("group", [])) == ids]
+    say(f"PLANS {len(plans)} " + json.dumps(plans, default=str)[:2000])
+  say(f"ALL OK multilink {checks} checks")
+
+
 if __name__ == "__main__":
-  {"collectives": collectives, "kill": kill, "plan": plan}[sys.argv[1]]()
+  {"collectives": collectives, "kill": kill, "plan": plan, "multilink": multilink}[sys.argv[1]]()

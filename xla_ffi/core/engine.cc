@@ -22,6 +22,7 @@
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/xproc/process_group.h"
 #include "xla_ffi/xproc/registry.h"
+#include "xla_ffi/xproc/xproc_executor.h"
 
 namespace flexlink {
 namespace {
@@ -100,7 +101,10 @@ Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, b
   for (auto& [key, group] : reg.groups)
     if (key.first == version)
       FLEXLINK_RETURN_IF_ERROR(group->balancer->SetShares(kind, bucket_bytes, shares, pinned));
-  return Status::Ok();
+  // Cross-process groups whose links are the whole link set (else the shares do not fit them).
+  return xproc::ForEachXprocBalancer([&](plan::Balancer& b) {
+    return b.links().size() == shares.size() ? b.SetShares(kind, bucket_bytes, shares, pinned) : Status::Ok();
+  });
 }
 
 Status InstallModel(plan::CostModel model) {
@@ -162,6 +166,8 @@ std::vector<PlanSnapshot> SnapshotPlans() {
     for (const auto& p : group->balancer->Plans())
       out.push_back(PlanSnapshot{key.second, *p, group->balancer->links()});
   }
+  // The cross-process groups this process leads (rank 0 is local): their one plan per call.
+  for (PlanSnapshot& p : xproc::SnapshotXprocPlans()) out.push_back(std::move(p));
   return out;
 }
 
@@ -189,7 +195,12 @@ Status RunCollectiveOrThrow(const CollectiveArgs& args) {
     return Status::Ok();
   }
   // A group whose ranks live in several processes runs on its shared segment (docs/xproc.md).
+  // With several links that span processes (the segment and cross-process tcp rings) the call is
+  // split by the leader's plan (xproc/xproc_executor.h); with one, the segment runs it alone.
   if (xproc::ProcessGroup* cross = xproc::FindProcessGroup(members)) {
+    bool handled = false;
+    Status split = xproc::RunXprocCall(cross, rank, desc, args.label, args.run_id, &handled);
+    if (handled) return split;
     const auto start = std::chrono::steady_clock::now();
     Status status = cross->Run(rank, desc, args.label, args.run_id);
     if (rank == 0 && status.ok())

@@ -206,6 +206,13 @@ void Executor::Finish(CallState& state, int n, const CallDesc& desc,
 
 void SetRecordSplits(bool on) { g_record_splits.store(on); }
 
+bool RecordingSplits() { return g_record_splits.load(std::memory_order_relaxed); }
+
+void RecordSplit(SplitRecord record) {
+  std::lock_guard<std::mutex> lock(g_splits_mu);
+  if (Splits().size() < kMaxSplitRecords) Splits().push_back(std::move(record));
+}
+
 std::vector<SplitRecord> TakeSplitRecords() {
   std::lock_guard<std::mutex> lock(g_splits_mu);
   std::vector<SplitRecord> out;

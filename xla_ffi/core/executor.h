@@ -107,5 +107,9 @@ struct SplitRecord {
 };
 void SetRecordSplits(bool on);
 std::vector<SplitRecord> TakeSplitRecords();
+// For other executors (xproc/xproc_executor.cc: cross-process calls): whether recording is on, and
+// one record (dropped beyond the cap, as the executor's).
+bool RecordingSplits();
+void RecordSplit(SplitRecord record);
 
 }  // namespace flexlink

@@ -21,6 +21,7 @@
 #include "xla_ffi/ffi/py_values.h"
 #include "xla_ffi/links/tcp_xproc.h"
 #include "xla_ffi/xproc/registry.h"
+#include "xla_ffi/xproc/xproc_executor.h"
 
 namespace nb = nanobind;
 
@@ -211,6 +212,24 @@ nb::list XprocGroups() {
     d["slot_bytes"] = g.slot_bytes;
     d["calls"] = g.calls;
     d["broken"] = g.broken ? nb::object(nb::str(g.broken->c_str())) : nb::none();
+    // The links a call of the group is split across under the current link set, the configured
+    // links left out (and why), and each cross-process tcp ring's refused connections.
+    if (xproc::ProcessGroup* pg = xproc::FindProcessGroup(g.devices)) {
+      const xproc::XprocLinks links = xproc::XprocLinksOf(pg);
+      d["links"] = links.links;
+      nb::list left;
+      for (const auto& [name, why] : links.left_out) {
+        nb::dict l;
+        l["link"] = name;
+        l["reason"] = why;
+        left.append(l);
+      }
+      d["left_out"] = left;
+      nb::dict refused;
+      for (const auto& name : links.links)
+        if (int r = CrossProcessTcpRefused(g.devices, name); r >= 0) refused[name.c_str()] = r;
+      d["refused_connections"] = refused;
+    }
     out.append(d);
   }
   return out;

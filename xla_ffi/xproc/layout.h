@@ -4,6 +4,7 @@
 //   Header (one page)            magic, version, n, slot sizes, offsets, abort word and message
 //   devices   int64[n]           the group's global device ids in rank order
 //   RankBlock[n]                 one cache line each: arrival counter, pid, device
+//   TimesSlot[n][2]              several links: each rank's per-link seconds of a call, by parity
 //   data      [2][n] slots       slot = Fingerprint area + slot_bytes of staged data
 //   results   [2] slot_bytes     two-phase all_reduce: rank r's reduced slice of each step
 #pragma once
@@ -15,12 +16,38 @@
 namespace flexlink::xproc {
 
 inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-endian
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;  // 2: plan slots in the header, times slots per rank
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
 // one-barrier argument that protects the data protects it (docs/xproc.md, "Steps").
 inline constexpr size_t kFingerprintBytes = 4096;
+
+// Several links across processes (xproc_executor.h): the most links one group splits a call across.
+inline constexpr size_t kMaxXprocLinks = 8;
+
+// The leader's (rank 0's) plan for call `call`, in slot call & 1: written by the leader before it
+// arrives at the call, read by every rank right after the call's arrival (the acquire on the
+// leader's counter makes it visible). Rewritten for call + 2 only after the leader passed call + 1's
+// arrival, by which every rank has read it.
+struct PlanSlot {
+  uint64_t call;   // the group's call number (1, 2, ...) the plan is for
+  uint64_t epoch;  // the leader's Plan epoch (messages, tests)
+  uint32_t mode;   // plan::PlanMode
+  uint32_t links;  // how many links the leader's group has (processes must agree)
+  double shares[kMaxXprocLinks];
+};
+
+// One rank's times of call `call` (slot call & 1), written at the end of the call, before the rank
+// arrives at the next; read by the leader after call + 1's arrival (every rank finished `call`).
+// Rewritten for call + 2 only after call + 2's arrival, which the leader enters after reading.
+struct alignas(64) TimesSlot {
+  uint64_t call;
+  uint32_t links;
+  uint32_t ok;  // 1: the call succeeded on this rank
+  double call_seconds;
+  double seconds[kMaxXprocLinks];
+};
 
 inline constexpr uint32_t kAbortNone = 0, kAbortWriting = 1, kAbortSet = 2;
 
@@ -31,12 +58,13 @@ struct Header {
   uint64_t slot_bytes;   // data bytes of one slot
   uint64_t slot_stride;  // kFingerprintBytes + slot_bytes
   uint64_t total_bytes;
-  uint64_t devices_offset, ranks_offset, data_offset, results_offset;
+  uint64_t devices_offset, ranks_offset, times_offset, data_offset, results_offset;
   uint32_t creator_pid;
   uint32_t reserved;
   alignas(64) std::atomic<uint32_t> abort;  // kAbort*; a futex word nobody waits on, read between slices
   int32_t abort_rank;
   char abort_message[kAbortMessageBytes];
+  alignas(64) PlanSlot plans[2];
 };
 static_assert(sizeof(Header) <= 4096);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -53,14 +81,15 @@ static_assert(sizeof(RankBlock) == 64);
 inline constexpr size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
 struct Layout {
-  size_t devices_offset, ranks_offset, data_offset, results_offset, slot_stride, total_bytes;
+  size_t devices_offset, ranks_offset, times_offset, data_offset, results_offset, slot_stride, total_bytes;
 };
 
 inline Layout ComputeLayout(uint32_t n, size_t slot_bytes) {
   Layout l;
   l.devices_offset = 4096;
   l.ranks_offset = RoundUp(l.devices_offset + n * sizeof(int64_t), 64);
-  l.data_offset = RoundUp(l.ranks_offset + n * sizeof(RankBlock), 4096);
+  l.times_offset = RoundUp(l.ranks_offset + n * sizeof(RankBlock), 64);
+  l.data_offset = RoundUp(l.times_offset + 2 * size_t{n} * sizeof(TimesSlot), 4096);
   l.slot_stride = kFingerprintBytes + slot_bytes;
   l.results_offset = l.data_offset + 2 * size_t{n} * l.slot_stride;
   l.total_bytes = l.results_offset + 2 * slot_bytes;

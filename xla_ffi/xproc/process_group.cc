@@ -80,6 +80,7 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int
       local_(local_devices.begin(), local_devices.end()),
       calls_(new std::atomic<uint64_t>[devices.size()]) {
   ranks_ = reinterpret_cast<RankBlock*>(segment_->data() + header_->ranks_offset);
+  times_ = reinterpret_cast<TimesSlot*>(segment_->data() + header_->times_offset);
   data_ = segment_->data() + header_->data_offset;
   results_ = segment_->data() + header_->results_offset;
   for (size_t r = 0; r < devices_.size(); ++r) calls_[r].store(0);
@@ -104,6 +105,7 @@ Status ProcessGroup::Create(std::span<const int64_t> devices, std::span<const in
   h->total_bytes = layout.total_bytes;
   h->devices_offset = layout.devices_offset;
   h->ranks_offset = layout.ranks_offset;
+  h->times_offset = layout.times_offset;
   h->data_offset = layout.data_offset;
   h->results_offset = layout.results_offset;
   h->creator_pid = static_cast<uint32_t>(getpid());
@@ -148,7 +150,8 @@ Status ProcessGroup::Attach(const std::string& name, std::span<const int64_t> de
   const Layout layout = ComputeLayout(h->n, h->slot_bytes);
   if (h->slot_bytes == 0 || h->slot_bytes % 4096 || layout.total_bytes != h->total_bytes ||
       layout.total_bytes > segment->size() || layout.devices_offset != h->devices_offset ||
-      layout.ranks_offset != h->ranks_offset || layout.data_offset != h->data_offset ||
+      layout.ranks_offset != h->ranks_offset || layout.times_offset != h->times_offset ||
+      layout.data_offset != h->data_offset ||
       layout.results_offset != h->results_offset ||
       layout.slot_stride != h->slot_stride)
     return Status::FailedPrecondition(what + "header inconsistent with its size");
@@ -319,23 +322,42 @@ Status ProcessGroup::Barrier(int rank, uint32_t* step, const Where& where, int s
   return s;
 }
 
-Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
+std::string ProcessGroup::WhereText(std::string_view label, int64_t run_id, uint64_t call,
+                                    const std::string& described) const {
+  return ErrorPrefix(label) + described + " on group " + Ids(devices_) + " (link shm across processes, run " +
+         std::to_string(run_id) + ", call " + std::to_string(call) + " on this group)";
+}
+
+Status ProcessGroup::CheckFingerprints(int buffer, std::string_view label, int64_t run_id, uint64_t call) const {
+  // Every rank compares the same fingerprints, so all reach the same verdict at the same step and
+  // the group stays in step after a mismatch (no rank touched an output).
   const int n = size();
-  const uint64_t call = calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1;
-  // Built only for a message: the label, the call, the group, the link, run and call number.
-  auto where_as = [&](const std::string& call_described) {
-    return ErrorPrefix(label) + call_described + " on group " + Ids(devices_) + " (link shm across processes, run " +
-           std::to_string(run_id) + ", call " + std::to_string(call) + " on this group)";
-  };
-  const Where where = [&] { return where_as(desc.Describe()); };
-  if (auto reason = broken())
-    return Status::FailedPrecondition(where() + ": the cross-process group is broken: " + *reason);
+  for (int j = 1; j < n; ++j) {
+    if (SameFingerprint(Slot(buffer, 0), Slot(buffer, j))) continue;
+    // Described from rank 0's side, so that every rank's message is the same.
+    return Status::InvalidArgument(
+        WhereText(label, run_id, call, DescribeFingerprint(Slot(buffer, 0))) + ": ranks disagree on the call: rank 0 (device " +
+        std::to_string(devices_[0]) + ") has " + DescribeFingerprint(Slot(buffer, 0)) + ", rank " +
+        std::to_string(j) + " (device " + std::to_string(devices_[j]) + ") has " +
+        DescribeFingerprint(Slot(buffer, j)) +
+        " (every device must call the collective with the same operands: number, shapes and dtypes, and "
+        "the same reduction or pairs)");
+  }
+  return Status::Ok();
+}
+
+Status ProcessGroup::CheckSlotFits(const CallDesc& desc, const Where& where) const {
   const size_t slot = header_->slot_bytes;
   for (size_t i = 0; i < desc.parts.size(); ++i)
-    if (StagedBytesPerUnit(desc, desc.parts[i], n) > slot)
+    if (StagedBytesPerUnit(desc, desc.parts[i], size()) > slot)
       return Status::InvalidArgument(where() + ": a unit of operand " + std::to_string(i) + " needs more than the " +
                                      std::to_string(slot) + "-byte slot");
-  StepCursor cursor(desc, n, slot);
+  return Status::Ok();
+}
+
+Status ProcessGroup::Steps(int rank, const CallDesc& desc, StepCursor& cursor, const Where& where, bool first,
+                           std::string_view label, int64_t run_id, uint64_t call) {
+  const int n = size();
   thread_local std::vector<StepPiece> pieces;
   thread_local std::vector<const char*> slots;
   slots.resize(n);
@@ -349,25 +371,12 @@ Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label,
   for (int step_of_call = 0; cursor.Next(&pieces); ++step_of_call) {
     const int buffer = step & 1;
     char* own = Slot(buffer, rank);
-    if (step_of_call == 0) WriteFingerprint(desc, own);
+    const bool check = first && step_of_call == 0;
+    if (check) WriteFingerprint(desc, own);
     for (const StepPiece& piece : pieces) Stage(desc, n, rank, piece, own + kFingerprintBytes);
-    FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, step_of_call, step_of_call == 0, desc));
+    FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, step_of_call, check, desc));
     for (int j = 0; j < n; ++j) slots[j] = Slot(buffer, j) + kFingerprintBytes;
-    if (step_of_call == 0) {
-      // Every rank compares the same fingerprints, so all reach the same verdict at the same step and
-      // the group stays in step after a mismatch (no rank touched an output).
-      for (int j = 1; j < n; ++j) {
-        if (SameFingerprint(Slot(buffer, 0), Slot(buffer, j))) continue;
-        // Described from rank 0's side, so that every rank's message is the same.
-        return Status::InvalidArgument(
-            where_as(DescribeFingerprint(Slot(buffer, 0))) + ": ranks disagree on the call: rank 0 (device " +
-            std::to_string(devices_[0]) + ") has " + DescribeFingerprint(Slot(buffer, 0)) + ", rank " +
-            std::to_string(j) + " (device " + std::to_string(devices_[j]) + ") has " +
-            DescribeFingerprint(Slot(buffer, j)) +
-            " (every device must call the collective with the same operands: number, shapes and dtypes, and "
-            "the same reduction or pairs)");
-      }
-    }
+    if (check) FLEXLINK_RETURN_IF_ERROR(CheckFingerprints(buffer, label, run_id, call));
     if (!two_phase) {
       for (const StepPiece& piece : pieces) Compute(desc, n, rank, piece, slots.data());
       continue;
@@ -378,6 +387,39 @@ Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label,
     for (const StepPiece& piece : pieces) CopyResult(desc, n, piece, result);
   }
   return Status::Ok();
+}
+
+Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
+  const uint64_t call = calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1;
+  // Built only for a message: the label, the call, the group, the link, run and call number.
+  const Where where = [&] { return WhereText(label, run_id, call, desc.Describe()); };
+  if (auto reason = broken())
+    return Status::FailedPrecondition(where() + ": the cross-process group is broken: " + *reason);
+  FLEXLINK_RETURN_IF_ERROR(CheckSlotFits(desc, where));
+  StepCursor cursor(desc, size(), header_->slot_bytes);
+  return Steps(rank, desc, cursor, where, true, label, run_id, call);
+}
+
+Status ProcessGroup::Arrive(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
+  const uint64_t call = calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1;
+  const Where where = [&] { return WhereText(label, run_id, call, desc.Describe()); };
+  if (auto reason = broken())
+    return Status::FailedPrecondition(where() + ": the cross-process group is broken: " + *reason);
+  // Checked before the barrier, from the description alone: every rank reaches the same verdict.
+  FLEXLINK_RETURN_IF_ERROR(CheckSlotFits(desc, where));
+  uint32_t step = ranks_[rank].arrived.load(std::memory_order_relaxed);
+  const int buffer = step & 1;
+  WriteFingerprint(desc, Slot(buffer, rank));
+  FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, 0, true, desc));
+  return CheckFingerprints(buffer, label, run_id, call);
+}
+
+Status ProcessGroup::RunPieces(int rank, const CallDesc& desc, std::span<const Piece> pieces, std::string_view label,
+                               int64_t run_id) {
+  const uint64_t call = calls_[rank].load(std::memory_order_relaxed);
+  const Where where = [&] { return WhereText(label, run_id, call, desc.Describe()); };
+  StepCursor cursor(desc, size(), header_->slot_bytes, pieces);
+  return Steps(rank, desc, cursor, where, false, label, run_id, call);
 }
 
 }  // namespace flexlink::xproc

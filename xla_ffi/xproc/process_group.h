@@ -18,6 +18,7 @@
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/xproc/layout.h"
 #include "xla_ffi/xproc/segment.h"
+#include "xla_ffi/xproc/steps.h"
 
 namespace flexlink::xproc {
 
@@ -40,6 +41,23 @@ class ProcessGroup {
   // collective by `label`; `run_id` only appears in messages.
   Status Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
 
+  // Several links (xproc_executor.h). Arrive: the call's arrival as one step of the protocol with no
+  // data: the fingerprint check, the outputs faulted in, and a barrier that makes what every rank
+  // wrote before it (the leader's plan slot, every rank's times slot) visible after it. It counts the
+  // call. RunPieces: only `pieces` of the call (a link's range, PiecesOf order) through the step
+  // protocol, without a fingerprint (Arrive checked it); every rank runs the same pieces. Errors of
+  // either fail the group (abort word) as Run's do.
+  Status Arrive(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
+  Status RunPieces(int rank, const CallDesc& desc, std::span<const Piece> pieces, std::string_view label,
+                   int64_t run_id);
+  // Records `message` as the group's failure (first one wins) and wakes every waiter: another link's
+  // error of this rank's call, so that the other processes fail fast with the reason.
+  void Abort(int rank, const std::string& message) { Fail(rank, message); }
+  bool aborted() const { return header_->abort.load(std::memory_order_acquire) != kAbortNone; }
+  PlanSlot& plan_slot(uint64_t call) { return header_->plans[call & 1]; }
+  TimesSlot& times_slot(int rank, uint64_t call) { return times_[static_cast<size_t>(rank) * 2 + (call & 1)]; }
+  uint64_t rank_calls(int rank) const { return calls_[rank].load(std::memory_order_relaxed); }
+
   const std::string& name() const { return segment_->name(); }
   const std::vector<int64_t>& devices() const { return devices_; }
   const std::vector<int64_t>& local_devices() const { return local_; }
@@ -53,7 +71,15 @@ class ProcessGroup {
   using Where = std::function<std::string()>;  // the call as messages name it
   ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int64_t> devices,
                std::span<const int64_t> local_devices);
-  Status Claim();  // writes this process's pid into its ranks' control blocks
+  Status Claim();
+  std::string WhereText(std::string_view label, int64_t run_id, uint64_t call, const std::string& described) const;
+  // The fingerprints of step buffer `buffer`, every rank's against rank 0's.
+  Status CheckFingerprints(int buffer, std::string_view label, int64_t run_id, uint64_t call) const;
+  // The steps of `cursor` (a whole call, or some pieces); `first` writes and checks the fingerprint
+  // at its first step and faults in the outputs there.
+  Status Steps(int rank, const CallDesc& desc, StepCursor& cursor, const Where& where, bool first,
+               std::string_view label, int64_t run_id, uint64_t call);
+  Status CheckSlotFits(const CallDesc& desc, const Where& where) const;  // writes this process's pid into its ranks' control blocks
   char* Slot(int buffer, int rank) const {
     return data_ + (static_cast<size_t>(buffer) * devices_.size() + rank) * header_->slot_stride;
   }
@@ -73,6 +99,7 @@ class ProcessGroup {
   std::unique_ptr<Segment> segment_;
   Header* header_;
   RankBlock* ranks_;
+  TimesSlot* times_;
   char* data_;
   char* results_;
   std::vector<int64_t> devices_, local_;

@@ -17,18 +17,28 @@ size_t StagedBytesPerUnit(const CallDesc& desc, const Part& part, int n) {
 bool StepCursor::Next(std::vector<StepPiece>* pieces) {
   pieces->clear();
   size_t used = 0;
-  while (part_ < desc_.parts.size()) {
-    const Part& p = desc_.parts[part_];
-    if (unit_ >= p.units) {  // zero-size parts take no part in the work
+  // Unrestricted, part_ indexes desc_.parts and a part's units run 0..units; restricted, part_
+  // indexes only_ and a piece's units run begin..end.
+  const size_t count = restricted_ ? only_.size() : desc_.parts.size();
+  while (part_ < count) {
+    const size_t part = restricted_ ? only_[part_].part : part_;
+    const Part& p = desc_.parts[part];
+    const size_t end = restricted_ ? std::min(only_[part_].units.end, p.units) : p.units;
+    if (restricted_ && !started_) {
+      unit_ = only_[part_].units.begin;
+      started_ = true;
+    }
+    if (unit_ >= end) {  // zero-size parts take no part in the work
       ++part_;
       unit_ = 0;
+      started_ = false;
       continue;
     }
     const size_t per_unit = StagedBytesPerUnit(desc_, p, n_);
     const size_t room = used < slot_ ? (slot_ - used) / per_unit : 0;
     if (room == 0) break;  // the slot is full (the caller guarantees one unit fits an empty slot)
-    const size_t take = std::min(room, p.units - unit_);
-    pieces->push_back({part_, {unit_, unit_ + take}, used});
+    const size_t take = std::min(room, end - unit_);
+    pieces->push_back({part, {unit_, unit_ + take}, used});
     used = RoundUp(used + take * per_unit, 64);
     unit_ += take;
   }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 #include <vector>
 
 #include "xla_ffi/core/call.h"
@@ -24,6 +25,9 @@ size_t StagedBytesPerUnit(const CallDesc& desc, const Part& part, int n);
 class StepCursor {
  public:
   StepCursor(const CallDesc& desc, int n, size_t slot_bytes) : desc_(desc), n_(n), slot_(slot_bytes) {}
+  // Only `pieces` (in their order; each a part's unit range), as a link's range of a split call runs.
+  StepCursor(const CallDesc& desc, int n, size_t slot_bytes, std::span<const Piece> pieces)
+      : desc_(desc), n_(n), slot_(slot_bytes), only_(pieces), restricted_(true) {}
   // The next step's pieces (several small parts pack into one step); false when the call is done.
   bool Next(std::vector<StepPiece>* pieces);
 
@@ -32,6 +36,9 @@ class StepCursor {
   const int n_;
   const size_t slot_;
   size_t part_ = 0, unit_ = 0;
+  std::span<const Piece> only_;
+  bool restricted_ = false;
+  bool started_ = false;  // restricted: unit_ set to the current piece's begin
 };
 
 // Before the barrier: this rank's input units of `piece` into `slot` (its own).

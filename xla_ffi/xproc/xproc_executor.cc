@@ -1,0 +1,334 @@
+#include "xla_ffi/xproc/xproc_executor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/link_set.h"
+#include "xla_ffi/core/stats.h"
+#include "xla_ffi/links/tcp.h"
+#include "xla_ffi/links/tcp_xproc.h"
+#include "xla_ffi/plan/link_spec.h"
+#include "xla_ffi/plan/ranges.h"
+#include "xla_ffi/xproc/layout.h"
+#include "xla_ffi/xproc/process_group.h"
+
+namespace flexlink::xproc {
+namespace {
+
+struct Resolved {
+  XprocLinks info;
+  std::vector<TcpChannel*> tcp;  // per used link; nullptr: the segment
+  size_t segment = 0;            // index of the segment among the used links
+};
+
+Resolved Resolve(ProcessGroup* group, const LinkSet& set) {
+  Resolved r;
+  std::vector<plan::LinkSpec> specs;
+  if (!plan::ParseLinkSpecs(set.spec, {}, &specs).ok()) specs.clear();
+  bool have_segment = false;
+  for (const plan::LinkSpec& spec : specs) {
+    auto leave = [&](const std::string& why) { r.info.left_out.emplace_back(spec.name, why); };
+    if (r.info.links.size() >= kMaxXprocLinks) {
+      leave("more than " + std::to_string(kMaxXprocLinks) + " links: a cross-process group splits across at most that many");
+      continue;
+    }
+    if (spec.kind == "shm") {
+      if (have_segment) {
+        leave("a second link of kind shm: the group's one shared segment already plays the shm link");
+        continue;
+      }
+      have_segment = true;
+      r.segment = r.info.links.size();
+      r.info.links.push_back(spec.name);
+      r.tcp.push_back(nullptr);
+    } else if (spec.kind == "tcp") {
+      TcpChannel* ch = CrossProcessTcp(group->devices(), spec.name);
+      if (!ch) {
+        leave("not connected across processes for this group (no cross-process ring was connected)");
+        continue;
+      }
+      r.info.links.push_back(spec.name);
+      r.tcp.push_back(ch);
+    } else {
+      leave("a link of kind " + spec.kind + " models an in-process path and cannot span processes");
+    }
+  }
+  if (!have_segment) {  // the segment carries the arrival in any case; it plays "shm"
+    r.segment = 0;
+    r.info.links.insert(r.info.links.begin(), "shm");
+    r.tcp.insert(r.tcp.begin(), nullptr);
+    if (r.info.links.size() > kMaxXprocLinks) {
+      r.info.left_out.emplace_back(r.info.links.back(), "more than " + std::to_string(kMaxXprocLinks) + " links");
+      r.info.links.pop_back();
+      r.tcp.pop_back();
+    }
+  }
+  return r;
+}
+
+std::string Join(const std::vector<std::string>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "+" : "") + v[i];
+  return s;
+}
+
+class XprocExecutor {
+ public:
+  XprocExecutor(ProcessGroup* group, Resolved r) : g_(group), r_(std::move(r)) {
+    const size_t L = r_.info.links.size();
+    const int n = g_->size();
+    workers_.resize(L);
+    for (size_t i = 0; i < L; ++i) {
+      workers_[i].resize(n);
+      if (!r_.tcp[i]) continue;
+      for (int rank = 0; rank < n; ++rank)
+        if (g_->is_local(rank)) workers_[i][rank] = std::make_unique<LinkWorker>();
+    }
+    if (g_->is_local(0)) {
+      plan::BalancerOptions options;
+      options.profile_from_bytes = 0;  // no engine stage 1 across processes
+      options.profile_max_bytes = TuneMaxBytes();
+      balancer_ = std::make_unique<plan::Balancer>(r_.info.links, options);
+      if (auto model = CurrentModel(); model && model->links() == r_.info.links) (void)balancer_->SetModel(*model);
+      for (const auto& [key, shares] : CurrentShareOverrides())
+        (void)balancer_->SetShares(key.first, key.second, shares.shares, shares.pinned);
+    }
+  }
+
+  plan::Balancer* balancer() { return balancer_.get(); }
+  const std::vector<std::string>& links() const { return r_.info.links; }
+
+  Status Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
+    const int n = g_->size();
+    const size_t L = r_.info.links.size();
+    // The group's call number (ProcessGroup counts every call, split or not, in every process), not
+    // this executor's: after a reconfiguration the parity argument still holds across executors.
+    const uint64_t c = g_->rank_calls(rank) + 1;
+    const uint64_t bytes = MessageBytes(desc, n);
+    auto where = [&] {
+      return ErrorPrefix(label) + desc.Describe() + " on cross-process group " + FormatIds(g_->devices()) +
+             " (links " + Join(r_.info.links) + ", run " + std::to_string(run_id) + ", call " + std::to_string(c) +
+             " on this group)";
+    };
+    auto fail = [&](const std::string& message) {
+      if (!g_->aborted()) g_->Abort(rank, message);
+      return Status::Internal(message);
+    };
+    if (rank == 0) {
+      std::shared_ptr<const plan::Plan> plan = balancer_->PlanFor(desc.kind, bytes);
+      PlanSlot& slot = g_->plan_slot(c);
+      slot.call = c;
+      slot.epoch = plan->epoch;
+      slot.mode = static_cast<uint32_t>(plan->mode);
+      slot.links = static_cast<uint32_t>(L);
+      const bool usable = plan->mode != plan::PlanMode::kProfile && plan->shares.size() == L;
+      for (size_t i = 0; i < kMaxXprocLinks; ++i)
+        slot.shares[i] = i < L ? (usable ? plan->shares[i] : (i == r_.segment ? 1.0 : 0.0)) : 0.0;
+      held_[c & 1] = Held{plan, bytes, std::vector<uint64_t>(L, 0), c};
+    }
+    // Its errors failed the group already where they must (ProcessGroup::Barrier); a fingerprint
+    // mismatch is every rank's same verdict and leaves the group usable.
+    FLEXLINK_RETURN_IF_ERROR(g_->Arrive(rank, desc, label, run_id));
+
+    // The leader's plan for this call (written before its arrival, visible after ours).
+    const PlanSlot& slot = g_->plan_slot(c);
+    if (slot.call != c || slot.links != L)
+      return fail(where() + ": the leader's plan slot holds call " + std::to_string(slot.call) + " for " +
+                  std::to_string(slot.links) + " links, expected call " + std::to_string(c) + " for " +
+                  std::to_string(L) + " (processes disagree on the group's calls or on its links: every process "
+                  "must configure the same links and connect the same cross-process rings)");
+    std::vector<double> shares(L);
+    for (size_t i = 0; i < L; ++i) {
+      shares[i] = slot.shares[i];
+      if (!std::isfinite(shares[i]) || shares[i] < 0)
+        return fail(where() + ": the leader's plan has an invalid share for link " + r_.info.links[i]);
+    }
+    if (rank == 0 && c > 1) ReportCall(c - 1);
+
+    const std::vector<plan::UnitRange> ranges = plan::CutRanges(desc.virtual_bytes(), 1, shares);
+    if (rank == 0)
+      for (size_t i = 0; i < L; ++i)
+        if (!ranges[i].empty()) held_[c & 1].link_bytes[i] = desc.InputBytes(UnitRange{ranges[i].begin, ranges[i].end}, n);
+    if (RecordingSplits()) {
+      SplitRecord rec{FormatIds(g_->devices()), run_id, c, rank, {}};
+      for (const auto& range : ranges) rec.ranges.emplace_back(range.begin, range.end);
+      RecordSplit(std::move(rec));
+    }
+
+    auto seconds = std::make_shared<std::vector<double>>(L, 0.0);
+    const auto t0 = Clock::now();
+    auto pieces_of = [&](size_t i) {
+      std::vector<Piece> pieces;
+      if (!ranges[i].empty()) desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
+      return pieces;
+    };
+    std::vector<size_t> posted;
+    for (size_t i = 0; i < L; ++i) {
+      if (!r_.tcp[i] || ranges[i].empty()) continue;
+      TcpChannel* ch = r_.tcp[i];
+      workers_[i][rank]->Post([ch, &desc, n, rank, i, pieces = pieces_of(i), t0, seconds] {
+        Status s = ch->RunPieces(desc, n, rank, pieces);
+        (*seconds)[i] = Since(t0);
+        return s;
+      });
+      posted.push_back(i);
+    }
+    Status status;
+    {
+      const std::vector<Piece> mine = pieces_of(r_.segment);
+      status = g_->RunPieces(rank, desc, mine, label, run_id);
+      (*seconds)[r_.segment] = Since(t0);
+    }
+    const double worker_timeout = 2 * TimeoutSeconds() + 5;
+    for (size_t i : posted) {
+      Status s = workers_[i][rank]->Wait(worker_timeout);
+      if (status.ok() && !s.ok())
+        status = Status(s.code(), where() + ": link " + r_.info.links[i] + ": " + s.message());
+    }
+    const double call_seconds = Since(t0);
+    if (!status.ok()) {
+      // This rank leaves the call: the other processes must not wait for it until their deadline.
+      if (!g_->aborted()) g_->Abort(rank, status.message());
+      return status;
+    }
+    TimesSlot& t = g_->times_slot(rank, c);
+    t.call = c;
+    t.links = static_cast<uint32_t>(L);
+    t.ok = 1;
+    t.call_seconds = call_seconds;
+    for (size_t i = 0; i < kMaxXprocLinks; ++i) t.seconds[i] = i < L ? (*seconds)[i] : 0.0;
+    return Status::Ok();  // the next arrival's release publishes the times
+  }
+
+ private:
+  struct Held {
+    std::shared_ptr<const plan::Plan> plan;
+    uint64_t bytes = 0;
+    std::vector<uint64_t> link_bytes;
+    uint64_t call = 0;
+  };
+
+  // The leader, after call p + 1's arrival: every rank finished p and wrote its times.
+  void ReportCall(uint64_t p) {
+    Held& h = held_[p & 1];
+    const size_t L = r_.info.links.size();
+    if (!h.plan || h.call != p) return;
+    std::vector<double> secs(L, 0.0);
+    double call_s = 0;
+    for (int r = 0; r < g_->size(); ++r) {
+      const TimesSlot& t = g_->times_slot(r, p);
+      if (t.call != p || t.links != L || t.ok != 1) return;  // a call that failed somewhere: nothing learnt
+      for (size_t i = 0; i < L; ++i) {
+        const double v = t.seconds[i];
+        if (!std::isfinite(v) || v < 0 || v > 1e6) return;
+        secs[i] = std::max(secs[i], v);
+      }
+      if (std::isfinite(t.call_seconds)) call_s = std::max(call_s, t.call_seconds);
+    }
+    for (size_t i = 0; i < L; ++i)
+      if (!h.link_bytes[i]) secs[i] = 0;
+    const plan::Balancer::Outcome outcome = balancer_->Report(*h.plan, h.bytes, secs, call_s);
+    for (size_t i = 0; i < L; ++i)
+      if (h.link_bytes[i]) RecordLinkCall(r_.info.links[i], h.link_bytes[i], secs[i]);
+    if (outcome.changed) LogInfo("cross-process group " + FormatIds(g_->devices()) + ": " + outcome.reason);
+    h.plan.reset();
+  }
+
+  ProcessGroup* const g_;
+  const Resolved r_;
+  std::unique_ptr<plan::Balancer> balancer_;  // the leader's process only
+  std::vector<std::vector<std::unique_ptr<LinkWorker>>> workers_;  // [link][rank]: tcp links, local ranks
+  Held held_[2];                 // leader (rank 0's thread) only: the plans of the last two calls
+};
+
+struct Entry {
+  std::shared_ptr<const LinkSet> set;  // keeps the names' link set current for the entry's life
+  XprocLinks info;
+  std::unique_ptr<XprocExecutor> executor;  // null: one usable link
+};
+
+struct Registry {
+  std::mutex mu;
+  // Never erased: device threads cache raw pointers (as the engine's groups).
+  std::map<std::pair<ProcessGroup*, uint64_t>, std::unique_ptr<Entry>> entries;
+};
+
+Registry& Reg() {
+  static auto* r = new Registry;
+  return *r;
+}
+
+Entry* EntryFor(ProcessGroup* group) {
+  std::shared_ptr<const LinkSet> set = CurrentLinkSet();
+  thread_local std::vector<std::tuple<ProcessGroup*, uint64_t, Entry*>> cache;
+  for (const auto& [g, v, e] : cache)
+    if (g == group && v == set->version) return e;
+  Registry& reg = Reg();
+  Entry* e = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto& slot = reg.entries[{group, set->version}];
+    if (!slot) {
+      slot = std::make_unique<Entry>();
+      Resolved r = Resolve(group, *set);
+      slot->info = r.info;
+      if (r.info.links.size() > 1) slot->executor = std::make_unique<XprocExecutor>(group, std::move(r));
+      slot->set = set;
+    }
+    e = slot.get();
+  }
+  cache.emplace_back(group, set->version, e);
+  return e;
+}
+
+}  // namespace
+
+XprocLinks XprocLinksOf(ProcessGroup* group) {
+  std::shared_ptr<const LinkSet> set = CurrentLinkSet();
+  {
+    Registry& reg = Reg();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto it = reg.entries.find({group, set->version});
+    if (it != reg.entries.end()) return it->second->info;
+  }
+  return Resolve(group, *set).info;
+}
+
+Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
+                    bool* handled) {
+  Entry* e = EntryFor(group);
+  *handled = e->executor != nullptr;
+  if (!*handled) return Status::Ok();
+  return e->executor->Run(rank, desc, label, run_id);
+}
+
+std::vector<PlanSnapshot> SnapshotXprocPlans() {
+  const uint64_t version = CurrentLinkSet()->version;
+  std::vector<PlanSnapshot> out;
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, e] : reg.entries) {
+    if (key.second != version || !e->executor || !e->executor->balancer()) continue;
+    for (const auto& p : e->executor->balancer()->Plans())
+      out.push_back(PlanSnapshot{key.first->devices(), *p, e->executor->links()});
+  }
+  return out;
+}
+
+Status ForEachXprocBalancer(const std::function<Status(plan::Balancer&)>& f) {
+  const uint64_t version = CurrentLinkSet()->version;
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, e] : reg.entries)
+    if (key.second == version && e->executor && e->executor->balancer())
+      FLEXLINK_RETURN_IF_ERROR(f(*e->executor->balancer()));
+  return Status::Ok();
+}
+
+}  // namespace flexlink::xproc
