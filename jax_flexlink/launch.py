@@ -74,8 +74,7 @@ def initialize(**kwargs) -> tuple[int, int]:
     except RuntimeError as e:
         if "before any JAX calls" in str(e) or "backend" in str(e):
             raise RuntimeError("jax_flexlink.launch.initialize() must run before anything starts jax's "
-                               "backend (jax.devices(), an array, a jitted call, or importing jax_flexlink "
-                               f"with several FLEXLINK_LINKS, which counts devices): {e}") from e
+                               f"backend (jax.devices(), an array, a jitted call): {e}") from e
         raise
     return rank, n
 

@@ -229,8 +229,10 @@ def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, a
   `aliases`: indices i whose result y_i may reuse x_i's buffer. `avals_in` / `avals_out`: the
   operands' and results' avals when the rule transforms them around the call.
   """
+  from jax_flexlink._src import processes  # noqa: PLC0415 - processes imports this module
+  from jax_flexlink._src import runtime  # noqa: PLC0415 - runtime imports the primitives' modules
+  runtime.ensure_cached_model()
   if "groups" in attrs:  # groups spanning processes get their shared segment first
-    from jax_flexlink._src import processes  # noqa: PLC0415 - processes imports this module
     processes.prepare(attrs["groups"], attrs["group_sizes"], ctx.module_context.platforms)
   ordering, = (e for e in ctx.tokens_in.effects() if isinstance(e, FlexLinkOrdering))
   token = ctx.tokens_in.get(ordering)

@@ -49,12 +49,29 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
       gpu_seed.seed_from_topology(target)
 
 
+# Whether the tuning cache still has to be read for the current CPU links (see load_cached_model).
+_cached_model_pending = False
+
+
 def load_cached_model() -> None:
   """Stage 1 from the tuning cache, when this link set was tuned before on this host (for a group of
-  all local devices), so that calls below the autotune size are planned from it too; otherwise the
-  engine runs stage 1 on each group's first large call (or tune() does, now)."""
+  all devices), so that calls below the autotune size are planned from it too; otherwise the
+  engine runs stage 1 on each group's first large call (or tune() does, now).
+
+  Read at the first FlexLink lowering (ensure_cached_model), not here: counting devices starts
+  jax's backend, and a multi-process job must call jax.distributed.initialize() before that, after
+  importing jax_flexlink (or configuring its links)."""
+  global _cached_model_pending
+  _cached_model_pending = True
+
+
+def ensure_cached_model() -> None:
+  global _cached_model_pending
+  if not _cached_model_pending:
+    return
+  _cached_model_pending = False
   if len(_flexlink.links()) > 1:
-    import jax  # noqa: PLC0415 - the backend must exist to count devices; only multi-link setups ask
+    import jax  # noqa: PLC0415 - the backend exists by now (something is being lowered)
     from jax_flexlink._src import tune  # noqa: PLC0415 - tune imports the public API modules
     tune.load_cached(len(jax.devices()))
 
