@@ -197,17 +197,8 @@ Status RunCollectiveOrThrow(const CollectiveArgs& args) {
   // A group whose ranks live in several processes runs on its shared segment (docs/xproc.md).
   // With several links that span processes (the segment and cross-process tcp rings) the call is
   // split by the leader's plan (xproc/xproc_executor.h); with one, the segment runs it alone.
-  if (xproc::ProcessGroup* cross = xproc::FindProcessGroup(members)) {
-    bool handled = false;
-    Status split = xproc::RunXprocCall(cross, rank, desc, args.label, args.run_id, &handled);
-    if (handled) return split;
-    const auto start = std::chrono::steady_clock::now();
-    Status status = cross->Run(rank, desc, args.label, args.run_id);
-    if (rank == 0 && status.ok())
-      RecordLinkCall("shm", desc.InputBytes(n),
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    return status;
-  }
+  if (xproc::ProcessGroup* cross = xproc::FindProcessGroup(members))
+    return xproc::RunXprocCall(cross, rank, desc, args.label, args.run_id);
   Group* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
   Communicator* comm = group->comm.get();

@@ -180,11 +180,10 @@ Status Executor::RunRanges(CallContext& ctx, int rank, const std::vector<plan::U
 void Executor::Finish(CallState& state, int n, const CallDesc& desc,
                       const std::vector<plan::UnitRange>& ranges, const std::vector<double>& seconds,
                       double call_seconds, bool ok, int rank, int64_t run_id, uint64_t call_number) {
-  if (g_record_splits.load(std::memory_order_relaxed)) {
+  if (RecordingSplits()) {
     SplitRecord rec{FormatIds(comm_->devices()), run_id, call_number, rank, {}};
     for (const auto& r : ranges) rec.ranges.emplace_back(r.begin, r.end);
-    std::lock_guard<std::mutex> lock(g_splits_mu);
-    if (Splits().size() < kMaxSplitRecords) Splits().push_back(std::move(rec));
+    RecordSplit(std::move(rec));
   }
   {
     std::lock_guard<std::mutex> lock(state.mu);

@@ -1,6 +1,7 @@
 #include "xla_ffi/xproc/xproc_executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -300,12 +301,16 @@ XprocLinks XprocLinksOf(ProcessGroup* group) {
   return Resolve(group, *set).info;
 }
 
-Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
-                    bool* handled) {
+Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
   Entry* e = EntryFor(group);
-  *handled = e->executor != nullptr;
-  if (!*handled) return Status::Ok();
-  return e->executor->Run(rank, desc, label, run_id);
+  if (e->executor) return e->executor->Run(rank, desc, label, run_id);
+  // One usable link: the segment runs the call alone, recorded as the single-link path records it.
+  const auto start = std::chrono::steady_clock::now();
+  Status status = group->Run(rank, desc, label, run_id);
+  if (rank == 0 && status.ok())
+    RecordLinkCall("shm", desc.InputBytes(group->size()),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return status;
 }
 
 std::vector<PlanSnapshot> SnapshotXprocPlans() {

@@ -44,10 +44,9 @@ struct XprocLinks {
 // The links the group would use under the current link set (also before any call).
 XprocLinks XprocLinksOf(ProcessGroup* group);
 
-// Runs one call of `group` for local rank `rank` across its links. `*handled` false: the group has one
-// usable link, and the caller runs the segment alone as before (nothing was done).
-Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
-                    bool* handled);
+// Runs one call of `group` for local rank `rank`: split across its links by the leader's plan, or,
+// with one usable link, on the segment alone.
+Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
 
 // The leader's plans of this process's cross-process groups (those whose rank 0 is local) under the
 // current link set, for SnapshotPlans.
