@@ -91,6 +91,8 @@ class EnvConfig:
   combine_bytes: int
   host_id: str
   emulated_hosts: int
+  faults: str
+  link_timeout_s: float | None
 
 
 def _env_hosts(name: str) -> int:
@@ -126,6 +128,11 @@ def from_environment() -> EnvConfig:
       # Testbed: this process's devices play this many hosts (consecutive device ids each), so the
       # hierarchical path runs in one process. 1: every device of a process is on its host.
       emulated_hosts=_env_hosts("FLEXLINK_EMULATED_HOSTS"),
+      # Fault injection for tests and drills (docs/faults.md); empty: none.
+      faults=os.environ.get("FLEXLINK_FAULTS", "").strip(),
+      # Floor of a link's own deadline for its range (docs/faults.md); None: the engine's 10 s.
+      link_timeout_s=(_env_float("FLEXLINK_LINK_TIMEOUT_S", 1.0)
+                      if os.environ.get("FLEXLINK_LINK_TIMEOUT_S", "").strip() else None),
   )
 
 

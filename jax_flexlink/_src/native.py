@@ -127,4 +127,11 @@ def register_targets() -> None:
   if target is _flexlink_cuda:
     from jax_flexlink._src import gpu_seed  # noqa: PLC0415 - topology only where GPU links are chosen
     gpu_seed.seed_from_topology(target)
+  if ENV.link_timeout_s is not None:
+    _flexlink.set_health_option("link_timeout_s", ENV.link_timeout_s)
+  if ENV.faults:  # after the links: a fault must name a configured link
+    try:
+      _flexlink.inject_faults(ENV.faults)
+    except ValueError as e:
+      raise ValueError(f"FLEXLINK_FAULTS: {e}") from None
   _registered = True

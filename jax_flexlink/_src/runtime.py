@@ -8,7 +8,8 @@ from jax_flexlink._src.config import ENV, parse_bytes, parse_profile_bytes
 
 
 def configure(*, links: str | None = None, timeout_s: float | None = None,
-              autotune_min_bytes: int | str | None = None, tune_max_bytes: int | str | None = None) -> None:
+              autotune_min_bytes: int | str | None = None, tune_max_bytes: int | str | None = None,
+              link_timeout_s: float | None = None, faults: str | None = None) -> None:
   """Sets engine options for the collectives that run from now on (not while any is running).
 
   links: which links carry the collectives, in FLEXLINK_LINKS syntax: `kind[:name][@key=value,...]`
@@ -27,10 +28,14 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     link alone until stage 1 ran.
   tune_max_bytes: the largest size that in-engine stage 1 profiles (default FLEXLINK_TUNE_MAX_BYTES
     or 16 MiB); the fits extrapolate beyond it and stage 2 corrects.
+  link_timeout_s: the floor of a link's own deadline for its range (FLEXLINK_LINK_TIMEOUT_S, default
+    10 s): a link that takes longer than max(8 x its predicted time, this), at most half of
+    timeout_s, counts as hung and its bytes fail over to another link (docs/faults.md).
+  faults: fault injection, as inject_faults() (applied after `links`).
   """
-  if timeout_s is not None:
-    if not timeout_s > 0:
-      raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+  for name, value in (("timeout_s", timeout_s), ("link_timeout_s", link_timeout_s)):
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+      raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
   target = native.module_for_links(links) if links is not None else None  # errors before any change
   for module in native.modules():
     if timeout_s is not None:
@@ -39,6 +44,8 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
       module.set_autotune_min_bytes(parse_bytes(autotune_min_bytes, "autotune_min_bytes"))
     if tune_max_bytes is not None:
       module.set_tune_max_bytes(parse_profile_bytes(tune_max_bytes, "tune_max_bytes"))
+  if link_timeout_s is not None:
+    _flexlink.set_health_option("link_timeout_s", float(link_timeout_s))
   if target is not None:
     target.configure_links(links)
     if target is _flexlink:
@@ -47,6 +54,31 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
       global _gpu_links_chosen
       _gpu_links_chosen = True
       gpu_seed.seed_from_topology(target)
+  if faults is not None:
+    inject_faults(faults)
+
+
+def inject_faults(spec: str) -> None:
+  """Injects link and rank faults into the CPU engine's calls from now on (tests and drills;
+  docs/faults.md). `spec`, as FLEXLINK_FAULTS, is faults separated by `;`:
+
+    NAME:slow@factor=K[,from_call=N]   link NAME K times slower from its N-th call (default 1)
+    NAME:error@at_call=N[,sticky=1]    link NAME fails its N-th call (sticky: and every later one)
+    NAME:hang@at_call=N                link NAME never completes its N-th call (until its deadline)
+    rank:absent@rank=R,at_call=N       rank R of each group never arrives at the group's N-th call
+
+  NAME is a configured link's name (links()). A link's calls are counted per group and rank from 1
+  after this call: every range the executor gives it (a failover's re-run and a probe included).
+  "" clears every fault. A bad spec is a ValueError naming the bad part and the grammar.
+  """
+  if not isinstance(spec, str):
+    raise ValueError(f"inject_faults: expected a fault spec string, got {type(spec).__name__}")
+  _flexlink.inject_faults(spec)
+
+
+def faults() -> str:
+  """The injected faults' spec ("" when none)."""
+  return _flexlink.faults()
 
 
 # Whether the tuning cache still has to be read for the current CPU links (see load_cached_model).
@@ -98,11 +130,16 @@ def timeout_s() -> float:
 def stats() -> dict:
   """What the engine did since start or the last reset_stats().
 
-  {"links": {name: {"bytes", "calls", "seconds", "healthy"}},   # per link of the current set
+  {"links": {name: {"bytes", "calls", "seconds", "healthy", "state"}},   # per link of the current set
    "plans": [{"collective", "bucket_bytes", "shares": {name: fraction}, "mode", "group", ...}],
-   "offload_fraction": bytes not on the primary link / all bytes}
+   "offload_fraction": bytes not on the primary link / all bytes,
+   "health": [{"group", "link", "state", "since", "since_call", "reason", "expected_bytes_per_s",
+               "observed_bytes_per_s", "errors", "failovers", "probes"}],   # per (group, link) that ran
+   "failovers": {"count", "recent": [{"group", "collective", "call", "link", "to", "reason", "bytes",
+                                      "seconds", "time"}]}}   # docs/faults.md
   """
   per_link, plans, total, offloaded = {}, [], 0, 0
+  health, failovers = [], {"count": 0, "recent": []}
   cuda = native.cuda_module()
   # Each platform's current links. The GPU links are listed once they were chosen (configure(),
   # FLEXLINK_LINKS) or have run, so that a CUDA build used on CPU reports what a CPU build does. Their
@@ -110,7 +147,8 @@ def stats() -> dict:
   for module, names in ((_flexlink, links()), (cuda, gpu_links())):
     if module is None or not names:
       continue
-    raw = module.stats()["links"]
+    full = module.stats()
+    raw = full["links"]
     if module is cuda and not (_gpu_links_chosen or native.module_for_links(ENV.links) is cuda
                                or any(raw[name]["calls"] for name in names if name in raw)):
       continue
@@ -120,7 +158,12 @@ def stats() -> dict:
         total += raw[name]["bytes"]
         offloaded += raw[name]["bytes"] if name != names[0] else 0
     plans.extend(module.plans())
-  return {"links": per_link, "plans": plans, "offload_fraction": offloaded / total if total else 0.0}
+    health.extend(full.get("health", []))
+    if "failovers" in full:
+      failovers["count"] += full["failovers"]["count"]
+      failovers["recent"].extend(full["failovers"]["recent"])
+  return {"links": per_link, "plans": plans, "offload_fraction": offloaded / total if total else 0.0,
+          "health": health, "failovers": failovers}
 
 
 def reset_stats() -> None:

@@ -15,6 +15,12 @@ constexpr size_t kMaxAbandoned = 256;
 
 }  // namespace
 
+int LanesFor(size_t links) {
+  // One lane per link; with several, the executor's failover lanes (L - 1 rounds of one lane per
+  // failed link) and its agreement lane (core/executor.cc, FailoverLane / AgreeLane).
+  return links <= 1 ? 1 : static_cast<int>(links * links + 1);
+}
+
 Communicator::Communicator(std::vector<int64_t> devices)
     : devices_(std::move(devices)), next_seq_(devices_.size()) {}
 
@@ -41,7 +47,7 @@ std::shared_ptr<CallContext> Communicator::Join(int rank, int64_t run_id, std::s
   auto it = open_.find(key);
   if (it != open_.end()) return it->second;
   auto call = std::make_shared<CallContext>(this, key.first, key.second, std::string(label),
-                                            static_cast<int>(std::max<size_t>(1, channels_.size())));
+                                            LanesFor(channels_.size()));
   open_.emplace(key, call);
   if (open_.size() > kMaxAbandoned) PruneAbandoned();
   return call;

@@ -19,6 +19,9 @@ namespace flexlink {
 
 class Channel;
 
+// Barrier lanes of a call on a communicator with `links` channels.
+int LanesFor(size_t links);
+
 class Communicator {
  public:
   explicit Communicator(std::vector<int64_t> devices);

@@ -15,9 +15,11 @@
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/links/faulty.h"
 #include "xla_ffi/links/link.h"
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/xproc/process_group.h"
@@ -33,6 +35,7 @@ struct Group {
   std::shared_ptr<const LinkSet> links;  // keeps the Link objects alive as long as the channels
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<plan::Balancer> balancer;
+  std::unique_ptr<FaultCounter> calls;  // per rank: the group's calls, for rank:absent (core/faults.h)
   std::unique_ptr<Executor> executor;  // declared last: its workers go before what they use
 };
 
@@ -51,7 +54,10 @@ GroupRegistry& Registry() {
 std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std::vector<int64_t>& devices) {
   auto g = std::make_unique<Group>();
   g->comm = std::make_unique<Communicator>(devices);
-  for (const auto& link : links->links) g->comm->AddChannel(link->Open(devices));
+  // Every channel behind fault injection's wrapper (links/faulty.h): a pass-through without faults.
+  for (const auto& link : links->links)
+    g->comm->AddChannel(std::make_unique<FaultyChannel>(link->Open(devices), static_cast<int>(devices.size())));
+  g->calls = std::make_unique<FaultCounter>(static_cast<int>(devices.size()));
   plan::BalancerOptions options;
   options.profile_from_bytes = AutotuneMinBytes();
   options.profile_max_bytes = TuneMaxBytes();
@@ -59,8 +65,10 @@ std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std
   if (auto model = CurrentModel()) (void)g->balancer->SetModel(*model);
   for (const auto& [key, shares] : CurrentShareOverrides())
     (void)g->balancer->SetShares(key.first, key.second, shares.shares, shares.pinned);
-  if (links->links.size() > 1)
+  if (links->links.size() > 1) {
     g->executor = std::make_unique<Executor>(g->comm.get(), links->names(), links->spec, g->balancer.get());
+    RegisterGroupHealth(g->executor->health(), links->version);
+  }
   g->links = std::move(links);
   return g;
 }
@@ -203,6 +211,16 @@ Status RunCollectiveOrThrow(const CollectiveArgs& args) {
   FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
   Communicator* comm = group->comm.get();
   std::shared_ptr<CallContext> call = comm->Join(rank, args.run_id, args.label);
+  if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
+    const uint64_t c = group->calls->Next(rank, *faults);
+    if (faults->AbsentAt(rank, c)) {
+      // Injected rank:absent: this rank never arrives; the others' deadline names it.
+      Status s = call->WaitAbandoned(rank);
+      return Status::DeadlineExceeded(ErrorPrefix(args.label) + "rank " + std::to_string(rank) + " (device " +
+                                      std::to_string(args.device) + ") stayed away from call " +
+                                      std::to_string(c) + " (injected rank:absent): " + s.message());
+    }
+  }
   if (group->executor) return group->executor->Run(*call, rank, desc);
   // One link runs the whole call: the ranks fault the outputs in together, starting now, before
   // anyone writes them (core/pages.h). With several links the executor decides.

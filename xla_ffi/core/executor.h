@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "xla_ffi/core/call.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/plan/ranges.h"
@@ -70,13 +71,27 @@ class Executor {
 
   Status Run(CallContext& ctx, int rank, const CallDesc& desc);
 
+  const std::shared_ptr<GroupHealth>& health() const { return health_; }
+
  private:
   struct CallState;
   struct Profile;
   // After `ctx`'s arrival: runs every non-empty range, the first on this thread, the others on their
-  // link's worker; (*seconds)[i] is link i's time from the start.
-  Status RunRanges(CallContext& ctx, int rank, const std::vector<plan::UnitRange>& ranges,
-                   const std::shared_ptr<std::vector<double>>& seconds);
+  // link's worker; (*seconds)[i] is link i's time from the start, (*status)[i] its status on this rank
+  // (a failed link's lane is aborted, so its peers there stop waiting at once).
+  void RunRanges(CallContext& ctx, int rank, const std::vector<plan::UnitRange>& ranges,
+                 const std::shared_ptr<std::vector<double>>& seconds, std::vector<Status>* status);
+  // The call's shares once its plan is final (unhealthy links out, a probe in) and the lanes'
+  // deadlines from them; every rank, any order.
+  void PrepareShares(CallContext& ctx, CallState& state, const CallDesc& desc, uint64_t bytes, int only_lane);
+  // Failover (docs/faults.md): every rank publishes which of its links failed, then after a barrier
+  // all re-run the union's ranges on healthy links, round after round, until none fails or no link
+  // is left. OK when every range was carried; else the call's error, naming every link's report.
+  Status Recover(CallContext& ctx, int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
+                 const std::vector<Status>& status, CallState& state);
+  // Rank 0, after the call: health and the failover log from what Recover decided.
+  void RecordHealth(CallState& state, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
+                    double seconds);
   // Stage 1 (executor_profile.cc). LoadCachedFits: installs the cached fits for `kind` and this
   // group's size, if any (one thread). RunProfile: every rank, after the arrival; on return
   // state.plan is the call's plan from the new fits.
@@ -91,6 +106,7 @@ class Executor {
   const std::vector<std::string> link_names_;
   const std::string spec_;
   plan::Balancer* const balancer_;
+  std::shared_ptr<GroupHealth> health_;
   // workers_[link][rank]. A call's first link with a range runs on the device thread; the others
   // are posted to their workers. That first link is never a later one than the others, so link 0
   // needs no workers.

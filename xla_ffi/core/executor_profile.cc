@@ -112,7 +112,12 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
       s = comm_->channel(only).RunAlone(*sub, rank, d);
     } else {
       s = sub->Arrive(rank, d, link_names_[0]);
-      if (s.ok()) s = RunRanges(*sub, rank, plan::CutRanges(d.virtual_bytes(), 1, *shares), seconds);
+      if (s.ok()) {
+        std::vector<Status> status(links);
+        RunRanges(*sub, rank, plan::CutRanges(d.virtual_bytes(), 1, *shares), seconds, &status);
+        for (Status& one : status)
+          if (!one.ok() && s.ok()) s = std::move(one);
+      }
     }
     const double t = Since(t0);
     std::lock_guard<std::mutex> lock(state.mu);

@@ -52,6 +52,20 @@ struct Executor::CallState {
   std::mutex mu;
   std::shared_ptr<const plan::Plan> plan;  // replaced (under mu) once stage 1 ran in this call
   bool profile = false;                    // this call runs stage 1 first
+  // Health (core/health.h): the group's call number, the plan's shares with unhealthy links removed
+  // (and a probe's share), whether they differ from the plan's, the probed link (-1: none).
+  uint64_t call = 0;
+  std::vector<double> shares;
+  bool shares_ready = false, masked = false;
+  int probe = -1;
+  std::vector<plan::AlphaBeta> fits;  // stage 1's for this kind (empty: none)
+  // Failover (executor.cc Recover), per round (0: the plan's ranges, r: the r-th re-run) and per
+  // source link (whose range it is): failed on some rank; failed having maybe touched buffers.
+  std::vector<std::vector<char>> round_failed, touched;
+  std::vector<std::string> errors;     // per link: the first error it reported in this call
+  std::vector<std::pair<size_t, size_t>> moves;  // (failed link, link that carried its range)
+  std::vector<char> bad;               // links that failed in this call
+  bool recovered = false;              // some range was re-run: stage 2 does not learn from the call
   std::unique_ptr<Profile> profiling;      // made by the first rank to profile
   std::vector<double> link_seconds;        // slowest rank's time per link
   double call_seconds = 0;

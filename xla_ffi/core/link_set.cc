@@ -2,6 +2,7 @@
 
 #include <mutex>
 
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/links/emulated.h"
 #include "xla_ffi/links/shm.h"
@@ -72,6 +73,7 @@ Status ConfigureLinks(std::string_view spec) {
   FLEXLINK_RETURN_IF_ERROR(Build(spec, reg.next_version, &set));
   ++reg.next_version;
   for (const std::string& name : set->names()) MarkLinkHealth(name, true);
+  DropHealthBefore(set->version);
   reg.current = std::move(set);
   reg.overrides.clear();
   reg.model.reset();

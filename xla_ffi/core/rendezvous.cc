@@ -65,24 +65,106 @@ CallContext::TimePoint CallContext::Deadline() {
 }
 
 // Waits for `done` up to `deadline`. On timeout the call is abandoned for everyone: waiting ranks
-// wake up with the same error, and ranks that come later fail at once.
+// wake up with the same error, and ranks that come later fail at once. With a `lane` whose deadline
+// comes first, that deadline (or an abort of the lane) fails the lane alone.
 template <class Done, class Missing>
 Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done,
-                            Missing missing, std::string_view what, std::string_view link, TimePoint deadline) {
+                            Missing missing, std::string_view what, std::string_view link, TimePoint deadline,
+                            Lane* lane) {
   const double timeout = TimeoutSeconds();
-  const bool ok = cv.wait_until(lock, deadline, [&] { return done() || abandoned_; });
-  if (ok && !abandoned_) return Status::Ok();
-  if (!abandoned_) {
-    abandoned_ = true;
+  const TimePoint lane_deadline = lane ? LaneDeadline(*lane) : TimePoint::max();
+  const bool lane_first = lane_deadline < deadline;
+  const bool ok = cv.wait_until(lock, lane_first ? lane_deadline : deadline,
+                                [&] { return done() || abandoned_ || (lane && lane->aborted); });
+  if (abandoned_) return Status::DeadlineExceeded(error_);
+  if (lane && lane->aborted) return Status::DeadlineExceeded(lane->error);
+  if (ok) return Status::Ok();
+  char secs[32];
+  if (lane_first) {
+    std::snprintf(secs, sizeof secs, "%g", lane->budget_s);
+    lane->aborted = true;
+    lane->error = Where(link) + ": link " + std::string(link) + " missed its deadline of " + secs +
+                  " s waiting for " + RankList(missing()) + " to " + std::string(what) +
+                  " (the link's own deadline: docs/faults.md, FLEXLINK_LINK_TIMEOUT_S)";
+    WakeAll();
+    return Status::DeadlineExceeded(lane->error);
+  }
+  abandoned_ = true;
+  std::snprintf(secs, sizeof secs, "%g", timeout);
+  error_ = Where(link) + ": timed out after " + secs + " s waiting for " + RankList(missing()) + " to " +
+           std::string(what) +
+           " (a device that never issues the matching collective, or issues collectives in a "
+           "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)";
+  WakeAll();
+  return Status::DeadlineExceeded(error_);
+}
+
+CallContext::TimePoint CallContext::LaneDeadline(const Lane& lane) const {
+  if (!(lane.budget_s > 0)) return TimePoint::max();
+  TimePoint start = lane.started;
+  if (start == TimePoint{}) {
+    if (arrived_ < n_) return TimePoint::max();  // before the arrival only the global deadline counts
+    start = arrived_at_;
+  }
+  return start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(std::min(lane.budget_s, 1e9)));
+}
+
+void CallContext::SetLaneBudget(int lane, double budget_s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!(lanes_[lane].budget_s > 0)) lanes_[lane].budget_s = budget_s;
+}
+
+void CallContext::StartLaneClock(int lane) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (lanes_[lane].started == TimePoint{}) lanes_[lane].started = std::chrono::steady_clock::now();
+}
+
+void CallContext::AbortLane(int lane, std::string why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (lanes_[lane].aborted) return;
+  lanes_[lane].aborted = true;
+  lanes_[lane].error = std::move(why);
+  WakeAll();
+}
+
+bool CallContext::LaneAborted(int lane) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lanes_[lane].aborted;
+}
+
+Status CallContext::WaitLane(int rank, int lane_index, std::string_view link) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Lane& lane = lanes_[lane_index];
+  const TimePoint lane_deadline = LaneDeadline(lane);
+  const TimePoint global = Deadline();
+  cv_.wait_until(lock, std::min(lane_deadline, global), [&] { return abandoned_ || lane.aborted; });
+  if (abandoned_) return Status::DeadlineExceeded(error_);
+  if (!lane.aborted) {
     char secs[32];
-    std::snprintf(secs, sizeof secs, "%g", timeout);
-    error_ = Where(link) + ": timed out after " + secs + " s waiting for " + RankList(missing()) +
-             " to " + std::string(what) +
-             " (a device that never issues the matching collective, or issues collectives in a "
-             "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)";
+    std::snprintf(secs, sizeof secs, "%g", lane_deadline < global ? lane.budget_s : TimeoutSeconds());
+    lane.aborted = true;
+    lane.error = Where(link) + ": link " + std::string(link) + " did not complete within its deadline of " +
+                 secs + " s (rank " + std::to_string(rank) + ")";
     WakeAll();
   }
-  return Status::DeadlineExceeded(error_);
+  return Status::DeadlineExceeded(lane.error);
+}
+
+bool CallContext::HasArrived(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return present_[rank] != 0;
+}
+
+Status CallContext::WaitAbandoned(int rank) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::min(1.5 * TimeoutSeconds(), 1e9)));
+  cv_.wait_until(lock, deadline, [&] { return abandoned_; });
+  if (abandoned_) return Status::DeadlineExceeded(error_);
+  return Status::DeadlineExceeded(Where("") + ": rank " + std::to_string(rank) +
+                                  " stayed away (injected rank:absent) and no peer timed out");
 }
 
 Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link) {
@@ -164,6 +246,7 @@ Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, st
   std::unique_lock<std::mutex> lock(mu_);
   if (abandoned_) return Status::DeadlineExceeded(error_);
   Lane& lane = lanes_[lane_index];
+  if (lane.aborted) return Status::DeadlineExceeded(lane.error);
   const uint64_t generation = lane.generation;
   lane.entered[rank] = generation + 1;
   if (++lane.count == n_) {
@@ -181,7 +264,7 @@ Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, st
           if (lane.entered[r] != generation + 1) m.push_back(r);
         return m;
       },
-      "finish the " + std::string(phase) + " phase", link, Deadline());
+      "finish the " + std::string(phase) + " phase", link, Deadline(), &lane);
 }
 
 }  // namespace flexlink
@@ -213,6 +296,7 @@ Status CallContext::WaitProgress(int rank, int lane_index, std::span<const int> 
   std::unique_lock<std::mutex> lock(mu_);
   if (abandoned_) return Status::DeadlineExceeded(error_);
   Lane& lane = lanes_[lane_index];
+  if (lane.aborted) return Status::DeadlineExceeded(lane.error);
   auto there = [&] {
     for (int p : peers)
       if (lane.progress[p] < value) return false;
@@ -228,7 +312,7 @@ Status CallContext::WaitProgress(int rank, int lane_index, std::span<const int> 
           if (lane.progress[p] < value) m.push_back(p);
         return m;
       },
-      what, link, Deadline());
+      what, link, Deadline(), &lane);
   lane.waiting[rank] = {};
   return s;
 }

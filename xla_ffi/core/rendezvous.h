@@ -54,6 +54,26 @@ class CallContext {
   // any number of parts has one per link).
   uint64_t barriers_passed(int lane);
 
+  // Per-lane deadlines and aborts, for the executor's failover (docs/faults.md). A lane with a budget
+  // times out `budget_s` after its clock started (StartLaneClock, else the call's arrival), or at the
+  // global deadline if that comes first. A lane's timeout, or AbortLane, fails that lane's waits
+  // (Barrier, WaitProgress, WaitLane) for every rank at once with the lane's error, without
+  // abandoning the call: the other lanes and the executor's own lane go on, so the failed range can
+  // be re-run elsewhere. The first budget or clock set wins (all ranks set the same values).
+  void SetLaneBudget(int lane, double budget_s);
+  void StartLaneClock(int lane);
+  void AbortLane(int lane, std::string why);
+  bool LaneAborted(int lane);
+  // Blocks until `lane` is aborted or past its deadline (a link that never completes: fault
+  // injection's hang), or the call is abandoned; returns that error. Touches nothing else.
+  Status WaitLane(int rank, int lane, std::string_view link);
+  // Whether `rank` has published its arrival (a failed single-link call may or may not have).
+  bool HasArrived(int rank);
+  // For a rank that does not arrive (fault injection's rank:absent): waits until the others abandon
+  // the call at their deadline and returns their error (naming this rank), or its own after 1.5 x
+  // the timeout.
+  Status WaitAbandoned(int rank);
+
   // Progress counters, one per rank and lane, for links that overwrite an input in place while peers
   // still read it (shm's in-place ppermute / all_to_all, links/shm_inplace.cc): a rank counts the
   // steps it finished, and a rank about to overwrite what others read waits until they are that far.
@@ -98,9 +118,12 @@ class CallContext {
   std::string Where(std::string_view link) const;  // label, kind, group, link, run and call number
   std::string RankList(const std::vector<int>& ranks) const;
   static TimePoint Deadline();  // now + the configured timeout
+  struct Lane;
+  // `lane` (may be null): the lane whose deadline and abort also end the wait.
   template <class Done, class Missing>
   Status WaitAll(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done, Missing missing,
-                 std::string_view what, std::string_view link, TimePoint deadline);
+                 std::string_view what, std::string_view link, TimePoint deadline, Lane* lane = nullptr);
+  TimePoint LaneDeadline(const Lane& lane) const;  // under mu_; TimePoint::max() without a budget
   void WakeAll();  // every waiter of any kind (under mu_)
 
   Communicator* const comm_;
@@ -128,6 +151,10 @@ class CallContext {
     };
     std::vector<Waiter> waiting;
     std::vector<std::condition_variable> cv;
+    double budget_s = 0;   // 0: no deadline of its own
+    TimePoint started{};   // epoch: the call's arrival
+    bool aborted = false;
+    std::string error;
   };
   std::vector<Lane> lanes_;
   bool abandoned_ = false;  // a wait timed out: later arrivals fail at once instead of hanging

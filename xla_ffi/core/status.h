@@ -8,7 +8,9 @@
 
 namespace flexlink {
 
-enum class StatusCode { kOk, kInvalidArgument, kDeadlineExceeded, kFailedPrecondition, kInternal };
+// kUnavailable: a link could not run its range and touched none of the call's buffers (so the range
+// can be re-run elsewhere even in place; docs/faults.md).
+enum class StatusCode { kOk, kInvalidArgument, kDeadlineExceeded, kFailedPrecondition, kInternal, kUnavailable };
 
 class [[nodiscard]] Status {
  public:
@@ -22,6 +24,7 @@ class [[nodiscard]] Status {
     return {StatusCode::kFailedPrecondition, std::move(m)};
   }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+  static Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

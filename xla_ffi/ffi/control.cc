@@ -5,6 +5,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/map.h>
 
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,8 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/faults.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/ffi/control.h"
 #include "xla_ffi/ffi/py_values.h"
@@ -56,6 +59,37 @@ nb::dict InstallCached(const std::string& path, int ranks) {
   return out;
 }
 
+// Health thresholds and link deadlines by name (docs/faults.md); unknown keys are a ValueError.
+void SetHealthOption(const std::string& key, double value) {
+  HealthOptions o = GetHealthOptions();
+  auto positive = [&] {
+    if (!(value > 0)) throw nb::value_error(("set_health_option: " + key + " must be > 0").c_str());
+  };
+  if (key == "degrade_fraction") positive(), o.degrade_fraction = value;
+  else if (key == "recover_fraction") positive(), o.recover_fraction = value;
+  else if (key == "degrade_calls") positive(), o.degrade_calls = static_cast<int>(value);
+  else if (key == "min_bytes") o.min_bytes = static_cast<uint64_t>(std::max(0.0, value));
+  else if (key == "probe_calls") positive(), o.probe_calls = static_cast<int>(value);
+  else if (key == "probe_seconds") positive(), o.probe_seconds = value;
+  else if (key == "probe_bytes") positive(), o.probe_bytes = static_cast<uint64_t>(value);
+  else if (key == "link_timeout_factor") positive(), o.link_timeout_factor = value;
+  else if (key == "link_timeout_s") positive(), o.link_timeout_s = value;
+  else
+    throw nb::value_error(("set_health_option: unknown option '" + key +
+                           "' (degrade_fraction, recover_fraction, degrade_calls, min_bytes, probe_calls, "
+                           "probe_seconds, probe_bytes, link_timeout_factor, link_timeout_s)").c_str());
+  SetHealthOptions(o);
+}
+
+std::map<std::string, double> HealthOptionsDict() {
+  const HealthOptions o = GetHealthOptions();
+  return {{"degrade_fraction", o.degrade_fraction}, {"recover_fraction", o.recover_fraction},
+          {"degrade_calls", o.degrade_calls}, {"min_bytes", static_cast<double>(o.min_bytes)},
+          {"probe_calls", o.probe_calls}, {"probe_seconds", o.probe_seconds},
+          {"probe_bytes", static_cast<double>(o.probe_bytes)}, {"link_timeout_factor", o.link_timeout_factor},
+          {"link_timeout_s", o.link_timeout_s}};
+}
+
 }  // namespace
 
 void DefineControl(nb::module_& m) {
@@ -95,6 +129,14 @@ void DefineControl(nb::module_& m) {
   }, nb::arg("devices"), "The stage-1 model of one group: {fits: {collective: [(alpha, beta)]}, split_min_bytes, "
         "profiled_bytes}.");
   m.def("set_tune_cache_path", &SetTuneCachePath, nb::arg("path"), "The tuning cache the engine reads and writes.");
+  m.def("inject_faults", [](const std::string& spec) { Check(SetFaults(spec)); }, nb::arg("spec"),
+        "Sets the injected faults (FLEXLINK_FAULTS syntax, docs/faults.md); \"\" clears them.");
+  m.def("faults", [] {
+    auto f = CurrentFaults();
+    return f ? f->text : std::string();
+  }, "The injected faults' text (\"\" when none).");
+  m.def("set_health_option", &SetHealthOption, nb::arg("key"), nb::arg("value"));
+  m.def("health_options", &HealthOptionsDict);
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
   m.def("take_split_records", [] { return py::SplitRecordList(TakeSplitRecords()); },
         "Per-rank ranges of the calls since the last take.");

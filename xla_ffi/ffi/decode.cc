@@ -44,6 +44,7 @@ ffi::Error ToFfi(const Status& s) {
     case StatusCode::kFailedPrecondition:
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition, s.message());
     case StatusCode::kInternal: return ffi::Error::Internal(s.message());
+    case StatusCode::kUnavailable: return ffi::Error(ffi::ErrorCode::kUnavailable, s.message());
   }
   return ffi::Error::Internal(s.message());
 }

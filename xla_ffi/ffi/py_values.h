@@ -14,6 +14,7 @@
 
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/core/types.h"
@@ -38,18 +39,66 @@ inline Kind KindOf(const std::string& name) {
 }
 
 // {'links': {name: {bytes, calls, seconds, healthy}}}
+inline nb::object RateOrNone(double bps) { return bps > 0 ? nb::object(nb::float_(bps)) : nb::none(); }
+
+// {'links': {name: {bytes, calls, seconds, healthy, state}}, 'health': [...], 'failovers': {...}}
+// (the schema in docs/faults.md). A link's "healthy"/"state": the worst over the groups it ran in.
 inline nb::dict LinkStats() {
+  const std::vector<LinkHealthSnapshot> health = SnapshotHealth();
+  auto worst = [&](const std::string& link) {
+    LinkState w = LinkState::kHealthy;
+    for (const auto& h : health)
+      if (h.link == link && static_cast<int>(h.state) > static_cast<int>(w)) w = h.state;
+    return w;
+  };
   nb::dict links;
   for (const LinkStatsSnapshot& s : SnapshotLinkStats()) {
     nb::dict e;
+    const LinkState state = worst(s.name);
     e["bytes"] = s.bytes;
     e["calls"] = s.calls;
     e["seconds"] = s.seconds;
-    e["healthy"] = s.healthy;
+    e["healthy"] = s.healthy && state != LinkState::kUnhealthy;
+    e["state"] = std::string(Name(state));
     links[s.name.c_str()] = e;
   }
+  nb::list hl;
+  for (const auto& h : health) {
+    nb::dict d;
+    d["group"] = h.group;
+    d["link"] = h.link;
+    d["state"] = std::string(Name(h.state));
+    d["since"] = h.since;
+    d["since_call"] = h.since_call;
+    d["reason"] = h.reason;
+    d["expected_bytes_per_s"] = RateOrNone(h.expected_bps);
+    d["observed_bytes_per_s"] = RateOrNone(h.observed_bps);
+    d["errors"] = h.errors;
+    d["failovers"] = h.failovers;
+    d["probes"] = h.probes;
+    hl.append(d);
+  }
+  nb::list recent;
+  for (const auto& f : RecentFailovers()) {
+    nb::dict d;
+    d["group"] = f.group;
+    d["collective"] = f.collective;
+    d["call"] = f.call;
+    d["link"] = f.link;
+    d["to"] = f.to;
+    d["reason"] = f.reason;
+    d["bytes"] = f.bytes;
+    d["seconds"] = f.seconds;
+    d["time"] = f.time;
+    recent.append(d);
+  }
+  nb::dict failovers;
+  failovers["count"] = FailoverCount();
+  failovers["recent"] = recent;
   nb::dict out;
   out["links"] = links;
+  out["health"] = hl;
+  out["failovers"] = failovers;
   return out;
 }
 

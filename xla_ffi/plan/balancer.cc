@@ -103,6 +103,14 @@ CostModel Balancer::Model() const {
   return model_;
 }
 
+bool Balancer::FitsFor(Kind kind, std::vector<AlphaBeta>* out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!model_.Has(kind)) return false;
+  const auto fits = model_.Fits(kind);
+  out->assign(fits.begin(), fits.end());
+  return true;
+}
+
 void Balancer::UpdateThresholds() {
   for (size_t k = 0; k < kNumKinds; ++k) {
     const Kind kind = static_cast<Kind>(k);
