@@ -147,6 +147,7 @@ Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
       s->plan = balancer_->PlanFor(desc.kind, bytes);
     s->profile = s->plan->mode == plan::PlanMode::kProfile;
     s->link_seconds.assign(links, 0.0);
+    s->health_seconds.assign(links, 0.0);
     s->call = health_->NextCall();
     (void)balancer_->FitsFor(desc.kind, &s->fits);
     s->round_failed.assign(links, std::vector<char>(links, 0));
@@ -194,6 +195,12 @@ Status Executor::Run(CallContext& ctx, int rank, const CallDesc& desc) {
         link_status[only] = comm_->channel(only).RunAlone(ctx, rank, desc);
       }
       (*seconds)[only] = Since(start);
+      if (link_status[only].ok()) {
+        // Health's evidence is the link's time from the arrival: the wait for the last rank to
+        // arrive (device threads scheduled over few cores) is not the link's.
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->health_seconds[only] = std::max(state->health_seconds[only], Since(ctx.ArrivedTime()));
+      }
       // Only a failed call pays for the agreement: a rank whose link succeeded has returned, and a
       // rank whose link failed alone then fails at the agreement's deadline naming it.
       status = link_status[only].ok() ? Status::Ok() : Recover(ctx, rank, desc, ranges, link_status, *state);
@@ -388,7 +395,7 @@ void Executor::Finish(CallState& state, int n, const CallDesc& desc,
   for (size_t i = 0; i < ranges.size(); ++i) {
     if (ranges[i].empty() || (!state.bad.empty() && state.bad[i])) continue;
     const uint64_t b = RangeMessageBytes(message, ranges[i], desc.virtual_bytes());
-    const double t = state.link_seconds[i];
+    const double t = state.health_seconds[i] > 0 ? state.health_seconds[i] : state.link_seconds[i];
     const double expected = state.fits.empty() ? -1 : b / state.fits[i].Predict(static_cast<double>(b));
     health_->Observed(i, state.call, b, expected, t > 0 ? b / t : -1);
     if (static_cast<int>(i) == state.probe)

@@ -68,6 +68,7 @@ struct Executor::CallState {
   bool recovered = false;              // some range was re-run: stage 2 does not learn from the call
   std::unique_ptr<Profile> profiling;      // made by the first rank to profile
   std::vector<double> link_seconds;        // slowest rank's time per link
+  std::vector<double> health_seconds;      // the same from the arrival on (health's evidence)
   double call_seconds = 0;
   int finished = 0;
   bool failed = false;
