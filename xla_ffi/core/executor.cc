@@ -106,6 +106,14 @@ bool AnyAliased(CallContext& ctx, plan::UnitRange range) {
   return false;
 }
 
+// A link's predicted time for `bytes` (nccl-tests bytes): its stage-1 fit's, or without fits a
+// deliberately pessimistic 100 MB/s, so that a large call without fits is not declared hung at the
+// floor of the link's deadline (docs/faults.md).
+double Predicted(const std::vector<plan::AlphaBeta>& fits, size_t link, double bytes) {
+  constexpr double kUnfittedBytesPerSecond = 100e6;
+  return fits.empty() ? bytes / kUnfittedBytesPerSecond : fits[link].Predict(bytes);
+}
+
 uint64_t RangeMessageBytes(uint64_t message_bytes, plan::UnitRange r, uint64_t virtual_bytes) {
   return virtual_bytes ? static_cast<uint64_t>(static_cast<double>(message_bytes) * r.size() / virtual_bytes) : 0;
 }
@@ -124,7 +132,7 @@ void Executor::PrepareShares(CallContext& ctx, CallState& state, const CallDesc&
     }
     for (size_t i = 0; i < budget.size(); ++i)
       if (state.shares[i] > 0)
-        budget[i] = LinkBudgetSeconds(state.fits.empty() ? 0 : state.fits[i].Predict(bytes * state.shares[i]));
+        budget[i] = LinkBudgetSeconds(Predicted(state.fits, i, bytes * state.shares[i]));
   }
   if (only_lane >= 0) {
     for (size_t i = 0; i < budget.size(); ++i)
@@ -307,7 +315,7 @@ Status Executor::Recover(CallContext& ctx, int rank, const CallDesc& desc,
     for (size_t i : pending) {
       const int lane = FailoverLane(links, round - 1, i);
       const uint64_t range_bytes = RangeMessageBytes(MessageBytes(desc, ctx.size()), ranges[i], desc.virtual_bytes());
-      ctx.SetLaneBudget(lane, LinkBudgetSeconds(state.fits.empty() ? 0 : state.fits[carrier[i]].Predict(range_bytes)));
+      ctx.SetLaneBudget(lane, LinkBudgetSeconds(Predicted(state.fits, carrier[i], range_bytes)));
       ctx.StartLaneClock(lane);
       std::vector<Piece> pieces;
       ctx.desc(rank).PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
@@ -398,7 +406,8 @@ void Executor::Finish(CallState& state, int n, const CallDesc& desc,
     const double t = state.health_seconds[i] > 0 ? state.health_seconds[i] : state.link_seconds[i];
     const double expected = state.fits.empty() ? -1 : b / state.fits[i].Predict(static_cast<double>(b));
     health_->Observed(i, state.call, b, expected, t > 0 ? b / t : -1);
-    if (static_cast<int>(i) == state.probe)
+    // A probe, or the plan's only links all unhealthy and this one carried its range after all.
+    if (static_cast<int>(i) == state.probe || health_->Unhealthy(i))
       health_->Probed(i, state.call, true, "");
   }
   // Shares changed by health (a link excluded or probed) or ranges re-run: not the plan's call.

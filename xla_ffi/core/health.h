@@ -30,8 +30,9 @@ struct HealthOptions {
   int probe_calls = 16;
   double probe_seconds = 30;
   uint64_t probe_bytes = 256 << 10;  // most bytes a probe carries (at most 1/16 of the call)
-  // A link's deadline for its range: min(T / 2, max(factor x predicted, floor)), T the global timeout;
-  // floor alone without a prediction (no stage-1 fit). FLEXLINK_LINK_TIMEOUT_S sets the floor.
+  // A link's deadline for its range: min(T / 2, max(factor x predicted, floor)), T the global timeout
+  // (the executor predicts from stage 1's fit, else from a pessimistic rate). FLEXLINK_LINK_TIMEOUT_S
+  // sets the floor.
   double link_timeout_factor = 8;
   double link_timeout_s = 10;
 };
