@@ -108,6 +108,23 @@ def test_killed_process_is_named_before_the_deadline(links):
   assert _segments() <= before
 
 
+def test_absent_rank_is_named_across_processes():
+  """FLEXLINK_FAULTS rank:absent across processes (docs/faults.md): the process whose rank stays away
+  from the second call, and the one that waited for it, both fail within the deadline, naming it."""
+  before = _segments()
+  procs = _start(2, 1, "absent", {"FLEXLINK_TIMEOUT_S": "3", "FLEXLINK_FAULTS": "rank:absent@rank=1,at_call=2"})
+  outs = _finish(procs, 120)
+  for p, out in zip(procs, outs):
+    assert p.returncode == 3, out[-4000:]
+  waited = re.search(r"FAILED after ([0-9.]+) s: (.*)", outs[0])
+  absent = re.search(r"FAILED after ([0-9.]+) s: (.*)", outs[1])
+  assert waited and absent, outs
+  assert float(waited.group(1)) < 3 + 10 and float(absent.group(1)) < 1.5 * 3 + 10
+  assert "rank 1" in waited.group(2) and "device 2048" in waited.group(2) and "psum" in waited.group(2), waited.group(2)
+  assert "stayed away from call 2" in absent.group(2) and "injected rank:absent" in absent.group(2), absent.group(2)
+  assert _segments() <= before
+
+
 @pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
 def test_several_links_split_agreed_across_processes(n, k):
   """FLEXLINK_LINKS="shm;tcp": cross-process calls split across the segment and the tcp ring by the

@@ -161,6 +161,25 @@ def kill():
   os._exit(4)
 
 
+def absent():
+  """FLEXLINK_FAULTS="rank:absent@rank=R,at_call=2": rank R's process stays away from the second call;
+  every process reports the error it got."""
+  mesh = Mesh(np.array(DEVICES), ("x",))
+  f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  x = global_array(mesh, P("x"), np.ones((N, 1024), np.float32))
+  f(x).block_until_ready()
+  say("warm")
+  start = time.monotonic()
+  try:
+    f(x).block_until_ready()
+  except Exception as e:  # noqa: BLE001 - the error is what this mode checks
+    say(f"FAILED after {time.monotonic() - start:.2f} s: {e}")
+    sys.stdout.flush()
+    os._exit(3)
+  say("UNEXPECTED: the collective completed without the absent rank")
+  os._exit(4)
+
+
 def plan():
   mesh = Mesh(np.array(DEVICES), ("x",))
   f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
@@ -217,4 +236,4 @@ def multilink():
 
 
 if __name__ == "__main__":
-  {"collectives": collectives, "kill": kill, "plan": plan, "multilink": multilink}[sys.argv[1]]()
+  {"collectives": collectives, "kill": kill, "absent": absent, "plan": plan, "multilink": multilink}[sys.argv[1]]()

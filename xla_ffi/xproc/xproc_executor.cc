@@ -5,11 +5,13 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <tuple>
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/links/tcp.h"
@@ -252,6 +254,7 @@ struct Entry {
   std::shared_ptr<const LinkSet> set;  // keeps the names' link set current for the entry's life
   XprocLinks info;
   std::unique_ptr<XprocExecutor> executor;  // null: one usable link
+  std::unique_ptr<FaultCounter> calls;      // per local rank: the group's calls, for rank:absent
 };
 
 struct Registry {
@@ -280,6 +283,7 @@ Entry* EntryFor(ProcessGroup* group) {
       Resolved r = Resolve(group, *set);
       slot->info = r.info;
       if (r.info.links.size() > 1) slot->executor = std::make_unique<XprocExecutor>(group, std::move(r));
+      slot->calls = std::make_unique<FaultCounter>(group->size());
       slot->set = set;
     }
     e = slot.get();
@@ -301,8 +305,32 @@ XprocLinks XprocLinksOf(ProcessGroup* group) {
   return Resolve(group, *set).info;
 }
 
+namespace {
+
+// Injected rank:absent (core/faults.h) across processes: this rank never arrives. The other ranks'
+// deadline fails the group with their report naming it; this rank returns that (polling the
+// segment's abort word, at most 1.5 x the timeout: nothing else of the call is ours to wait on).
+Status StayAway(ProcessGroup* group, int rank, uint64_t call, std::string_view label) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::min(1.5 * TimeoutSeconds(), 1e9)));
+  while (!group->aborted() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const std::optional<std::string> broken = group->broken();
+  return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " (device " +
+                                  std::to_string(group->devices()[rank]) + ") stayed away from call " +
+                                  std::to_string(call) + " of cross-process group " + FormatIds(group->devices()) +
+                                  " (injected rank:absent)" + (broken ? ": " + *broken : std::string()));
+}
+
+}  // namespace
+
 Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
   Entry* e = EntryFor(group);
+  if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
+    const uint64_t c = e->calls->Next(rank, *faults);
+    if (faults->AbsentAt(rank, c)) return StayAway(group, rank, c, label);
+  }
   if (e->executor) return e->executor->Run(rank, desc, label, run_id);
   // One usable link: the segment runs the call alone, recorded as the single-link path records it.
   const auto start = std::chrono::steady_clock::now();
