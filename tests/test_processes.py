@@ -125,6 +125,18 @@ def test_absent_rank_is_named_across_processes():
   assert _segments() <= before
 
 
+@pytest.mark.parametrize("fault,failed,to", [("tcp:error@at_call=2", "tcp", "shm"),
+                                             ("shm:hang@at_call=2", "shm", "tcp")])
+def test_link_fault_fails_over_across_processes(fault, failed, to):
+  """A faulted link of a cross-process split call: every process agrees (the segment's barrier) and
+  re-runs its range on the other link; exact, one failover, the link unhealthy in every process."""
+  outs = _run(2, 1, "linkfault", FLEXLINK_LINKS="shm;tcp", FLEXLINK_FAULTS=fault, FLEXLINK_LINK_TIMEOUT_S="0.5")
+  for out in outs:
+    report = json.loads(re.search(r"^FAILOVERS (.*)$", out, re.M).group(1))
+    assert report["count"] == 1 and report["to"] == [to], report
+    assert report["health"][failed] == "unhealthy" and report["health"][to] == "healthy", report
+
+
 @pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
 def test_several_links_split_agreed_across_processes(n, k):
   """FLEXLINK_LINKS="shm;tcp": cross-process calls split across the segment and the tcp ring by the

@@ -235,5 +235,27 @@ def multilink():
   say(f"ALL OK multilink {checks} checks")
 
 
+def linkfault():
+  """FLEXLINK_LINKS="shm;tcp" and FLEXLINK_FAULTS naming one of them: the cross-process calls, split
+  50/50, fail over to the other link and stay exact; prints this process's failover count and the
+  group's health."""
+  from jax_flexlink import _flexlink  # noqa: PLC0415
+  mesh = Mesh(np.array(DEVICES), ("x",))
+  host = data((N * 256, 1024), np.int32, 3)
+  x = global_array(mesh, P("x"), host)
+  f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  want = host.reshape(N, 256, 1024).sum(0, dtype=np.int32)
+  _flexlink.set_shares("all_reduce", 1 << 20, [0.5, 0.5], True)
+  for call in range(5):
+    got = local_values(f(x))
+    assert all(np.array_equal(g, want) for g in got), f"call {call + 1}: not the exact sum"
+  s = flx.stats()
+  group = "[" + ", ".join(str(d.id) for d in DEVICES) + "]"
+  health = {h["link"]: h["state"] for h in s["health"] if h["group"] == group}
+  say("FAILOVERS " + json.dumps({"count": s["failovers"]["count"], "health": health,
+                                 "to": [r["to"] for r in s["failovers"]["recent"]]}))
+  say("ALL OK linkfault: 5 exact calls")
+
+
 if __name__ == "__main__":
-  {"collectives": collectives, "kill": kill, "absent": absent, "plan": plan, "multilink": multilink}[sys.argv[1]]()
+  {"collectives": collectives, "kill": kill, "absent": absent, "linkfault": linkfault, "plan": plan, "multilink": multilink}[sys.argv[1]]()

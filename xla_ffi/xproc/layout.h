@@ -16,7 +16,8 @@
 namespace flexlink::xproc {
 
 inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-endian
-inline constexpr uint32_t kLayoutVersion = 2;  // 2: plan slots in the header, times slots per rank
+// 2: plan slots in the header, times slots per rank; 3: failover masks in the times slots
+inline constexpr uint32_t kLayoutVersion = 3;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -45,6 +46,11 @@ struct alignas(64) TimesSlot {
   uint64_t call;
   uint32_t links;
   uint32_t ok;  // 1: the call succeeded on this rank
+  // Failover (docs/faults.md): bit i set when link i's range failed on this rank in `call` (written
+  // before the call's agreement barrier, read by every rank after it); `touched`: it may have
+  // written buffers first.
+  uint32_t failed;
+  uint32_t touched;
   double call_seconds;
   double seconds[kMaxXprocLinks];
 };

@@ -422,4 +422,11 @@ Status ProcessGroup::RunPieces(int rank, const CallDesc& desc, std::span<const P
   return Steps(rank, desc, cursor, where, false, label, run_id, call);
 }
 
+Status ProcessGroup::Sync(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
+  const uint64_t call = calls_[rank].load(std::memory_order_relaxed);
+  const Where where = [&] { return WhereText(label, run_id, call, desc.Describe()) + " (failover agreement)"; };
+  uint32_t step = ranks_[rank].arrived.load(std::memory_order_relaxed);
+  return Barrier(rank, &step, where, 0, false, desc);
+}
+
 }  // namespace flexlink::xproc

@@ -50,6 +50,9 @@ class ProcessGroup {
   Status Arrive(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
   Status RunPieces(int rank, const CallDesc& desc, std::span<const Piece> pieces, std::string_view label,
                    int64_t run_id);
+  // A barrier step with no data within the current call (the executor's failover agreement): what
+  // every rank wrote before it is visible after it. Its failure fails the group as a step's does.
+  Status Sync(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
   // Records `message` as the group's failure (first one wins) and wakes every waiter: another link's
   // error of this rank's call, so that the other processes fail fast with the reason.
   void Abort(int rank, const std::string& message) { Fail(rank, message); }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -12,6 +13,7 @@
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/core/faults.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/links/tcp.h"
@@ -93,6 +95,8 @@ class XprocExecutor {
       for (int rank = 0; rank < n; ++rank)
         if (g_->is_local(rank)) workers_[i][rank] = std::make_unique<LinkWorker>();
     }
+    for (size_t i = 0; i < L; ++i) counters_.push_back(std::make_unique<FaultCounter>(n));
+    health_ = std::make_shared<GroupHealth>(FormatIds(g_->devices()), r_.info.links);
     if (g_->is_local(0)) {
       plan::BalancerOptions options;
       options.profile_from_bytes = 0;  // no engine stage 1 across processes
@@ -105,6 +109,7 @@ class XprocExecutor {
   }
 
   plan::Balancer* balancer() { return balancer_.get(); }
+  const std::shared_ptr<GroupHealth>& health() const { return health_; }
   const std::vector<std::string>& links() const { return r_.info.links; }
 
   Status Run(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
@@ -131,9 +136,15 @@ class XprocExecutor {
       slot.mode = static_cast<uint32_t>(plan->mode);
       slot.links = static_cast<uint32_t>(L);
       const bool usable = plan->mode != plan::PlanMode::kProfile && plan->shares.size() == L;
-      for (size_t i = 0; i < kMaxXprocLinks; ++i)
-        slot.shares[i] = i < L ? (usable ? plan->shares[i] : (i == r_.segment ? 1.0 : 0.0)) : 0.0;
-      held_[c & 1] = Held{plan, bytes, std::vector<uint64_t>(L, 0), c};
+      std::vector<double> planned(L);
+      for (size_t i = 0; i < L; ++i) planned[i] = usable ? plan->shares[i] : (i == r_.segment ? 1.0 : 0.0);
+      // Unhealthy links out (core/health.h); every process learns the result from this slot.
+      bool masked = false;
+      int probe = -1;
+      const std::vector<double> shares = health_->Effective(planned, c, desc.virtual_bytes(), &masked, &probe);
+      for (size_t i = 0; i < kMaxXprocLinks; ++i) slot.shares[i] = i < L ? shares[i] : 0.0;
+      // A masked call is not the plan's: stage 2 learns nothing from it.
+      held_[c & 1] = Held{masked ? nullptr : plan, bytes, std::vector<uint64_t>(L, 0), c};
     }
     // Its errors failed the group already where they must (ProcessGroup::Barrier); a fingerprint
     // mismatch is every rank's same verdict and leaves the group usable.
@@ -171,35 +182,80 @@ class XprocExecutor {
       if (!ranges[i].empty()) desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
       return pieces;
     };
+    // Injected faults (core/faults.h), decided per link before it runs: the same on every rank.
+    std::shared_ptr<const FaultSet> faults = CurrentFaults();
+    std::vector<const Fault*> fault(L, nullptr);
+    std::vector<uint64_t> fault_call(L, 0);
+    for (size_t i = 0; i < L && faults; ++i)
+      if (!ranges[i].empty()) {
+        fault_call[i] = counters_[i]->Next(rank, *faults);
+        fault[i] = faults->ForLink(r_.info.links[i], fault_call[i]);
+      }
+    const double range_budget = LinkBudgetSeconds(static_cast<double>(bytes) / 100e6);
+    auto injected = [&, label = std::string(label)](size_t i) {
+      const Fault& f = *fault[i];
+      std::string m = ErrorPrefix(label) + "link " + r_.info.links[i] + ": injected ";
+      if (f.kind == Fault::Kind::kHang) {
+        // Never completes: until the link's deadline, touching nothing.
+        std::this_thread::sleep_for(std::chrono::duration<double>(range_budget));
+        char secs[32];
+        std::snprintf(secs, sizeof secs, "%g", range_budget);
+        m += "hang at its call " + std::to_string(fault_call[i]) + ": it did not complete within its deadline of " +
+             secs + " s";
+      } else {
+        m += "error at its call " + std::to_string(fault_call[i]);
+      }
+      return Status::Unavailable(m + " (FLEXLINK_FAULTS \"" + faults->text + "\")");
+    };
+    auto slow = [&](size_t i, Clock::time_point start) {
+      if (fault[i] && fault[i]->kind == Fault::Kind::kSlow)
+        std::this_thread::sleep_for((Clock::now() - start) * (fault[i]->factor - 1));
+    };
+    std::vector<Status> link_status(L);
     std::vector<size_t> posted;
     for (size_t i = 0; i < L; ++i) {
       if (!r_.tcp[i] || ranges[i].empty()) continue;
+      if (fault[i] && fault[i]->kind != Fault::Kind::kSlow && fault[i]->kind != Fault::Kind::kHang) {
+        link_status[i] = injected(i);
+        continue;
+      }
       TcpChannel* ch = r_.tcp[i];
-      workers_[i][rank]->Post([ch, &desc, n, rank, i, pieces = pieces_of(i), t0, seconds] {
+      const Fault* f = fault[i];
+      workers_[i][rank]->Post([&, ch, n, rank, i, f, pieces = pieces_of(i), t0, seconds] {
+        if (f && f->kind == Fault::Kind::kHang) return injected(i);
+        const auto start = Clock::now();
         Status s = ch->RunPieces(desc, n, rank, pieces);
+        slow(i, start);
         (*seconds)[i] = Since(t0);
         return s;
       });
       posted.push_back(i);
     }
-    Status status;
     {
-      const std::vector<Piece> mine = pieces_of(r_.segment);
-      status = g_->RunPieces(rank, desc, mine, label, run_id);
-      (*seconds)[r_.segment] = Since(t0);
+      const size_t i = r_.segment;
+      if (fault[i] && fault[i]->kind != Fault::Kind::kSlow) {
+        link_status[i] = injected(i);
+      } else {
+        const auto start = Clock::now();
+        link_status[i] = g_->RunPieces(rank, desc, pieces_of(i), label, run_id);
+        slow(i, start);
+      }
+      (*seconds)[i] = Since(t0);
     }
     const double worker_timeout = 2 * TimeoutSeconds() + 5;
-    for (size_t i : posted) {
-      Status s = workers_[i][rank]->Wait(worker_timeout);
-      if (status.ok() && !s.ok())
-        status = Status(s.code(), where() + ": link " + r_.info.links[i] + ": " + s.message());
-    }
+    for (size_t i : posted) link_status[i] = workers_[i][rank]->Wait(worker_timeout);
+    // The segment failing for real failed the group (its steps' abort word): nothing can carry on.
+    if (!link_status[r_.segment].ok() && link_status[r_.segment].code() != StatusCode::kUnavailable)
+      return link_status[r_.segment];
+    FLEXLINK_RETURN_IF_ERROR(Recover(rank, desc, label, run_id, c, ranges, shares, link_status, where));
     const double call_seconds = Since(t0);
-    if (!status.ok()) {
-      // This rank leaves the call: the other processes must not wait for it until their deadline.
-      if (!g_->aborted()) g_->Abort(rank, status.message());
-      return status;
-    }
+    if (rank == FirstLocalRank())  // health lists the links that ran (no stage-1 fits across processes)
+      for (size_t i = 0; i < L; ++i)
+        if (!ranges[i].empty() && link_status[i].ok()) {
+          const double b = static_cast<double>(bytes) * ranges[i].size() / std::max<uint64_t>(1, desc.virtual_bytes());
+          health_->Observed(i, c, static_cast<uint64_t>(b), -1, (*seconds)[i] > 0 ? b / (*seconds)[i] : -1);
+          if (health_->Unhealthy(i)) health_->Probed(i, c, true, "");
+        }
     TimesSlot& t = g_->times_slot(rank, c);
     t.call = c;
     t.links = static_cast<uint32_t>(L);
@@ -210,6 +266,85 @@ class XprocExecutor {
   }
 
  private:
+  // Failover across processes (docs/faults.md): every rank writes which of its links failed into its
+  // times slot, one barrier step of the segment makes them visible, and all re-run the union's
+  // ranges on the healthy link with the largest share (the same choice everywhere, from the leader's
+  // plan slot). One round: a re-run that fails fails the group.
+  Status Recover(int rank, const CallDesc& desc, std::string_view label, int64_t run_id, uint64_t c,
+                 const std::vector<plan::UnitRange>& ranges, const std::vector<double>& shares,
+                 const std::vector<Status>& status, const std::function<std::string()>& where) {
+    const size_t L = r_.info.links.size();
+    const int n = g_->size();
+    auto fail = [&](const std::string& message) {
+      if (!g_->aborted()) g_->Abort(rank, message);
+      return Status::Internal(message);
+    };
+    uint32_t failed = 0, touched = 0;
+    for (size_t i = 0; i < L; ++i)
+      if (!status[i].ok()) {
+        failed |= 1u << i;
+        if (status[i].code() != StatusCode::kUnavailable) touched |= 1u << i;
+      }
+    TimesSlot& mine = g_->times_slot(rank, c);
+    mine.call = c;
+    mine.ok = 0;
+    mine.failed = failed;
+    mine.touched = touched;
+    FLEXLINK_RETURN_IF_ERROR(g_->Sync(rank, desc, label, run_id));
+    uint32_t all_failed = 0, all_touched = 0;
+    for (int r = 0; r < n; ++r) {
+      const TimesSlot& t = g_->times_slot(r, c);
+      if (t.call != c) return fail(where() + ": rank " + std::to_string(r) + " did not publish its links' status");
+      all_failed |= t.failed;
+      all_touched |= t.touched;
+    }
+    if (all_failed == 0) return Status::Ok();
+    std::string report;  // what this rank's links reported (another rank's errors are in its own message)
+    for (size_t j = 0; j < L; ++j)
+      report += (j ? "; " : "") + r_.info.links[j] + ": " +
+                (!status[j].ok() ? status[j].message()
+                 : (all_failed >> j) & 1 ? std::string("failed on another rank")
+                 : health_->Unhealthy(j) ? std::string("unhealthy (excluded until its next probe)")
+                                         : std::string("ok"));
+    for (size_t i = 0; i < L; ++i) {
+      if (!((all_failed >> i) & 1)) continue;
+      const std::string reason = !status[i].ok() ? status[i].message() : "failed on another rank";
+      bool aliased = false;
+      for (const Part& p : desc.parts)
+        aliased |= p.in == p.out && p.offset < ranges[i].end && ranges[i].begin < p.offset + p.bytes();
+      if (((all_touched >> i) & 1) && aliased)
+        return fail(where() + ": link " + r_.info.links[i] + " failed after it may have written part of its range of "
+                    "an in-place (aliased) call, so its input bytes cannot be recovered: " + reason);
+      size_t to = L;
+      for (size_t j = 0; j < L; ++j)
+        if (!((all_failed >> j) & 1) && !health_->Unhealthy(j) && (to == L || shares[j] > shares[to])) to = j;
+      if (to == L) return fail(where() + ": no link could carry the bytes (links: " + report + ")");
+      std::vector<Piece> pieces;
+      desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
+      Status s = to == r_.segment ? g_->RunPieces(rank, desc, pieces, label, run_id)
+                                  : r_.tcp[to]->RunPieces(desc, n, rank, pieces);
+      if (!s.ok()) return fail(where() + ": the failover of link " + r_.info.links[i] + "'s range to " +
+                               r_.info.links[to] + " failed too: " + s.message() + " (links: " + report + ")");
+      // Every process records the same decisions (its own stats); the leader's masks the next plans.
+      if (rank == FirstLocalRank()) {
+        health_->Failed(i, c, reason);
+        health_->FailedOver(i);
+        RecordFailover(FailoverRecord{FormatIds(g_->devices()), std::string(Name(desc.kind)), r_.info.links[i],
+                                      r_.info.links[to], reason, c,
+                                      static_cast<uint64_t>(static_cast<double>(MessageBytes(desc, n)) *
+                                                            ranges[i].size() / std::max<uint64_t>(1, desc.virtual_bytes())),
+                                      0.0, UnixNow()});
+      }
+    }
+    return Status::Ok();
+  }
+
+  int FirstLocalRank() const {
+    for (int r = 0; r < g_->size(); ++r)
+      if (g_->is_local(r)) return r;
+    return 0;
+  }
+
   struct Held {
     std::shared_ptr<const plan::Plan> plan;
     uint64_t bytes = 0;
@@ -248,6 +383,8 @@ class XprocExecutor {
   std::unique_ptr<plan::Balancer> balancer_;  // the leader's process only
   std::vector<std::vector<std::unique_ptr<LinkWorker>>> workers_;  // [link][rank]: tcp links, local ranks
   Held held_[2];                 // leader (rank 0's thread) only: the plans of the last two calls
+  std::vector<std::unique_ptr<FaultCounter>> counters_;  // per link: its calls per local rank
+  std::shared_ptr<GroupHealth> health_;
 };
 
 struct Entry {
@@ -282,7 +419,10 @@ Entry* EntryFor(ProcessGroup* group) {
       slot = std::make_unique<Entry>();
       Resolved r = Resolve(group, *set);
       slot->info = r.info;
-      if (r.info.links.size() > 1) slot->executor = std::make_unique<XprocExecutor>(group, std::move(r));
+      if (r.info.links.size() > 1) {
+        slot->executor = std::make_unique<XprocExecutor>(group, std::move(r));
+        RegisterGroupHealth(slot->executor->health(), set->version);
+      }
       slot->calls = std::make_unique<FaultCounter>(group->size());
       slot->set = set;
     }
