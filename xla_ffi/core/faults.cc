@@ -169,7 +169,8 @@ const Fault* FaultSet::AbsentAt(int rank, uint64_t call) const {
 Status ParseFaults(std::string_view text, const std::vector<std::string>& links, std::vector<Fault>* out) {
   out->clear();
   if (Trim(text).empty()) return Status::Ok();
-  PartParser p{text};
+  PartParser p;
+  p.text = text;
   std::string_view rest = text;
   for (;;) {
     const size_t semi = rest.find(';');

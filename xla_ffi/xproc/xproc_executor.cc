@@ -392,6 +392,7 @@ struct Entry {
   XprocLinks info;
   std::unique_ptr<XprocExecutor> executor;  // null: one usable link
   std::unique_ptr<FaultCounter> calls;      // per local rank: the group's calls, for rank:absent
+  std::unique_ptr<FaultCounter> calls_alone;  // per local rank: the segment's calls when it runs alone
 };
 
 struct Registry {
@@ -424,6 +425,7 @@ Entry* EntryFor(ProcessGroup* group) {
         RegisterGroupHealth(slot->executor->health(), set->version);
       }
       slot->calls = std::make_unique<FaultCounter>(group->size());
+      slot->calls_alone = std::make_unique<FaultCounter>(group->size());
       slot->set = set;
     }
     e = slot.get();
@@ -472,6 +474,27 @@ Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::st
     if (faults->AbsentAt(rank, c)) return StayAway(group, rank, c, label);
   }
   if (e->executor) return e->executor->Run(rank, desc, label, run_id);
+  // One usable link: an injected error or hang of it fails the call on every rank alike, before the
+  // segment is touched (nothing to fail over to; the group stays usable).
+  if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
+    const uint64_t c = e->calls_alone->Next(rank, *faults);
+    if (const Fault* f = faults->ForLink(e->info.links.empty() ? "shm" : e->info.links[0], c);
+        f && f->kind != Fault::Kind::kSlow) {
+      double budget = 0;
+      if (f->kind == Fault::Kind::kHang) {
+        budget = LinkBudgetSeconds(static_cast<double>(MessageBytes(desc, group->size())) / 100e6);
+        std::this_thread::sleep_for(std::chrono::duration<double>(budget));
+      }
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", budget);
+      return Status::Unavailable(ErrorPrefix(label) + "link shm of cross-process group " + FormatIds(group->devices()) +
+                                 ": injected " + (f->kind == Fault::Kind::kHang
+                                                      ? std::string("hang at its call ") + std::to_string(c) +
+                                                            ": it did not complete within its deadline of " + secs + " s"
+                                                      : "error at its call " + std::to_string(c)) +
+                                 " (FLEXLINK_FAULTS \"" + faults->text + "\"; no other link to fail over to)");
+    }
+  }
   // One usable link: the segment runs the call alone, recorded as the single-link path records it.
   const auto start = std::chrono::steady_clock::now();
   Status status = group->Run(rank, desc, label, run_id);
