@@ -105,6 +105,19 @@ def test_link_fault_fails_over_exactly(case, which, kind):
 
 
 @pytest.mark.parametrize("which", sorted(LINK_SETS))
+def test_slow_link_stays_exact_without_failover(case, which):
+  link, links = LINK_SETS[which]
+  configure(links)
+  timed_calls(case, 1)
+  flx.inject_faults(f"{link}:slow@factor=3")
+  times = timed_calls(case, 3)
+  s = flx.stats()
+  assert s["failovers"]["count"] == 0
+  assert health(link)["state"] != "unhealthy" and health(link)["errors"] == 0
+  assert max(times) < 3, times  # slower, never stuck
+
+
+@pytest.mark.parametrize("which", sorted(LINK_SETS))
 def test_single_link_call_fails_over(case, which):
   # The plan gives the faulted link everything: its one-link path (RunAlone) fails over too.
   link, links = LINK_SETS[which]
