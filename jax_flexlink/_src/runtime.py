@@ -100,7 +100,11 @@ def stats() -> dict:
 
   {"links": {name: {"bytes", "calls", "seconds", "healthy"}},   # per link of the current set
    "plans": [{"collective", "bucket_bytes", "shares": {name: fraction}, "mode", "group", ...}],
-   "offload_fraction": bytes not on the primary link / all bytes}
+   "offload_fraction": bytes not on the primary link / all bytes,
+   "stragglers": [{"group", "rank", "device", "calls", "last", "expected_last",
+                   "lateness_s": {"p50", "p90", "max"}, "flagged", "p_value", "absent"}]}
+  stragglers: per rank of every group that ran a call, who arrived last at the rendezvous and how
+  late (docs/diagnose.md has the test behind "flagged").
   """
   per_link, plans, total, offloaded = {}, [], 0, 0
   cuda = native.cuda_module()
@@ -120,7 +124,18 @@ def stats() -> dict:
         total += raw[name]["bytes"]
         offloaded += raw[name]["bytes"] if name != names[0] else 0
     plans.extend(module.plans())
-  return {"links": per_link, "plans": plans, "offload_fraction": offloaded / total if total else 0.0}
+  out = {"links": per_link, "plans": plans, "offload_fraction": offloaded / total if total else 0.0}
+  out["stragglers"] = stragglers()
+  return out
+
+
+def stragglers() -> list[dict]:
+  """stats()["stragglers"]: every native module's groups (a module without the binding has none)."""
+  out = []
+  for module in native.modules():
+    if hasattr(module, "stragglers"):
+      out.extend(module.stragglers())
+  return out
 
 
 def reset_stats() -> None:

@@ -16,7 +16,7 @@ constexpr size_t kMaxAbandoned = 256;
 }  // namespace
 
 Communicator::Communicator(std::vector<int64_t> devices)
-    : devices_(std::move(devices)), next_seq_(devices_.size()) {}
+    : devices_(std::move(devices)), stragglers_(devices_), next_seq_(devices_.size()) {}
 
 Communicator::~Communicator() {
   // Calls (and their scratch, which links hand out) must go before the links.

@@ -14,6 +14,7 @@
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/link_set.h"
+#include "xla_ffi/core/stragglers.h"
 #include "xla_ffi/ffi/control.h"
 #include "xla_ffi/ffi/py_values.h"
 #include "xla_ffi/links/emulated.h"
@@ -56,6 +57,37 @@ nb::dict InstallCached(const std::string& path, int ranks) {
   return out;
 }
 
+// stats()["stragglers"] (docs/diagnose.md): one entry per rank of every group that completed a
+// call (or lost one to an absent rank).
+nb::list Stragglers() {
+  nb::list out;
+  for (const StragglerGroup& g : SnapshotStragglers()) {
+    std::string group = "[";
+    for (size_t i = 0; i < g.devices.size(); ++i) group += (i ? "," : "") + std::to_string(g.devices[i]);
+    group += "]";
+    for (const StragglerRank& r : g.ranks) {
+      nb::dict lateness;
+      lateness["p50"] = r.p50_s;
+      lateness["p90"] = r.p90_s;
+      lateness["max"] = r.max_s;
+      nb::dict d;
+      d["group"] = group;
+      d["rank"] = r.rank;
+      d["device"] = r.device;
+      d["calls"] = r.calls;
+      d["last"] = r.last;
+      d["expected_last"] = r.expected_last;
+      d["lateness_s"] = lateness;
+      d["flagged"] = r.flagged;
+      d["significant"] = r.significant;
+      d["p_value"] = r.p_value;
+      d["absent"] = r.absent;
+      out.append(d);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 void DefineControl(nb::module_& m) {
@@ -95,6 +127,9 @@ void DefineControl(nb::module_& m) {
   }, nb::arg("devices"), "The stage-1 model of one group: {fits: {collective: [(alpha, beta)]}, split_min_bytes, "
         "profiled_bytes}.");
   m.def("set_tune_cache_path", &SetTuneCachePath, nb::arg("path"), "The tuning cache the engine reads and writes.");
+  m.def("stragglers", &Stragglers,
+        "Per group and rank: calls, how often it arrived last, its lateness (p50/p90/max s), flagged, "
+        "significant, p_value, absent (docs/diagnose.md).");
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
   m.def("take_split_records", [] { return py::SplitRecordList(TakeSplitRecords()); },
         "Per-rank ranges of the calls since the last take.");

@@ -16,6 +16,7 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/core/stragglers.h"
 #include "xla_ffi/ffi/control.h"
 #include "xla_ffi/ffi/handlers.h"
 #include "xla_ffi/ffi/py_values.h"
@@ -266,7 +267,10 @@ NB_MODULE(_flexlink, m) {
         "sequence of (source rank, destination rank) within the group. Raises RuntimeError with "
         "the handler's message.");
   m.def("stats", &Stats);
-  m.def("reset_stats", &ResetLinkStats);
+  m.def("reset_stats", [] {
+    ResetLinkStats();
+    ResetStragglers();
+  });
   m.def("set_shm_staging_bytes", &SetShmStagingBytes, nb::arg("bytes"),
         "Per-rank input size up to which the shm link stages inputs (one rendezvous per call).");
   m.def("shm_staging_bytes", &ShmStagingBytes);
