@@ -135,7 +135,8 @@ void TestStragglerFlagged() {
               static_cast<unsigned long long>(s.last), static_cast<unsigned long long>(s.calls), s.expected_last,
               s.p_value, s.p50_s * 1e3, s.p90_s * 1e3, s.max_s * 1e3);
   Expect(s.device == 103 && s.expected_last == calls / 8.0, "rank 3 is device 103, expected last calls/8");
-  Expect(s.flagged && s.last >= calls * 3 / 4, "the sleeping rank is flagged (last " + std::to_string(s.last) + ")");
+  // At least half (not all: on a loaded machine a peer can be descheduled for longer than the sleep).
+  Expect(s.flagged && s.last >= calls / 2, "the sleeping rank is flagged (last " + std::to_string(s.last) + ")");
   // Slept 2 ms while the others arrived within microseconds; on 2 shared cores its peers may be
   // late too, so a wide band: at least a quarter of the sleep, far below the deadline.
   Expect(s.p50_s > 0.5e-3 && s.p50_s <= s.p90_s && s.p90_s <= s.max_s && s.max_s < 1.0,
