@@ -94,18 +94,18 @@ def _engine_run_calls(devices, calls, sleeper=None, sleep_s=0.0):
 def test_a_sleeping_rank_is_flagged_and_diagnosed():
     devices = list(range(40, 48))
     flx.reset_stats()
-    _engine_run_calls(devices, calls=24, sleeper=45, sleep_s=0.003)
+    _engine_run_calls(devices, calls=32, sleeper=45, sleep_s=0.005)
     entries = {s["rank"]: s for s in flx.stats()["stragglers"] if s["group"] == dg.group_key(devices)}
     assert len(entries) == N
     slow = entries[5]
     # At least half (a loaded machine can deschedule a peer for longer than the sleep).
-    assert slow["device"] == 45 and slow["flagged"] and slow["last"] >= 12 and slow["calls"] == 24
+    assert slow["device"] == 45 and slow["flagged"] and slow["last"] >= 16 and slow["calls"] == 32
     assert slow["lateness_s"]["p50"] > 0.5e-3
     assert not any(s["flagged"] for r, s in entries.items() if r != 5)
     report = flx.diagnose()
     found = [f for f in report.findings if f.startswith("rank 5 (device 45) of group [40..47] arrived last in")]
     assert len(found) == 1, report.findings
-    assert f"arrived last in {slow['last']} of 24 calls (expected 3), median " in found[0] and "ms late" in found[0]
+    assert f"arrived last in {slow['last']} of 32 calls (expected 4), median " in found[0] and "ms late" in found[0]
     flx.reset_stats()
 
 

@@ -116,13 +116,14 @@ void TestBuckets() {
   Expect(StragglerTracker::Bucket(~uint64_t{0}) == StragglerTracker::kBuckets - 1, "the top bucket catches the rest");
 }
 
-// Rank 3 sleeps 2 ms before each call: it is last (nearly) always, flagged, about 2 ms late; the
-// others are not flagged.
+// Rank 3 sleeps 5 ms before each call: it is last (nearly) always, flagged, about 5 ms late; the
+// others are not flagged. 5 ms: more than a peer is descheduled for, mostly, with other tests
+// running beside this one (Bazel).
 void TestStragglerFlagged() {
   const std::vector<int64_t> group = {100, 101, 102, 103, 104, 105, 106, 107};
   const int calls = 40;
   const bool ok = RunCalls(group, calls, [](int rank, int) {
-    if (rank == 3) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (rank == 3) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   });
   Expect(ok, "straggler run: every call correct");
   const auto groups = SnapshotStragglers();
@@ -137,8 +138,8 @@ void TestStragglerFlagged() {
   Expect(s.device == 103 && s.expected_last == calls / 8.0, "rank 3 is device 103, expected last calls/8");
   // At least half (not all: on a loaded machine a peer can be descheduled for longer than the sleep).
   Expect(s.flagged && s.last >= calls / 2, "the sleeping rank is flagged (last " + std::to_string(s.last) + ")");
-  // Slept 2 ms while the others arrived within microseconds; on 2 shared cores its peers may be
-  // late too, so a wide band: at least a quarter of the sleep, far below the deadline.
+  // Slept 5 ms while the others arrived within microseconds; on 2 shared cores its peers may be
+  // late too, so a wide band: at least a tenth of the sleep, far below the deadline.
   Expect(s.p50_s > 0.5e-3 && s.p50_s <= s.p90_s && s.p90_s <= s.max_s && s.max_s < 1.0,
          "its lateness: p50 >= 0.5 ms, p50 <= p90 <= max");
   bool others = true;
