@@ -189,7 +189,7 @@ FINDINGS = [
     ("link tcp in group [0..7] is unhealthy since ", ["(call 5): error at call 5: connection reset by peer",
                                                       "its bytes went to shm in 3 failovers"]),
     ("link pcie in group [0..7] is degraded since ", ["(call 40): observed 1.2 GB/s over the last 8 calls",
-                                                      "stage 2 moves its load"]),
+                                                      "31% of the profiled 3.9 GB/s; stage 2 moves its load"]),
     ("link emulated in group [0,1] failed over 1 time ", ["call 9", "missed its deadline (hang)",
                                                           "went to shm", "not marked unhealthy now"]),
     ("rank 3 (device 3) of group [0..7] arrived last in 40 of 50 calls (expected 6.25), median 2.1 ms late",
@@ -212,7 +212,10 @@ def test_findings_from_synthetic_stats():
     for start, _ in FINDINGS:
         assert start in text
     assert "Failovers: 4" in text and "tcp -> shm" in text
-    assert "health tcp: unhealthy since" in text and "3 failovers" in text
+    assert "health tcp: unhealthy since" in text and "failovers 3" in text
+    # The health tracker's expectation where stage 1 has no fit in the report.
+    assert "pcie: degraded, 50 calls, 1.0 GiB in 2.00 s, observed 0.537 GB/s, expected 3.9 GB/s (health tracker, " \
+           "observed 14% of it)" in text
     assert "plan all_reduce from 1.0 MiB: shm 90%, tcp 0%, pcie 10% (balanced)" in text
     assert "rank 0 (device 0)" not in "\n".join(report.findings)  # not flagged: not a finding
     json.loads(report.to_json())

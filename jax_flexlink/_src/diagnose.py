@@ -194,6 +194,11 @@ def build_report(stats: dict, *, fits: dict | None = None, config: dict | None =
             bw = _expected_over(fit, calls, nbytes)
             if bw is not None:
               expected[kind] = min(bw, expected.get(kind, bw))
+    # The health tracker's expectation (stage-1 fit at the sizes it observed), where it has one.
+    from_health = [h["expected_bytes_per_s"] for h in health
+                   if h.get("link") == name and h.get("expected_bytes_per_s")]
+    if from_health:
+      expected["health tracker"] = min(from_health)
     state = e.get("state") or ("unknown" if not has_health else "healthy" if e.get("healthy", True)
                                else "unhealthy")
     links.append(LinkReport(name, name in primary, calls, nbytes, seconds, observed, expected, state,
@@ -215,9 +220,10 @@ def build_report(stats: dict, *, fits: dict | None = None, config: dict | None =
       to = sorted({f.get("to") for f in mine if f.get("to")})
       text += (f"; its bytes went to {' and '.join(to) if to else 'the other links'} in {count} failover"
                f"{'s' if count != 1 else ''}")
-    if h.get("state") == "degraded" and h.get("observed_bytes_per_s") and h.get("expected_bytes_per_s"):
-      text += (f" (observed {_gbps(h['observed_bytes_per_s'])}, expected {_gbps(h['expected_bytes_per_s'])}"
-               "; stage 2 moves its load to the other links)")
+    if h.get("state") == "degraded":
+      if "GB/s" not in (h.get("reason") or "") and h.get("observed_bytes_per_s") and h.get("expected_bytes_per_s"):
+        text += f" (observed {_gbps(h['observed_bytes_per_s'])}, expected {_gbps(h['expected_bytes_per_s'])})"
+      text += "; stage 2 moves its load to the other links"
     findings.append(text)
 
   # 2. Failovers of links that are healthy again (re-admitted after a probe) or not in health.
@@ -289,7 +295,8 @@ def format_report(r: Report) -> str:
     for l in r.links:
       def ratio(v, l=l):
         return f", observed {l.observed_bytes_per_s / v:.0%} of it" if l.observed_bytes_per_s and v else ""
-      exp = "; ".join(f"{_gbps(v)} ({k} fit{ratio(v)})" for k, v in sorted(l.expected_bytes_per_s.items()))
+      exp = "; ".join(f"{_gbps(v)} ({k}{'' if k == 'health tracker' else ' fit'}{ratio(v)})"
+                      for k, v in sorted(l.expected_bytes_per_s.items()))
       state = "health unknown" if l.state == "unknown" else l.state
       out.append(f"  {l.name}{' (primary)' if l.primary else ''}: {state}, {l.calls} calls, {_bytes(l.bytes)} "
                  f"in {_secs(l.seconds)}, observed {_gbps(l.observed_bytes_per_s)}, expected "
@@ -307,7 +314,7 @@ def format_report(r: Report) -> str:
       if h.get("reason"):
         line += f": {h['reason']}"
       line += (f"; observed {_gbps(h.get('observed_bytes_per_s'))}, expected {_gbps(h.get('expected_bytes_per_s'))}"
-               f", {h.get('errors', 0)} errors, {h.get('failovers', 0)} failovers, {h.get('probes', 0)} probes")
+               f"; errors {h.get('errors', 0)}, failovers {h.get('failovers', 0)}, probes {h.get('probes', 0)}")
       out.append(line)
     if g.stragglers:
       calls = max(int(s.get("calls", 0)) for s in g.stragglers)
