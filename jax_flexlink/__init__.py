@@ -19,6 +19,7 @@ from jax_flexlink._src import reduce_scatter as _reduce_scatter  # noqa: E402,F4
 from jax_flexlink._src.api import (  # noqa: E402
     all_gather, all_to_all, pmax, pmean, pmin, ppermute, psum, psum_scatter)
 from jax_flexlink._src.coverage import Collective, CollectiveReport, collectives  # noqa: E402
+from jax_flexlink._src.diagnose import Report as DiagnosisReport, diagnose  # noqa: E402
 from jax_flexlink._src.replace import replace_collectives, replacing_collectives  # noqa: E402
 from jax_flexlink._src.runtime import configure, faults, inject_faults, links, reset_stats, stats  # noqa: E402
 from jax_flexlink._src.runtime import load_cached_model as _runtime_load_cached_model  # noqa: E402
@@ -31,5 +32,6 @@ __version__ = "0.1.0"
 __all__ = [
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "replace_collectives", "replacing_collectives", "collectives", "Collective", "CollectiveReport", "configure", "links", "tune", "inject_faults", "faults", "stats", "reset_stats",
+    "diagnose", "DiagnosisReport",
     "__version__",
 ]

@@ -136,7 +136,11 @@ def stats() -> dict:
    "health": [{"group", "link", "state", "since", "since_call", "reason", "expected_bytes_per_s",
                "observed_bytes_per_s", "errors", "failovers", "probes"}],   # per (group, link) that ran
    "failovers": {"count", "recent": [{"group", "collective", "call", "link", "to", "reason", "bytes",
-                                      "seconds", "time"}]}}   # docs/faults.md
+                                      "seconds", "time"}]},   # docs/faults.md
+   "stragglers": [{"group", "rank", "device", "calls", "last", "expected_last",
+                   "lateness_s": {"p50", "p90", "max"}, "flagged", "p_value", "absent"}]}
+  stragglers: per rank of every group that ran a call, who arrived last at the rendezvous and how
+  late (docs/diagnose.md has the test behind "flagged").
   """
   per_link, plans, total, offloaded = {}, [], 0, 0
   health, failovers = [], {"count": 0, "recent": []}
@@ -162,8 +166,19 @@ def stats() -> dict:
     if "failovers" in full:
       failovers["count"] += full["failovers"]["count"]
       failovers["recent"].extend(full["failovers"]["recent"])
-  return {"links": per_link, "plans": plans, "offload_fraction": offloaded / total if total else 0.0,
-          "health": health, "failovers": failovers}
+  out = {"links": per_link, "plans": plans, "offload_fraction": offloaded / total if total else 0.0,
+         "health": health, "failovers": failovers}
+  out["stragglers"] = stragglers()
+  return out
+
+
+def stragglers() -> list[dict]:
+  """stats()["stragglers"]: every native module's groups (a module without the binding has none)."""
+  out = []
+  for module in native.modules():
+    if hasattr(module, "stragglers"):
+      out.extend(module.stragglers())
+  return out
 
 
 def reset_stats() -> None:

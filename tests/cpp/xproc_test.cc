@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -38,6 +39,7 @@
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/links/tcp_xproc.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/core/stragglers.h"
 #include "xla_ffi/xproc/process_group.h"
 #include "xla_ffi/xproc/registry.h"
 #include "xla_ffi/xproc/segment.h"
@@ -830,6 +832,47 @@ void RunScenario(const Scenario& s) {
 }
 
 // Attach refuses what it must, in the parent itself (no threads are made, no group registered).
+// The last process sleeps 5 ms before each call (3 ranks: chance is 1/3, so it must be last in
+// most calls to be flagged; 5 ms is more than other processes are descheduled for, mostly): the leader's process (rank 0) records it as
+// arriving last, flagged, ~2 ms late, from the arrival times in the rank blocks; the other
+// processes record nothing for the group.
+void Stragglers(Proc& p) {
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {256}}}, 0, {}, false, 5};
+  const int calls = 32, n = p.n();
+  std::atomic<int> good{0};
+  for (int k = 0; k < calls; ++k) {
+    if (p.index == p.procs - 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    OnRanks(p, [&](int r) {
+      std::vector<std::vector<uint8_t>> in = {Input(c, 0, r)}, out = {std::vector<uint8_t>(in[0].size())};
+      good += Call(p, r, c, in, out).ok();
+    });
+  }
+  Expect(good == calls * static_cast<int>(p.ranks.size()), "straggler calls succeed");
+  const StragglerGroup* g = nullptr;
+  const auto groups = SnapshotStragglers();
+  for (const auto& e : groups)
+    if (e.devices == p.devices) g = &e;
+  if (p.index != 0) {
+    Expect(g == nullptr, "only the leader's process records the group's arrivals");
+    return;
+  }
+  Expect(g && g->calls == static_cast<uint64_t>(calls), "the leader counted every call");
+  if (!g) return;
+  const StragglerRank& s = g->ranks[n - 1];
+  std::printf("  cross-process straggler: rank %d last in %llu of %llu, p50 %.3f ms, max %.3f ms\n", n - 1,
+              static_cast<unsigned long long>(s.last), static_cast<unsigned long long>(s.calls), s.p50_s * 1e3,
+              s.max_s * 1e3);
+  Expect(s.flagged && s.last >= calls / 2 && s.p50_s > 0.5e-3 && s.max_s < 1.0,
+         "the sleeping process's rank is flagged, >= 0.5 ms late at the median");
+  bool others = true;
+  uint64_t sum = 0;
+  for (const auto& r : g->ranks) {
+    sum += r.last;
+    others &= r.rank == n - 1 || !r.flagged;
+  }
+  Expect(others && sum == g->calls, "no other rank flagged; one last rank per call");
+}
+
 void AttachChecks() {
   std::unique_ptr<xproc::Segment> seg;
   Expect(xproc::AttachProcessGroup("/etc-passwd", std::vector<int64_t>{0, 1}, std::vector<int64_t>{0}).code() == StatusCode::kInvalidArgument, "attach: bad name");
@@ -985,6 +1028,7 @@ int main(int argc, char** argv) {
   multi("shm+tcp: plan agreement, 2 processes x 2 ranks", 2, 2, 30, {}, true, MultiLinkAgreement);
   multi("shm+tcp: a process SIGKILLed inside a split call", 3, 1, 20, {2}, false,
         [](Proc& p) { MultiLinkPeerDies(p, 2); });
+  RunScenario({"stragglers: the last process sleeps 5 ms before each call", 3, 1, 64 << 10, 30, {}, false, Stragglers});
   AttachChecks();
   const auto after = ShmEntries();
   Expect(after.size() <= before.size(), "no /dev/shm/flexlink-* left (" + std::to_string(after.size()) + " now, " +

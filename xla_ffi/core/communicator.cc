@@ -22,7 +22,7 @@ int LanesFor(size_t links) {
 }
 
 Communicator::Communicator(std::vector<int64_t> devices)
-    : devices_(std::move(devices)), next_seq_(devices_.size()) {}
+    : devices_(std::move(devices)), stragglers_(devices_), next_seq_(devices_.size()) {}
 
 Communicator::~Communicator() {
   // Calls (and their scratch, which links hand out) must go before the links.

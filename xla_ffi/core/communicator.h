@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "xla_ffi/core/rendezvous.h"
+#include "xla_ffi/core/stragglers.h"
 
 namespace flexlink {
 
@@ -37,6 +38,9 @@ class Communicator {
   size_t num_channels() const { return channels_.size(); }
   Channel& channel(size_t i) const { return *channels_[i]; }
 
+  // Who arrives last at this group's calls, and how late (core/stragglers.h).
+  StragglerTracker& stragglers() { return stragglers_; }
+
   // The call `rank` makes next in run `run_id` (the rank's own call counter picks the key).
   std::shared_ptr<CallContext> Join(int rank, int64_t run_id, std::string_view label);
 
@@ -49,6 +53,7 @@ class Communicator {
   void PruneAbandoned();
 
   const std::vector<int64_t> devices_;
+  StragglerTracker stragglers_;
   std::vector<std::unique_ptr<Channel>> channels_;  // declared before open_: outlives the calls' scratch
 
   std::mutex mu_;

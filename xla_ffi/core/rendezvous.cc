@@ -177,7 +177,11 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
                                       ") arrived after the call was abandoned: " + error_);
     descs_[rank] = desc;
     present_[rank] = 1;
-    last = ++arrived_ == n_;
+    const int arrived = ++arrived_;
+    last = arrived == n_;
+    // Straggler detection: the last rank's lateness is measured from the arrival before it, so
+    // only those two arrivals read the clock (the last one did anyway, for arrived_at_).
+    if (arrived == n_ - 1) previous_arrival_at_ = std::chrono::steady_clock::now();
     if (last) {
       arrived_at_ = std::chrono::steady_clock::now();
       lock.unlock();  // waiters wake straight into a free mutex
@@ -196,7 +200,15 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
               return m;
             },
             "arrive", link, deadline);
-        if (!s.ok()) return s;
+        if (!s.ok()) {
+          // Counted once per call, by whichever rank wakes first, with the ranks still missing.
+          if (!absence_counted_ && arrived_ < n_) {
+            absence_counted_ = true;
+            for (int r = 0; r < n_; ++r)
+              if (!present_[r]) comm_->stragglers().RecordAbsent(r);
+          }
+          return s;
+        }
         if (arrived_ == n_) break;
         lock.unlock();
         faults_.Help(rank);
@@ -204,7 +216,13 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
       }
     }
   }
-  if (last) comm_->Retire(run_id_, seq_);  // outside mu_: Communicator locks its mutex first
+  if (last) {
+    comm_->Retire(run_id_, seq_);  // outside mu_: Communicator locks its mutex first
+    if (n_ > 1) {
+      const auto late = std::chrono::duration_cast<std::chrono::nanoseconds>(arrived_at_ - previous_arrival_at_);
+      comm_->stragglers().RecordLast(rank, static_cast<uint64_t>(std::max<int64_t>(0, late.count())));
+    }
+  }
   // Every rank sees the same descs_, so every rank returns the same verdict.
   for (int r = 1; r < n_; ++r) {
     if (descs_[r].SameCall(descs_[0])) continue;

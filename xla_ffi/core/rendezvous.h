@@ -163,6 +163,8 @@ class CallContext {
   std::shared_ptr<void> executor_state_;
   std::vector<TimePoint> dispatch_;
   TimePoint arrived_at_{};
+  TimePoint previous_arrival_at_{};  // the second-to-last arrival: the last one's lateness is from here
+  bool absence_counted_ = false;     // the arrival's timeout was counted in the group's stragglers
   OutputFaults faults_;  // per rank, written by that rank's own thread before it posts
 };
 

@@ -17,6 +17,7 @@
 #include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/link_set.h"
+#include "xla_ffi/core/stragglers.h"
 #include "xla_ffi/ffi/control.h"
 #include "xla_ffi/ffi/py_values.h"
 #include "xla_ffi/links/emulated.h"
@@ -90,6 +91,35 @@ std::map<std::string, double> HealthOptionsDict() {
           {"link_timeout_s", o.link_timeout_s}};
 }
 
+// stats()["stragglers"] (docs/diagnose.md): one entry per rank of every group that completed a
+// call (or lost one to an absent rank).
+nb::list Stragglers() {
+  nb::list out;
+  for (const StragglerGroup& g : SnapshotStragglers()) {
+    const std::string group = FormatIds(g.devices);  // the form of health, failovers and errors
+    for (const StragglerRank& r : g.ranks) {
+      nb::dict lateness;
+      lateness["p50"] = r.p50_s;
+      lateness["p90"] = r.p90_s;
+      lateness["max"] = r.max_s;
+      nb::dict d;
+      d["group"] = group;
+      d["rank"] = r.rank;
+      d["device"] = r.device;
+      d["calls"] = r.calls;
+      d["last"] = r.last;
+      d["expected_last"] = r.expected_last;
+      d["lateness_s"] = lateness;
+      d["flagged"] = r.flagged;
+      d["significant"] = r.significant;
+      d["p_value"] = r.p_value;
+      d["absent"] = r.absent;
+      out.append(d);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 void DefineControl(nb::module_& m) {
@@ -137,6 +167,9 @@ void DefineControl(nb::module_& m) {
   }, "The injected faults' text (\"\" when none).");
   m.def("set_health_option", &SetHealthOption, nb::arg("key"), nb::arg("value"));
   m.def("health_options", &HealthOptionsDict);
+  m.def("stragglers", &Stragglers,
+        "Per group and rank: calls, how often it arrived last, its lateness (p50/p90/max s), flagged, "
+        "significant, p_value, absent (docs/diagnose.md).");
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
   m.def("take_split_records", [] { return py::SplitRecordList(TakeSplitRecords()); },
         "Per-rank ranges of the calls since the last take.");

@@ -17,6 +17,7 @@
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/core/stragglers.h"
 #include "xla_ffi/ffi/control.h"
 #include "xla_ffi/ffi/handlers.h"
 #include "xla_ffi/ffi/py_values.h"
@@ -270,7 +271,9 @@ NB_MODULE(_flexlink, m) {
   m.def("reset_stats", [] {
     ResetLinkStats();
     ResetHealth();
-  }, "Zeroes the link counters; every link's health back to healthy; the failover log emptied.");
+    ResetStragglers();
+  }, "Zeroes the link counters; every link's health back to healthy; the failover log and the "
+     "straggler counters emptied.");
   m.def("set_shm_staging_bytes", &SetShmStagingBytes, nb::arg("bytes"),
         "Per-rank input size up to which the shm link stages inputs (one rendezvous per call).");
   m.def("shm_staging_bytes", &ShmStagingBytes);

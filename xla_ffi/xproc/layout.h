@@ -3,7 +3,7 @@
 //
 //   Header (one page)            magic, version, n, slot sizes, offsets, abort word and message
 //   devices   int64[n]           the group's global device ids in rank order
-//   RankBlock[n]                 one cache line each: arrival counter, pid, device
+//   RankBlock[n]                 one cache line each: arrival counter, pid, device, arrival times
 //   TimesSlot[n][2]              several links: each rank's per-link seconds of a call, by parity
 //   data      [2][n] slots       slot = Fingerprint area + slot_bytes of staged data
 //   results   [2] slot_bytes     two-phase all_reduce: rank r's reduced slice of each step
@@ -16,8 +16,9 @@
 namespace flexlink::xproc {
 
 inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-endian
-// 2: plan slots in the header, times slots per rank; 3: failover masks in the times slots
-inline constexpr uint32_t kLayoutVersion = 3;
+// 2: plan slots in the header, times slots per rank; 3: failover masks in the times slots;
+// 4: arrival times in the rank blocks (straggler detection)
+inline constexpr uint32_t kLayoutVersion = 4;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -81,6 +82,12 @@ struct alignas(64) RankBlock {
   std::atomic<int32_t> pid;       // 0 until the rank's process attached
   int64_t device;
   int32_t process_index;
+  // steady_clock nanoseconds (CLOCK_MONOTONIC: one clock for every process of the host) of this
+  // rank's arrival at a call, by the parity of the call's first step: written before the release of
+  // `arrived`, read by the leader after its acquire (straggler detection, core/stragglers.h). The
+  // slot is rewritten two arrivals later, which needs the leader past the barrier in between, so
+  // the leader always reads the call it waited at.
+  std::atomic<int64_t> arrived_ns[2];
 };
 static_assert(sizeof(RankBlock) == 64);
 

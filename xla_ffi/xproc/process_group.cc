@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/pages.h"
@@ -78,7 +79,8 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int
       header_(reinterpret_cast<Header*>(segment_->data())),
       devices_(devices.begin(), devices.end()),
       local_(local_devices.begin(), local_devices.end()),
-      calls_(new std::atomic<uint64_t>[devices.size()]) {
+      calls_(new std::atomic<uint64_t>[devices.size()]),
+      stragglers_(devices) {
   ranks_ = reinterpret_cast<RankBlock*>(segment_->data() + header_->ranks_offset);
   times_ = reinterpret_cast<TimesSlot*>(segment_->data() + header_->times_offset);
   data_ = segment_->data() + header_->data_offset;
@@ -313,13 +315,37 @@ static void FaultInOutputs(const CallDesc& desc, int n) {
 Status ProcessGroup::Barrier(int rank, uint32_t* step, const Where& where, int step_of_call, bool fault_outputs,
                              const CallDesc& desc) {
   RankBlock& mine = ranks_[rank];
+  // `fault_outputs` marks the call's arrival (its first barrier): its time goes with it.
+  const int parity = (*step + 1) & 1;
+  if (fault_outputs)
+    mine.arrived_ns[parity].store(std::chrono::steady_clock::now().time_since_epoch().count(),
+                                  std::memory_order_relaxed);
   // Release: peers that see the new count see what this rank wrote for the barrier.
   mine.arrived.store(++*step, std::memory_order_release);
   FutexWakeAll(&mine.arrived);
   if (fault_outputs) FaultInOutputs(desc, size());
   Status s = WaitArrived(rank, *step, where, step_of_call);
+  if (s.ok() && fault_outputs && rank == 0) RecordArrivalOrder(parity);
   if (!s.ok() && (s.code() != StatusCode::kInternal || header_->abort.load() != kAbortSet)) Fail(rank, s.message());
   return s;
+}
+
+void ProcessGroup::RecordArrivalOrder(int parity) {
+  // n loads of lines WaitArrived has just read (each rank's counter shares its block's line).
+  const int n = size();
+  int last = 0;
+  int64_t latest = std::numeric_limits<int64_t>::min(), previous = std::numeric_limits<int64_t>::min();
+  for (int j = 0; j < n; ++j) {
+    const int64_t t = ranks_[j].arrived_ns[parity].load(std::memory_order_relaxed);
+    if (t > latest) {
+      previous = latest;
+      latest = t;
+      last = j;
+    } else if (t > previous) {
+      previous = t;
+    }
+  }
+  if (n > 1) stragglers_.RecordLast(last, static_cast<uint64_t>(std::max<int64_t>(0, latest - previous)));
 }
 
 std::string ProcessGroup::WhereText(std::string_view label, int64_t run_id, uint64_t call,

@@ -16,6 +16,7 @@
 
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/status.h"
+#include "xla_ffi/core/stragglers.h"
 #include "xla_ffi/xproc/layout.h"
 #include "xla_ffi/xproc/segment.h"
 #include "xla_ffi/xproc/steps.h"
@@ -93,6 +94,8 @@ class ProcessGroup {
                  const CallDesc& desc);
   std::string RankName(int rank) const;  // "rank 2 (device 2048, pid 12345)"
   Status WaitArrived(int rank, uint32_t target, const Where& where, int step_of_call);
+  // The leader, after a call's arrival: who of the ranks came last, and how late (arrived_ns).
+  void RecordArrivalOrder(int parity);
   Status AbortError(const Where& where);
   std::string AbortReason() const;  // "rank R (device D) reported: <message>" from the header
   // Records `message` as the group's failure (first failure wins) and wakes every waiter.
@@ -108,6 +111,9 @@ class ProcessGroup {
   std::vector<int64_t> devices_, local_;
   std::vector<char> local_rank_;
   std::unique_ptr<std::atomic<uint64_t>[]> calls_;  // per rank
+  // Who arrives last, recorded by the leader's process (rank 0 local) from the arrival times in
+  // the rank blocks; the other processes' trackers stay empty (snapshots skip them).
+  StragglerTracker stragglers_;
   std::atomic<bool> is_broken_{false};
   mutable std::mutex mu_;
   std::string broken_;
