@@ -120,8 +120,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if a.hosts is not None and (a.hosts < 1 or a.nprocs % a.hosts):
         p.error(f"--hosts {a.hosts} must be >= 1 and divide -n {a.nprocs} (each host gets the same number "
                 "of consecutive processes)")
-    if not a.timeout > 0:
-        p.error(f"--timeout must be > 0, got {a.timeout}")
+    if not 0 < a.timeout < float("inf"):  # a deadline must be one (also refuses nan)
+        p.error(f"--timeout must be a finite number of seconds > 0, got {a.timeout}")
     if not a.command:
         p.error("no command to run; put it after --, e.g. "
                 f"`{PROG} -n 2 -- python script.py`")

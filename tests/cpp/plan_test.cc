@@ -815,6 +815,14 @@ void TestCacheBadInput() {
         "store refuses a directory: " + stored.message());
   fs::remove_all(path);
 
+  // A path that cannot be written (its "directory" is a file): an error naming it, nothing created.
+  const std::string blocked = (dir / "plain_file" / "tune.json").string();
+  WriteText(dir / "plain_file", "x");
+  stored = StoreTuning(blocked, rec, &warning);
+  Check(!stored.ok() && stored.message().find("cannot write the tuning cache next to " + blocked) != std::string::npos,
+        "an unwritable path: " + stored.message());
+  fs::remove(dir / "plain_file");
+
   // Unreadable (as root, permissions do not stop reads: then the file simply loads).
   WriteText(path, good);
   fs::permissions(path, fs::perms::none);
