@@ -476,7 +476,8 @@ Status StoreTuning(const std::string& path, const TuneRecord& record, std::strin
         break;
       case FileState::kNewer:
         return Status::FailedPrecondition("flexlink: not storing stage 1 in the tuning cache " + path +
-                                          ": a newer jax_flexlink wrote it (" + *warning + ")");
+                                          ": a newer jax_flexlink wrote it (format version above " +
+                                          std::to_string(kCacheFormatVersion) + "); profiling again next time");
       case FileState::kCorrupt:
       case FileState::kOlder:
         *warning += "; replacing it";
