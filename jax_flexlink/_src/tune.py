@@ -115,7 +115,12 @@ def tune(*, collectives=COLLECTIVES, max_bytes: int | str = 16 << 20, devices=No
   The same stage 1 the engine runs on a group's first large call: every link profiled alone at
   powers of two from 64 KiB to `max_bytes`, α–β fits, the fitted split timed against the best link
   alone (which decides the size from which calls are split), stored in the tuning cache. With
-  `use_cache`, a cached entry for this host, link set and group size is installed instead.
+  `use_cache`, a cached entry for this host, link set and group size is installed instead (one
+  this machine and engine made: anything else in the cache is ignored with a warning).
+
+  collectives: one or more of all_reduce, all_gather, reduce_scatter; devices: distinct jax devices;
+  max_bytes: a byte count of at least 128K; use_cache: a bool. Anything else is a TypeError or
+  ValueError before anything runs (docs/errors.md).
 
   Returns {"fits": {collective: [(alpha_s, beta_s_per_byte) per link, in link order]},
   "split_min_bytes": {collective: bytes}} (2**64 - 1: never split); {} with a single link.
