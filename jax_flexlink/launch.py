@@ -60,13 +60,16 @@ def initialize(**kwargs) -> tuple[int, int]:
     if missing:
         raise RuntimeError(f"jax_flexlink.launch.initialize(): {', '.join(missing)} not set; start the "
                            f"program with `{PROG} -n N -- python script.py`")
-    try:
-        n = int(env["FLEXLINK_NUM_PROCESSES"])
-        rank = int(env["FLEXLINK_PROCESS_ID"])
-    except ValueError:
+    n_text, rank_text = env["FLEXLINK_NUM_PROCESSES"], env["FLEXLINK_PROCESS_ID"]
+    if not (re.fullmatch(r"\s*[0-9]+\s*", n_text, re.ASCII) and re.fullmatch(r"\s*[0-9]+\s*", rank_text, re.ASCII)
+            and 0 <= int(rank_text) < int(n_text)):
         raise RuntimeError("jax_flexlink.launch.initialize(): FLEXLINK_NUM_PROCESSES and FLEXLINK_PROCESS_ID "
-                           f"must be integers, got {env['FLEXLINK_NUM_PROCESSES']!r} and "
-                           f"{env['FLEXLINK_PROCESS_ID']!r}") from None
+                           "must be integers with 0 <= FLEXLINK_PROCESS_ID < FLEXLINK_NUM_PROCESSES, got "
+                           f"{n_text!r} and {rank_text!r}")
+    n, rank = int(n_text), int(rank_text)
+    if not re.fullmatch(r"[^\s:]+:[0-9]{1,5}", env["FLEXLINK_COORDINATOR"], re.ASCII):
+        raise RuntimeError("jax_flexlink.launch.initialize(): FLEXLINK_COORDINATOR must be HOST:PORT, got "
+                           f"{env['FLEXLINK_COORDINATOR']!r}")
     import jax  # noqa: PLC0415 - only the program side needs jax
     kwargs.setdefault("cluster_detection_method", "deactivate")
     try:
@@ -117,8 +120,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if a.hosts is not None and (a.hosts < 1 or a.nprocs % a.hosts):
         p.error(f"--hosts {a.hosts} must be >= 1 and divide -n {a.nprocs} (each host gets the same number "
                 "of consecutive processes)")
-    if not a.timeout > 0:
-        p.error(f"--timeout must be > 0, got {a.timeout}")
+    if not 0 < a.timeout < float("inf"):  # a deadline must be one (also refuses nan)
+        p.error(f"--timeout must be a finite number of seconds > 0, got {a.timeout}")
     if not a.command:
         p.error("no command to run; put it after --, e.g. "
                 f"`{PROG} -n 2 -- python script.py`")

@@ -194,7 +194,9 @@ def test_hosts_split_ranks_into_consecutive_blocks(tmp_path):
     (["-n", "2", "--devices-per-process", "0", "--", "true"], "--devices-per-process must be >= 1"),
     (["-n", "4", "--hosts", "3", "--", "true"], "--hosts 3 must be >= 1 and divide -n 4"),
     (["-n", "4", "--hosts", "0", "--", "true"], "--hosts 0 must be"),
-    (["-n", "2", "--timeout", "0", "--", "true"], "--timeout must be > 0"),
+    (["-n", "2", "--timeout", "0", "--", "true"], "--timeout must be a finite number of seconds > 0"),
+    (["-n", "2", "--timeout", "inf", "--", "true"], "got inf"),
+    (["-n", "2", "--timeout", "nan", "--", "true"], "got nan"),
     (["--", "true"], "required: -n"),
     (["-n", "x", "--", "true"], "invalid int value"),
 ])

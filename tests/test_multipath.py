@@ -211,8 +211,11 @@ def test_links_from_the_environment():
         print(flx.links())
     """, env_extra={"FLEXLINK_LINKS": "shm;emulated:slow@gbps=1"})
     assert res.returncode == 0 and "['shm', 'slow']" in res.stdout, res.stderr[-2000:]
-    res = run_python("import jax_flexlink", env_extra={"FLEXLINK_LINKS": "shm;bogus"})
-    assert res.returncode != 0 and "FLEXLINK_LINKS" in res.stderr and "bogus" in res.stderr
+    # A bad value does not stop the import: shm, with a warning naming the variable and the part
+    # (tests/test_bad_input.py has every variable).
+    res = run_python("import jax_flexlink as flx; print(flx.links())", env_extra={"FLEXLINK_LINKS": "shm;bogus"})
+    assert res.returncode == 0 and "['shm']" in res.stdout, res.stderr[-2000:]
+    assert "ignoring FLEXLINK_LINKS='shm;bogus'" in res.stderr and 'unknown link kind "bogus"' in res.stderr
 
 
 def test_tune_runs_stage1_now_and_caches(tmp_path):

@@ -217,11 +217,13 @@ def operand_origin(value) -> str:
   return "donated" if any(a in arg_attrs for a in _DONATION_ATTRS) else "parameter"
 
 
-def bool_config_state(name: str, default: bool, help: str):
+def bool_config_state(name: str, default: bool, help: str, validator=None):
   """A JAX config option: `jax.config.update`, the `JAX_*` env var and absl flags all work, and the
-  value is part of the jit cache key, so toggling it retraces instead of reusing native code."""
+  value is part of the jit cache key, so toggling it retraces instead of reusing native code.
+  `validator(value)` raises on a value that is not a bool (jax's own bool options take any value and
+  keep its truth, so "no" would mean True)."""
   return jax_config.bool_state(name, default, help, include_in_jit_key=True,
-                               include_in_trace_context=True)
+                               include_in_trace_context=True, validator=validator)
 
 
 def replica_groups(axis_context, axis_names, axis_index_groups):

@@ -79,6 +79,8 @@ def collectives(fn, *args, **kwargs) -> CollectiveReport:
   """Compiles `fn` (jitted or not) for `args` and lists every collective of the compiled program:
   its kind, bytes per device, group size, and whether FlexLink or XLA runs it (with the reason XLA
   does, where there is one). Nothing runs."""
+  if not callable(fn):  # jax.jit's words; a string has .lower, so test this first
+    raise TypeError(f"Expected a callable value, got {fn!r}")
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   return parse_hlo(jitted.lower(*args, **kwargs).compile().as_text())
 

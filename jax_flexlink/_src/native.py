@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import jax
 
@@ -16,6 +17,7 @@ except ImportError as e:  # the usual cause: Python found the source tree before
       "`pip install .` imports the sources, which have no compiled module), run from another "
       "directory or install in place with `pip install -e .`; otherwise rebuild with "
       f"`pip install .` ({e})") from e
+from jax_flexlink._src import config
 from jax_flexlink._src.config import ENV
 
 
@@ -55,6 +57,11 @@ def modules():
 
 def link_kinds(spec: str) -> list[str]:
   """The link kinds of a FLEXLINK_LINKS spec, e.g. "nccl;pcie@slot_mib=4" -> ["nccl", "pcie"]."""
+  if not isinstance(spec, str):
+    raise TypeError(f"links must be a string such as 'shm;tcp' (FLEXLINK_LINKS syntax), got {spec!r} "
+                    f"of type {type(spec).__name__}")
+  if not spec.isprintable():
+    raise ValueError(f"links {spec!r}: a link spec has no control characters (e.g. 'shm;tcp')")
   kinds = []
   for item in spec.split(";"):
     item = item.strip()
@@ -119,11 +126,15 @@ def register_targets() -> None:
     module.set_autotune_min_bytes(ENV.autotune_min_bytes)
     module.set_tune_max_bytes(ENV.tune_max_bytes)  # the engine profiles at least two sizes anyway
     module.set_tune_cache_path(tune_cache_path())
+  for warning in _flexlink.config_warnings():  # values the engine read itself (core/config.h)
+    warnings.warn(f"jax_flexlink: ignoring {warning}", stacklevel=2)
   try:
     target = module_for_links(ENV.links)
     target.configure_links(ENV.links)
-  except ValueError as e:
-    raise ValueError(f"FLEXLINK_LINKS: {e}") from None
+  except ValueError as e:  # an import-time default: the job runs on shm, and says why
+    config.ignored("FLEXLINK_LINKS", ENV.links, f"a link spec such as 'shm;tcp' ({e})", "'shm'")
+    target = _flexlink
+    target.configure_links("shm")
   if target is _flexlink_cuda:
     from jax_flexlink._src import gpu_seed  # noqa: PLC0415 - topology only where GPU links are chosen
     gpu_seed.seed_from_topology(target)

@@ -12,6 +12,10 @@ from jax_flexlink._src.groups import device_groups
 
 def _lower(ctx, operands, *, scatter_dimension, axis_name, axis_index_groups, axis_size, tiled):
   del tiled  # both layouts are [outer, n, inner] on input, [outer, inner] on output
+  ndim = ctx.avals_in[0].ndim
+  if not 0 <= scatter_dimension < ndim:  # lax's lowering rejects it too (a negative i64 attribute)
+    raise ValueError(f"psum_scatter: scatter_dimension={scatter_dimension} must be in [0, {ndim}) for an "
+                     f"operand of rank {ndim}")
   names = axis_names({"axis_name": axis_name})
   groups, sizes = device_groups(ctx.module_context.axis_context, names, axis_index_groups,
                                 "psum_scatter", group_size=axis_size)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax
 
-from jax_flexlink._src.config import replace_collectives_option
+from jax_flexlink._src.config import check_bool, replace_collectives_option
 
 
 class replace_collectives:  # noqa: N801 - reads as a function at call sites, like jax's own config managers
@@ -24,8 +24,9 @@ class replace_collectives:  # noqa: N801 - reads as a function at call sites, li
   """
 
   def __init__(self, enabled: bool = True):
+    enabled = check_bool(enabled, "replace_collectives(enabled)")
     self._previous = bool(replace_collectives_option.value)
-    jax.config.update(replace_collectives_option.name, bool(enabled))
+    jax.config.update(replace_collectives_option.name, enabled)
 
   def __enter__(self):
     return self

@@ -4,7 +4,7 @@ from __future__ import annotations
 from jax_flexlink import _flexlink
 from jax_flexlink._src import gpu_seed
 from jax_flexlink._src import native
-from jax_flexlink._src.config import ENV, parse_bytes, parse_profile_bytes
+from jax_flexlink._src.config import ENV, check_timeout, parse_bytes, parse_profile_bytes
 
 
 def configure(*, links: str | None = None, timeout_s: float | None = None,
@@ -19,7 +19,8 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     GPU links (a build with the CUDA module, docs/cuda.md): nccl (NVLink through NCCL) and pcie
     (pinned host staging), e.g. "nccl;pcie"; a spec names one platform's links, and each platform
     keeps its own (CPU collectives keep theirs when the GPU links change).
-  timeout_s: the deadline of every wait in a collective (default: FLEXLINK_TIMEOUT_S or 300 s).
+  timeout_s: the deadline of every wait in a collective, in (0, 1e6] seconds (default:
+    FLEXLINK_TIMEOUT_S or 300 s).
   autotune_min_bytes: with several links, the first call of a collective of at least this size
     (nccl-tests bytes; 1M, 64K or a number) that has no stage-1 fits runs stage 1 inside the engine:
     the tuning cache if it has this host, link set and group size, else every link profiled alone and
@@ -33,21 +34,23 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     timeout_s, counts as hung and its bytes fail over to another link (docs/faults.md).
   faults: fault injection, as inject_faults() (applied after `links`).
   """
-  for name, value in (("timeout_s", timeout_s), ("link_timeout_s", link_timeout_s)):
-    if value is not None and not (isinstance(value, (int, float)) and value > 0):
-      raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-  target = native.module_for_links(links) if links is not None else None  # errors before any change
-  for module in native.modules():
-    if timeout_s is not None:
-      module.set_timeout(float(timeout_s))
-    if autotune_min_bytes is not None:
-      module.set_autotune_min_bytes(parse_bytes(autotune_min_bytes, "autotune_min_bytes"))
-    if tune_max_bytes is not None:
-      module.set_tune_max_bytes(parse_profile_bytes(tune_max_bytes, "tune_max_bytes"))
-  if link_timeout_s is not None:
-    _flexlink.set_health_option("link_timeout_s", float(link_timeout_s))
+  # Every argument is checked before anything changes: a bad one leaves the engine as it was.
+  seconds = check_timeout(timeout_s, "timeout_s") if timeout_s is not None else None
+  min_bytes = (parse_bytes(autotune_min_bytes, "autotune_min_bytes")
+               if autotune_min_bytes is not None else None)
+  max_bytes = parse_profile_bytes(tune_max_bytes, "tune_max_bytes") if tune_max_bytes is not None else None
+  link_seconds = check_timeout(link_timeout_s, "link_timeout_s") if link_timeout_s is not None else None
+  target = native.module_for_links(links) if links is not None else None
   if target is not None:
-    target.configure_links(links)
+    target.configure_links(links)  # the engine's own check of the spec, the last that can fail
+  for module in native.modules():
+    if seconds is not None:
+      module.set_timeout(seconds)
+    if min_bytes is not None:
+      module.set_autotune_min_bytes(min_bytes)
+    if max_bytes is not None:
+      module.set_tune_max_bytes(max_bytes)
+  if target is not None:
     if target is _flexlink:
       load_cached_model()
     else:

@@ -7,6 +7,7 @@ keyed by host, link set and group size, and are reloaded instead of re-profiling
 from __future__ import annotations
 
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +16,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_flexlink import _flexlink
 from jax_flexlink._src import api, native
-from jax_flexlink._src.config import ENV, parse_profile_bytes
+from jax_flexlink._src.config import ENV, check_bool, parse_profile_bytes
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def cache_path() -> str:
-  return native.tune_cache_path()
+  """The file the engine reads and writes (set at import from FLEXLINK_TUNE_CACHE)."""
+  return _flexlink.tune_cache_file() or native.tune_cache_path()
 
 
 def _log(msg: str) -> None:
@@ -30,10 +32,13 @@ def _log(msg: str) -> None:
 
 
 def load_cached(ranks: int) -> dict | None:
-  """Installs the cached fits for the current links and `ranks`, if there are any."""
+  """Installs the cached fits for the current links and `ranks`, if there are any. A cache that
+  cannot be trusted (corrupt, another machine's, another version's) is a warning, never an error:
+  nothing of it is installed, and stage 1 runs as if there were no cache."""
   entry = _flexlink.install_cached(cache_path(), ranks)
   if entry["warning"]:
-    _log(f"tuning cache {cache_path()}: {entry['warning']}")
+    warnings.warn(entry["warning"].removeprefix("flexlink: ").replace("ignoring", "jax_flexlink: ignoring", 1),
+                  stacklevel=2)
   if entry["fits"] is None:
     return None
   _log(f"stage 1 from cache {cache_path()} ({entry['host']}, {ranks} ranks): {_describe(entry['fits'])}")
@@ -67,6 +72,42 @@ def _per_device_elements(collective, size, n, itemsize):
   return -(-elems // n) * n if collective == "reduce_scatter" else elems
 
 
+def _check_collectives(collectives) -> tuple:
+  """tune(collectives=...): one name or a sequence of them, each one that stage 1 profiles."""
+  if isinstance(collectives, str):
+    collectives = (collectives,)
+  try:
+    names = tuple(collectives)
+  except TypeError:
+    raise TypeError(f"tune(): collectives must be a name or a sequence of names from {COLLECTIVES}, "
+                    f"got {collectives!r}") from None
+  for name in names:
+    if name not in COLLECTIVES:
+      raise ValueError(f"tune(): unknown collective {name!r}; stage 1 profiles {', '.join(COLLECTIVES)}")
+  if not names:
+    raise ValueError(f"tune(): collectives is empty; give some of {', '.join(COLLECTIVES)}")
+  return names
+
+
+def _check_devices(devices) -> list:
+  """tune(devices=...): distinct jax devices (default all of them)."""
+  if devices is None:
+    return list(jax.devices())
+  try:
+    devices = list(devices)
+  except TypeError:
+    raise TypeError(f"tune(): devices must be a sequence of jax devices, got {devices!r}") from None
+  for d in devices:
+    if not isinstance(d, jax.Device):
+      raise TypeError(f"tune(): devices must be jax devices (e.g. jax.devices()[:4]), got {d!r} of type "
+                      f"{type(d).__name__}")
+  if not devices:
+    raise ValueError("tune(): devices is empty; give the devices of the group to tune (default: all)")
+  if len({d.id for d in devices}) != len(devices):
+    raise ValueError(f"tune(): devices {[d.id for d in devices]} name a device twice")
+  return devices
+
+
 def tune(*, collectives=COLLECTIVES, max_bytes: int | str = 16 << 20, devices=None,
          use_cache: bool = True) -> dict:
   """Stage 1 now, for the group of `devices` (default: all local devices, in order).
@@ -74,17 +115,24 @@ def tune(*, collectives=COLLECTIVES, max_bytes: int | str = 16 << 20, devices=No
   The same stage 1 the engine runs on a group's first large call: every link profiled alone at
   powers of two from 64 KiB to `max_bytes`, α–β fits, the fitted split timed against the best link
   alone (which decides the size from which calls are split), stored in the tuning cache. With
-  `use_cache`, a cached entry for this host, link set and group size is installed instead.
+  `use_cache`, a cached entry for this host, link set and group size is installed instead (one
+  this machine and engine made: anything else in the cache is ignored with a warning).
+
+  collectives: one or more of all_reduce, all_gather, reduce_scatter; devices: distinct jax devices;
+  max_bytes: a byte count of at least 128K; use_cache: a bool. Anything else is a TypeError or
+  ValueError before anything runs (docs/errors.md).
 
   Returns {"fits": {collective: [(alpha_s, beta_s_per_byte) per link, in link order]},
   "split_min_bytes": {collective: bytes}} (2**64 - 1: never split); {} with a single link.
   """
-  devices = list(jax.devices() if devices is None else devices)
+  collectives = _check_collectives(collectives)
+  devices = _check_devices(devices)
+  top = parse_profile_bytes(max_bytes, "max_bytes")
+  use_cache = check_bool(use_cache, "use_cache")
   n = len(devices)
   names = list(_flexlink.links())
   if len(names) < 2 or n < 2:
     return {}
-  top = parse_profile_bytes(max_bytes, "max_bytes")
   mesh = Mesh(np.array(devices), ("x",))
   saved = (_flexlink.autotune_min_bytes(), _flexlink.tune_max_bytes(), _flexlink.tune_use_cache())
   try:

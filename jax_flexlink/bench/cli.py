@@ -205,8 +205,8 @@ def _multiprocess_flags(p: argparse.ArgumentParser, a: argparse.Namespace, scen)
     except ValueError as e:
         p.error(str(e))
     timeout = multiprocess.DEFAULT_TIMEOUT_S if a.mp_timeout is None else a.mp_timeout
-    if not timeout > 0:
-        p.error(f"--mp-timeout must be > 0, got {a.mp_timeout}")
+    if not 0 < timeout < float("inf"):  # a deadline must be one (also refuses nan)
+        p.error(f"--mp-timeout must be > 0 and finite, got {a.mp_timeout}")
     return configs, timeout
 
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "xla_ffi/core/config.h"
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/plan/cost_model.h"
 #include "xla_ffi/plan/link_spec.h"
@@ -651,8 +653,8 @@ void TestCache() {
 }
 
 // The kinds added later (ppermute, all_to_all) have fits and thresholds of their own, stored by name
-// next to the others; a cache written before they existed (this literal is what that build wrote)
-// still loads, and a plan of one kind never answers for another.
+// next to the others; an entry without them (this literal is what a build before them wrote, in
+// today's format) still loads, and a plan of one kind never answers for another.
 void TestCacheNewKinds() {
   namespace fs = std::filesystem;
   fs::path dir = fs::temp_directory_path() / ("flexlink_plan_test_kinds_" + std::to_string(::getpid()));
@@ -660,8 +662,9 @@ void TestCacheNewKinds() {
   fs::create_directories(dir);
   const std::string path = (dir / "tune.json").string();
   const std::string host = HostName();
-  WriteText(path, "{\"format\": \"jax_flexlink tuning cache\", \"version\": 1, \"entries\": [{\"host\": \"" + host +
-                      "\", \"links\": \"shm;tcp\", \"ranks\": 8, \"max_bytes\": 1048576, \"link_names\": [\"shm\", "
+  WriteText(path, "{\"format\": \"jax_flexlink tuning cache\", \"version\": 2, \"entries\": [{\"host\": \"" + host +
+                      "\", \"links\": \"shm;tcp\", \"ranks\": 8, \"fingerprint\": \"" + HostFingerprint() +
+                      "\", \"engine\": \"" + kEngineRevision + "\", \"max_bytes\": 1048576, \"link_names\": [\"shm\", "
                       "\"tcp\"], \"fits\": {\"all_reduce\": [{\"link\": \"shm\", \"alpha_s\": 1e-4, "
                       "\"beta_s_per_byte\": 6.7e-10, \"gbps\": 11.9}, {\"link\": \"tcp\", \"alpha_s\": 2e-4, "
                       "\"beta_s_per_byte\": 3.1e-9, \"gbps\": 2.5}]}, \"split_min_bytes\": {\"all_reduce\": -1}, "
@@ -670,7 +673,7 @@ void TestCacheNewKinds() {
   std::string warning;
   Check(LoadTuning(path, {host, "shm;tcp", 8}, &got, &warning) && warning.empty() &&
             got.model.Has(Kind::kAllReduce) && !got.model.Has(Kind::kPpermute) && !got.model.Has(Kind::kAllToAll),
-        "a cache from before ppermute/all_to_all loads: " + warning);
+        "an entry from before ppermute/all_to_all loads: " + warning);
   TuneRecord rec = got;
   rec.model.Set(Kind::kPpermute, 0, {5e-6, 1e-10});
   rec.model.Set(Kind::kPpermute, 1, {7e-6, 4e-10});
@@ -700,6 +703,197 @@ void TestCacheNewKinds() {
 }
 }  // namespace
 
+// ------------------------------------------------------------------------------ cache: bad input
+// Every way a cache file can be wrong: never a crash, never trusted, a warning naming the file and
+// what was wrong, and stage 1 can store over it afterwards (except over a newer format or a directory).
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string Replaced(std::string text, const std::string& from, const std::string& to) {
+  const size_t at = text.find(from);
+  if (at == std::string::npos) return "<" + from + " not in the file>";
+  return text.replace(at, from.size(), to);
+}
+
+void TestCacheBadInput() {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("flexlink_plan_test_bad_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string path = (dir / "tune.json").string();
+  TuneRecord rec;
+  rec.key = {HostName(), "shm;tcp", 8};
+  rec.model = CostModel({"shm", "tcp"});
+  rec.model.Set(Kind::kAllReduce, 0, {3.25e-6, 1e-10});
+  rec.model.Set(Kind::kAllReduce, 1, {2.5e-5, 4e-10});
+  rec.model.SetMeasuredThreshold(Kind::kAllReduce, 65536);
+  rec.model.SetProfiledBytes(Kind::kAllReduce, 1 << 20);
+  rec.max_bytes = 1 << 20;
+  std::string warning;
+  TuneRecord got;
+  Check(StoreTuning(path, rec, &warning).ok() && LoadTuning(path, rec.key, &got, &warning) && warning.empty(),
+        "the valid file loads (positive control)");
+  const std::string good = ReadText(path);
+  Check(good.find("\"fingerprint\": \"" + HostFingerprint() + "\"") != std::string::npos &&
+            good.find(std::string("\"engine\": \"") + kEngineRevision + "\"") != std::string::npos &&
+            good.find("\"version\": 2") != std::string::npos,
+        "entries carry the fingerprint and engine revision, the file its format version");
+  Check(HostFingerprint().find("cpus=") != std::string::npos && HostFingerprint() == HostFingerprint(),
+        "fingerprint: " + HostFingerprint());
+
+  struct Case {
+    const char* name;
+    std::string text;
+    const char* says;  // fragment of the warning
+  };
+  const Case cases[] = {
+      {"truncated", good.substr(0, good.size() / 2), "corrupt"},
+      {"empty", "", "empty"},
+      {"not json", "tuning cache, honest", "corrupt"},
+      {"NaN literal", Replaced(good, "\"alpha_s\": 3.24", "\"alpha_s\": NaN, \"x\": 3.25"), "corrupt"},
+      {"overflowing number", Replaced(good, "\"alpha_s\": 3.24", "\"alpha_s\": 1e999, \"x\": 3.25"), "corrupt"},
+      {"a list", "[1, 2]", "not a JSON object"},
+      {"no version", "{\"entries\": []}", "version"},
+      {"version as text", Replaced(good, "\"version\": 2", "\"version\": \"2\""), "version"},
+      {"entries not a list", Replaced(good, "\"entries\": [", "\"entries\": {\"x\": ["), "corrupt"},
+      {"an entry not an object", "{\"version\": 2, \"entries\": [7]}", "entry 1 is not an object"},
+      {"alpha as text", Replaced(good, "\"alpha_s\": 3.24", "\"alpha_s\": \"3.25\", \"x\": 3.25"), "alpha_s"},
+      {"negative beta", Replaced(good, "\"beta_s_per_byte\": 1", "\"beta_s_per_byte\": -1"), "beta_s_per_byte"},
+      {"absurd alpha", Replaced(good, "\"alpha_s\": 3.24", "\"alpha_s\": 1e300, \"x\": 3.25"), "alpha_s"},
+      {"absurd beta", Replaced(good, "\"beta_s_per_byte\": 1", "\"beta_s_per_byte\": 1e-300, \"x\": 1"), "beta_s_per_byte"},
+      {"zero beta", Replaced(good, "\"beta_s_per_byte\": 1", "\"beta_s_per_byte\": 0, \"x\": 1"), "beta_s_per_byte"},
+      {"negative max_bytes", Replaced(good, "\"max_bytes\": ", "\"max_bytes\": -"), "max_bytes"},
+      {"fractional max_bytes", Replaced(good, "\"max_bytes\": 1048576", "\"max_bytes\": 1048576.5"), "max_bytes"},
+      {"bad threshold", Replaced(good, "\"all_reduce\": 65536", "\"all_reduce\": -2"), "split_min_bytes"},
+      {"absurd profiled size", Replaced(good, "\"all_reduce\": 1048576", "\"all_reduce\": 1e300"), "profiled_bytes"},
+      {"unknown collective", Replaced(good, "\"fits\": {", "\"fits\": {\"broadcast\": [], "), "broadcast"},
+      {"fits not per link", Replaced(good, "\"fits\": {", "\"fits\": {\"all_gather\": [], "), "one per link"},
+      {"other link names", Replaced(good, "\"link_names\": [\n        \"shm\"", "\"link_names\": [\n        \"nvlink\""),
+       "link_names"},
+      {"another machine", Replaced(good, "\"fingerprint\": \"", "\"fingerprint\": \"elsewhere;"), "another machine"},
+      {"no fingerprint", Replaced(good, "\"fingerprint\": ", "\"fingerprint_was\": "), "no host fingerprint"},
+      {"another engine", Replaced(good, std::string("\"") + kEngineRevision + "\"", "\"flexlink-engine-0\""),
+       "engine revision"},
+      {"format version 1", Replaced(good, "\"version\": 2", "\"version\": 1"), "out of date"},
+      {"format version 3", Replaced(good, "\"version\": 2", "\"version\": 3"), "newer jax_flexlink"},
+  };
+  for (const Case& c : cases) {
+    WriteText(path, c.text);
+    got = TuneRecord();
+    const bool found = LoadTuning(path, rec.key, &got, &warning);
+    Check(!found && !got.model.Has(Kind::kAllReduce), std::string(c.name) + ": not used");
+    Check(warning.find(c.says) != std::string::npos && warning.find(path) != std::string::npos,
+          std::string(c.name) + ": the warning names the file and says \"" + c.says + "\": " + warning);
+    const bool newer = std::string(c.name) == "format version 3";
+    Status stored = StoreTuning(path, rec, &warning);
+    if (newer) {
+      Check(!stored.ok() && ReadText(path) == c.text, "a newer format's file is left alone: " + stored.message());
+    } else {
+      Check(stored.ok() && LoadTuning(path, rec.key, &got, &warning) && warning.empty(),
+            std::string(c.name) + ": stage 1 stores over it and the result loads");
+    }
+  }
+
+  // Another host's entry in a shared file is someone else's, not corruption: not found, no warning.
+  WriteText(path, Replaced(good, "\"host\": \"" + HostName() + "\"", "\"host\": \"other-host\""));
+  Check(!LoadTuning(path, rec.key, &got, &warning) && warning.empty(), "another host's entry: not ours, quietly");
+  // An entry for other ranks or another link set is not ours either.
+  WriteText(path, good);
+  Check(!LoadTuning(path, {HostName(), "shm;tcp", 4}, &got, &warning) && warning.empty() &&
+            !LoadTuning(path, {HostName(), "shm;emulated:e@gbps=1", 8}, &got, &warning) && warning.empty(),
+        "other ranks / link set: not found, no warning");
+
+  // Not a file: a directory at the path is reported and never replaced.
+  fs::remove(path);
+  fs::create_directories(path);
+  Check(!LoadTuning(path, rec.key, &got, &warning) && warning.find("directory") != std::string::npos,
+        "a directory at the path: " + warning);
+  Status stored = StoreTuning(path, rec, &warning);
+  Check(!stored.ok() && stored.message().find("not a regular file") != std::string::npos && fs::is_directory(path),
+        "store refuses a directory: " + stored.message());
+  fs::remove_all(path);
+
+  // A path that cannot be written (its "directory" is a file): an error naming it, nothing created.
+  const std::string blocked = (dir / "plain_file" / "tune.json").string();
+  WriteText(dir / "plain_file", "x");
+  stored = StoreTuning(blocked, rec, &warning);
+  Check(!stored.ok() && stored.message().find("cannot write the tuning cache next to " + blocked) != std::string::npos,
+        "an unwritable path: " + stored.message());
+  fs::remove(dir / "plain_file");
+
+  // Unreadable (as root, permissions do not stop reads: then the file simply loads).
+  WriteText(path, good);
+  fs::permissions(path, fs::perms::none);
+  const bool root_reads = std::ifstream(path).good();
+  const bool found_unreadable = LoadTuning(path, rec.key, &got, &warning);
+  Check(root_reads ? found_unreadable : (!found_unreadable && warning.find("cannot open") != std::string::npos),
+        "an unreadable file: " + (root_reads ? std::string("(root reads it)") : warning));
+  fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write);
+
+  // Several hundred MB (sparse): refused from its size, without reading it.
+  fs::resize_file(path, uint64_t{300} << 20);
+  const auto t0 = std::chrono::steady_clock::now();
+  Check(!LoadTuning(path, rec.key, &got, &warning) && warning.find("more than a tuning cache") != std::string::npos,
+        "a 300 MB file: " + warning);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  Check(secs < 1.0, "refused in bounded time: " + std::to_string(secs) + " s");
+  Check(StoreTuning(path, rec, &warning).ok() && fs::file_size(path) < 100000 && LoadTuning(path, rec.key, &got, &warning),
+        "and replaced by stage 1's store");
+
+  // Concurrent writers and readers: a reader never sees half a file.
+  std::atomic<int> torn{0}, loads{0};
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 3; ++w) {
+    writers.emplace_back([&, w] {
+      TuneRecord r = rec;
+      r.key.ranks = 2 + w;
+      std::string warn;
+      for (int i = 0; i < 40; ++i) (void)StoreTuning(path, r, &warn);
+    });
+  }
+  std::thread reader([&] {
+    std::string warn;
+    TuneRecord g;
+    while (!stop.load()) {
+      (void)LoadTuning(path, rec.key, &g, &warn);
+      if (!warn.empty()) ++torn;
+      ++loads;
+    }
+  });
+  for (auto& t : writers) t.join();
+  stop = true;
+  reader.join();
+  Check(torn == 0 && loads > 0, "concurrent stores: " + std::to_string(loads) + " loads, " + std::to_string(torn) +
+                                    " saw a broken file");
+  int leftovers = 0;
+  for (const auto& e : fs::directory_iterator(dir)) leftovers += e.path().filename() != "tune.json";
+  Check(leftovers == 0, "no temporary files left behind");
+  fs::remove_all(dir);
+}
+
+// FLEXLINK_* byte counts read by the engine (FLEXLINK_XPROC_SLOT_BYTES) follow Python's grammar;
+// tests/test_bad_input.py checks the same table against config.parse_bytes.
+void TestByteCounts() {
+  const std::pair<const char*, int64_t> table[] = {
+      {"4194304", 4194304}, {"4M", 4 << 20}, {" 64k ", 64 << 10}, {"1GiB", int64_t{1} << 30}, {"2 MB", 2 << 20},
+      {"0", 0},             {"", -1},        {"-1", -1},          {"4.5M", -1},              {"1e6", -1},
+      {"4MiBs", -1},        {"M", -1},       {"0x10", -1},        {"4 4M", -1},               {"99999999999999999999", -1},
+      {"9999999999G", -1},  {"\xef\xbc\x91M", -1},  // fullwidth digit one
+  };
+  for (const auto& [text, want] : table) {
+    uint64_t got = 0;
+    const bool ok = ParseByteCount(text, &got);
+    Check(want < 0 ? !ok : (ok && got == static_cast<uint64_t>(want)), std::string("ParseByteCount(\"") + text + "\")");
+  }
+  Check(!ValidTimeoutSeconds(0) && !ValidTimeoutSeconds(-1) && !ValidTimeoutSeconds(std::nan("")) &&
+            !ValidTimeoutSeconds(INFINITY) && !ValidTimeoutSeconds(1e300) && ValidTimeoutSeconds(1e-3) &&
+            ValidTimeoutSeconds(kMaxTimeoutSeconds),
+        "timeouts: finite, positive, at most 1e6 s");
+}
+
 int main() {
   const std::pair<const char*, std::function<void()>> tests[] = {
       {"link_spec", TestLinkSpec},       {"fit", TestFit},
@@ -711,6 +905,7 @@ int main() {
       {"measured_threshold", TestMeasuredThreshold}, {"profile_mode", TestProfileMode},
       {"seed", TestSeed},
       {"cache", TestCache},              {"cache_new_kinds", TestCacheNewKinds},
+      {"cache_bad_input", TestCacheBadInput}, {"byte_counts", TestByteCounts},
   };
   int passed = 0, failed = 0;
   for (const auto& [name, fn] : tests) {

@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace flexlink {
 namespace {
@@ -22,14 +24,21 @@ std::atomic<uint64_t> g_tune_max_bytes{16 << 20};
 std::atomic<bool> g_tune_use_cache{true};
 std::mutex g_cache_mu;
 
+std::mutex g_warnings_mu;
+std::vector<std::string>& Warnings() {
+  static auto* warnings = new std::vector<std::string>();
+  return *warnings;
+}
+
 size_t SlotBytesFromEnv() {
   constexpr size_t kDefault = size_t{4} << 20;
   const char* v = std::getenv("FLEXLINK_XPROC_SLOT_BYTES");
-  if (!v || !*v) return kDefault;
-  char* end = nullptr;
-  const unsigned long long bytes = std::strtoull(v, &end, 10);
-  if (*end != 0 || bytes == 0) {
-    std::fprintf(stderr, "flexlink: ignoring FLEXLINK_XPROC_SLOT_BYTES=%s (not a positive integer)\n", v);
+  if (!v || std::string_view(v).find_first_not_of(" \t") == std::string_view::npos) return kDefault;
+  uint64_t bytes = 0;
+  if (!ParseByteCount(v, &bytes) || bytes == 0) {
+    std::lock_guard<std::mutex> lock(g_warnings_mu);
+    Warnings().push_back(std::string("FLEXLINK_XPROC_SLOT_BYTES='") + v +
+                         "': expected a positive byte count such as 4194304, 256K or 4M; using the default 4M");
     return kDefault;
   }
   return static_cast<size_t>(bytes);
@@ -45,6 +54,40 @@ std::string& CachePath() {
 
 }  // namespace
 
+bool ParseByteCount(std::string_view text, uint64_t* out) {
+  const size_t b = text.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return false;
+  text = text.substr(b, text.find_last_not_of(" \t\r\n") - b + 1);
+  size_t digits = 0;
+  uint64_t value = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') {
+    if (value > (uint64_t{1} << 63) / 10) return false;
+    value = value * 10 + static_cast<uint64_t>(text[digits] - '0');
+    ++digits;
+  }
+  if (digits == 0) return false;
+  std::string suffix;
+  size_t at = digits;
+  while (at < text.size() && (text[at] == ' ' || text[at] == '\t')) ++at;  // "4 M", as Python reads it
+  for (char c : text.substr(at)) suffix += static_cast<char>(c >= 'a' && c <= 'z' ? c - 'a' + 'A' : c);
+  int shift = 0;
+  if (suffix.empty()) shift = 0;
+  else if (suffix == "K" || suffix == "KB" || suffix == "KIB") shift = 10;
+  else if (suffix == "M" || suffix == "MB" || suffix == "MIB") shift = 20;
+  else if (suffix == "G" || suffix == "GB" || suffix == "GIB") shift = 30;
+  else return false;
+  if (value > ((uint64_t{1} << 63) >> shift)) return false;
+  *out = value << shift;
+  return *out <= (uint64_t{1} << 63);
+}
+
+std::vector<std::string> ConfigWarnings() {
+  XprocSlotBytes();  // its environment value is read at static initialisation, before this
+  std::lock_guard<std::mutex> lock(g_warnings_mu);
+  return Warnings();
+}
+
+bool ValidTimeoutSeconds(double seconds) { return seconds > 0 && seconds <= kMaxTimeoutSeconds; }
 double TimeoutSeconds() { return g_timeout_s.load(std::memory_order_relaxed); }
 void SetTimeoutSeconds(double seconds) { g_timeout_s.store(seconds, std::memory_order_relaxed); }
 size_t ShmStagingBytes() { return g_shm_staging_bytes.load(std::memory_order_relaxed); }

@@ -5,12 +5,26 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace flexlink {
 
-// Deadline of every wait in the engine (arrival, phase barriers). Default 300 s.
+// Deadline of every wait in the engine (arrival, phase barriers). Default 300 s. A deadline must be
+// one: finite, positive, at most kMaxTimeoutSeconds (Python's configure() and FLEXLINK_TIMEOUT_S
+// apply the same bound, jax_flexlink/_src/config.py).
+inline constexpr double kMaxTimeoutSeconds = 1e6;
+bool ValidTimeoutSeconds(double seconds);
 double TimeoutSeconds();
 void SetTimeoutSeconds(double seconds);
+
+// A byte count as FLEXLINK_* variables spell it, the grammar of Python's config.parse_bytes: ASCII
+// digits, then optionally K, KB, KiB, M, MB, MiB, G, GB or GiB (any case, binary multiples), with
+// surrounding whitespace; false on anything else or past 2^63.
+bool ParseByteCount(std::string_view text, uint64_t* out);
+// Environment values the C++ side read and ignored (default used), one sentence each; Python turns
+// them into warnings at import.
+std::vector<std::string> ConfigWarnings();
 
 // Per-rank input size up to which the shm link stages inputs and lets every rank reduce the whole
 // call itself (one rendezvous per call instead of two). Default: see config.cc.

@@ -58,7 +58,7 @@ bool Executor::LoadCachedFits(Kind kind, int n, uint64_t needed_bytes) {
   plan::TuneRecord rec;
   std::string warning;
   const bool found = plan::LoadTuning(path, {plan::HostName(), spec_, n}, &rec, &warning);
-  if (!warning.empty()) LogInfo(warning);
+  plan::ReportCacheProblem(warning);  // a bad cache is never silent, whatever FLEXLINK_DEBUG says
   if (!found || rec.model.links() != link_names_ || !rec.model.Has(kind)) return false;
   if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;  // profiled at smaller sizes only
   if (!balancer_->MergeModel(rec.model).ok()) return false;
@@ -215,8 +215,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
     max_bytes = std::max(max_bytes, rec.max_bytes);
   }
   Status saved = plan::StoreTuning(path, plan::TuneRecord{key, stored, max_bytes}, &warning);
-  if (!saved.ok()) LogInfo("tuning cache " + path + ": " + saved.message());
-  else if (!warning.empty()) LogInfo(warning);
+  plan::ReportCacheProblem(saved.ok() ? warning : saved.message());
   return Status::Ok();
 }
 

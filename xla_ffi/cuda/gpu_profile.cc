@@ -76,7 +76,7 @@ bool GpuProfiler::LoadCachedFits(Kind kind, uint64_t needed_bytes) {
   plan::TuneRecord rec;
   std::string warning;
   const bool found = plan::LoadTuning(path, {plan::HostName(), ex_.links_->spec, ex_.group_.size()}, &rec, &warning);
-  if (!warning.empty()) LogInfo(warning);
+  plan::ReportCacheProblem(warning);  // a bad cache is never silent, whatever FLEXLINK_DEBUG says
   if (!found || rec.model.links() != ex_.names_ || !rec.model.Has(kind)) return false;
   if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;
   if (!ex_.balancer_.MergeModel(rec.model).ok()) return false;
@@ -207,7 +207,7 @@ void GpuProfiler::Finish(ProfileSession& s) {
     max_bytes = std::max(max_bytes, rec.max_bytes);
   }
   Status saved = plan::StoreTuning(path, plan::TuneRecord{key, stored, max_bytes}, &warning);
-  if (!saved.ok()) LogInfo("tuning cache " + path + ": " + saved.message());
+  plan::ReportCacheProblem(saved.ok() ? warning : saved.message());
 }
 
 Status GpuProfiler::Enqueue(const ProfileAction& action, int rank, Stream stream, std::string_view label) {

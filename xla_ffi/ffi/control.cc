@@ -52,6 +52,7 @@ nb::dict InstallCached(const std::string& path, int ranks) {
   std::string warning;
   const bool found = plan::LoadTuning(path, {plan::HostName(), CurrentLinkSet()->spec, ranks}, &rec, &warning);
   if (found) Check(InstallModel(rec.model));
+  plan::MarkReported(warning);  // Python warns with it; the engine's own reads do not repeat it
   nb::dict out;
   out["fits"] = found ? nb::object(py::FitsOf(rec.model)) : nb::none();
   out["max_bytes"] = rec.max_bytes;
@@ -120,6 +121,17 @@ nb::list Stragglers() {
   return out;
 }
 
+// What keys and guards this machine's tuning cache entries (tests write entries with it).
+nb::dict CacheIdentity() {
+  nb::dict out;
+  out["host"] = plan::HostName();
+  out["fingerprint"] = plan::HostFingerprint();
+  out["engine"] = plan::kEngineRevision;
+  out["version"] = plan::kCacheFormatVersion;
+  out["max_file_bytes"] = plan::kMaxCacheFileBytes;
+  return out;
+}
+
 }  // namespace
 
 void DefineControl(nb::module_& m) {
@@ -143,6 +155,8 @@ void DefineControl(nb::module_& m) {
   m.def("install_cached", &InstallCached, nb::arg("path"), nb::arg("ranks"),
         "Installs the tuning cache entry (fits, measured split thresholds) of this host, the current "
         "links and `ranks`, if there is one: {fits or None, max_bytes, warning, host}.");
+  m.def("tune_cache_identity", &CacheIdentity,
+        "{host, fingerprint, engine, version, max_file_bytes}: what an entry of this machine carries.");
   m.def("set_autotune_min_bytes", &SetAutotune, nb::arg("bytes"),
         "Stage 1 runs on a group's first call of a kind of at least this many bytes that has no "
         "fits (0: never).");
@@ -170,6 +184,7 @@ void DefineControl(nb::module_& m) {
   m.def("stragglers", &Stragglers,
         "Per group and rank: calls, how often it arrived last, its lateness (p50/p90/max s), flagged, "
         "significant, p_value, absent (docs/diagnose.md).");
+  m.def("tune_cache_file", &TuneCachePath, "The tuning cache set by set_tune_cache_path (empty: none set).");
   m.def("set_record_splits", &SetRecordSplits, nb::arg("on"));
   m.def("take_split_records", [] { return py::SplitRecordList(TakeSplitRecords()); },
         "Per-rank ranges of the calls since the last take.");

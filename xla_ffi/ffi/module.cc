@@ -3,6 +3,7 @@
 // arrays so that engine behaviour (deadlines, mismatches) can be tested with threads as devices.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -253,11 +254,20 @@ NB_MODULE(_flexlink, m) {
   m.def(
       "set_timeout",
       [](double seconds) {
-        if (!(seconds > 0)) throw nb::value_error("set_timeout: seconds must be positive");
+        if (!ValidTimeoutSeconds(seconds)) {
+          throw nb::value_error(("set_timeout: seconds must be a finite number in (0, 1e6], got " +
+                                 std::to_string(seconds)).c_str());
+        }
         SetTimeoutSeconds(seconds);
       },
       nb::arg("seconds"), "Deadline of every wait in the engine, in seconds.");
   m.def("timeout", &TimeoutSeconds);
+  m.def("config_warnings", &ConfigWarnings,
+        "Environment values the C++ side ignored (its default used), one sentence each.");
+  m.def("parse_byte_count", [](const std::string& text) -> std::optional<uint64_t> {
+    uint64_t v = 0;
+    return ParseByteCount(text, &v) ? std::optional<uint64_t>(v) : std::nullopt;
+  }, nb::arg("text"), "The engine's reading of a FLEXLINK_* byte count, or None (tests compare it with Python's).");
   m.def("engine_run", &EngineRun, nb::arg("kind"), nb::arg("op"), nb::arg("groups"),
         nb::arg("group_sizes"), nb::arg("device"), nb::arg("run_id"), nb::arg("x"),
         nb::arg("out"), nb::arg("axis") = 0, nb::arg("label") = "",

@@ -93,7 +93,10 @@ NB_MODULE(_flexlink_cuda, m) {
   m.def(
       "set_timeout",
       [](double seconds) {
-        if (!(seconds > 0)) throw nb::value_error("set_timeout: seconds must be positive");
+        if (!ValidTimeoutSeconds(seconds)) {
+          throw nb::value_error(("set_timeout: seconds must be a finite number in (0, 1e6], got " +
+                                 std::to_string(seconds)).c_str());
+        }
         SetTimeoutSeconds(seconds);
       },
       nb::arg("seconds"), "Deadline of every host wait in the GPU engine, in seconds.");
