@@ -50,7 +50,8 @@ using namespace flexlink::testing;
 namespace {
 
 constexpr int kLinkSets = 6;        // link sets per run; case k runs on link set k % kLinkSets
-constexpr int kLayoutsPerSet = 6;   // group layouts per link set (groups are never freed: bounded)
+constexpr int kFamiliesPerSet = 5;       // device sets per link set (groups are never freed: bounded)
+constexpr int kPartitionsPerFamily = 3;  // groupings of each device set
 constexpr size_t kCanaryBytes = 64;  // checked after every output and in-place buffer
 constexpr uint8_t kCanary = 0xA5;
 constexpr size_t kMaxCaseElements = 1 << 19;  // inputs and outputs of all ranks together
@@ -114,58 +115,75 @@ bool Even(const Layout& l) {
   return std::all_of(l.begin(), l.end(), [&](const auto& g) { return g.size() == l[0].size(); });
 }
 
-// Devices with ids spread out (not 0..n-1), shuffled, cut into groups: even (every size dividing the
-// device count) or uneven.
-Layout MakeLayout(Rng& r, bool even) {
-  const int64_t devices = r.Chance(0.4) ? 8 : r.Int(1, 8);
-  const int64_t base = r.Pick(std::vector<int64_t>{0, 3, 100, 2048});
-  std::vector<int64_t> pool(2 * devices);
-  std::iota(pool.begin(), pool.end(), base);
-  std::shuffle(pool.begin(), pool.end(), r.g);
-  pool.resize(devices);
+// `devices` cut into groups in a fresh order: even (one size dividing the count) or uneven.
+Layout Partition(Rng& r, std::vector<int64_t> devices, bool even) {
+  std::shuffle(devices.begin(), devices.end(), r.g);
+  const int64_t n = static_cast<int64_t>(devices.size());
   Layout layout;
   if (even) {
     std::vector<int64_t> sizes;
-    for (int64_t s = 1; s <= devices; ++s)
-      if (devices % s == 0) sizes.push_back(s);
-    const int64_t size = r.Chance(0.5) ? devices : r.Pick(sizes);
-    for (int64_t i = 0; i < devices; i += size) layout.emplace_back(pool.begin() + i, pool.begin() + i + size);
+    for (int64_t s = 1; s <= n; ++s)
+      if (n % s == 0) sizes.push_back(s);
+    const int64_t size = r.Chance(0.4) ? n : r.Pick(sizes);
+    for (int64_t i = 0; i < n; i += size) layout.emplace_back(devices.begin() + i, devices.begin() + i + size);
   } else {
-    for (int64_t i = 0; i < devices;) {
-      const int64_t size = std::min(devices - i, r.Int(1, devices));
-      layout.emplace_back(pool.begin() + i, pool.begin() + i + size);
+    for (int64_t i = 0; i < n;) {
+      const int64_t size = std::min(n - i, r.Int(1, n));
+      layout.emplace_back(devices.begin() + i, devices.begin() + i + size);
       i += size;
     }
   }
   return layout;
 }
 
-// Per link set: its layouts; the first two are even (all_to_all needs even groups).
-std::vector<Layout> MakeLayouts(uint64_t seed, int link_set) {
+// A set of devices (ids spread out, not 0..n-1) and several ways to group them, as the axes of a
+// mesh do: the calls of one case may each use another (a device's calls on different groups
+// interleave). Partition 0 is even (all_to_all needs even groups).
+struct Family {
+  std::vector<int64_t> devices;
+  std::vector<Layout> partitions;
+};
+
+std::vector<Family> MakeFamilies(uint64_t seed, int link_set) {
   Rng r(Mix(seed, 0x22 + static_cast<uint64_t>(link_set)));
-  std::vector<Layout> layouts;
-  for (int i = 0; i < kLayoutsPerSet; ++i) layouts.push_back(MakeLayout(r, i < 2 || r.Chance(0.5)));
-  return layouts;
+  std::vector<Family> families;
+  for (int i = 0; i < kFamiliesPerSet; ++i) {
+    Family f;
+    const int64_t n = r.Chance(0.4) ? 8 : r.Int(1, 8);
+    const int64_t base = r.Pick(std::vector<int64_t>{0, 3, 100, 2048});
+    std::vector<int64_t> pool(2 * n);
+    std::iota(pool.begin(), pool.end(), base);
+    std::shuffle(pool.begin(), pool.end(), r.g);
+    f.devices.assign(pool.begin(), pool.begin() + n);
+    for (int p = 0; p < kPartitionsPerFamily; ++p) f.partitions.push_back(Partition(r, f.devices, p == 0 || r.Chance(0.5)));
+    families.push_back(std::move(f));
+  }
+  return families;
 }
 
-// ---- One case.
+// ---- One case: a sequence of calls by the same devices, under one run id.
 
 struct Operand {
   DType dtype = DType::kF32;
-  std::vector<int64_t> dims;        // per-rank input dims
-  std::set<int64_t> in_place;       // devices whose result is written over their input
+  std::vector<int64_t> dims;   // per-rank input dims
+  std::set<int64_t> in_place;  // devices whose result is written over their input
 };
 
-struct Case {
-  int64_t index = 0;
-  int link_set = 0;
+struct Call {
   Kind kind = Kind::kAllReduce;
   ReduceOp op = ReduceOp::kSum;
   Layout groups;
   int64_t axis = 0;
   std::vector<Operand> operands;
   std::vector<std::pair<int64_t, int64_t>> pairs;  // ppermute
-  std::vector<double> shares;                      // per link, normalised
+};
+
+struct Case {
+  int64_t index = 0;
+  int link_set = 0;
+  std::vector<int64_t> devices;
+  std::vector<Call> calls;
+  std::vector<double> shares;  // per link, normalised; pinned for every call's plan bucket
   size_t staging_bytes = 0, streaming_bytes = 0;
   bool huge_pages = true, populate = false;
   uint32_t data_seed = 0;
@@ -177,8 +195,8 @@ std::string DimsText(const std::vector<int64_t>& dims) {
   return s + "]";
 }
 
-std::string Describe(const Case& c, const std::string& links) {
-  std::string d = "case " + std::to_string(c.index) + ": " + std::string(Name(c.kind));
+std::string Describe(const Call& c) {
+  std::string d = std::string(Name(c.kind));
   if (Reduces(c.kind)) d += "(" + std::string(Name(c.op)) + ")";
   if (c.kind != Kind::kAllReduce && c.kind != Kind::kPpermute) d += " axis " + std::to_string(c.axis);
   d += " of " + std::to_string(c.operands.size()) + " operand(s):";
@@ -197,7 +215,13 @@ std::string Describe(const Case& c, const std::string& links) {
     for (const auto& [s, t] : c.pairs) d += " " + std::to_string(s) + "->" + std::to_string(t);
     if (c.pairs.empty()) d += " none";
   }
-  d += "; links \"" + links + "\" shares";
+  return d;
+}
+
+std::string Describe(const Case& c, const std::string& links) {
+  std::string d = "case " + std::to_string(c.index) + ":";
+  for (size_t i = 0; i < c.calls.size(); ++i) d += (i ? " | call " : " call ") + std::to_string(i) + ": " + Describe(c.calls[i]);
+  d += " || links \"" + links + "\" shares";
   for (double s : c.shares) {
     char buf[32];
     std::snprintf(buf, sizeof buf, " %.6g", s);
@@ -248,7 +272,7 @@ std::vector<double> DrawShares(Rng& r, size_t links) {
       for (double& x : s) x = r.Real(0.1, 1);
       s[pick] = std::pow(10.0, r.Real(-7, -2));
       break;
-    case 5:                                               // everything but a sliver on one link
+    case 5:                                               // everything but slivers on one link
       for (double& x : s) x = std::pow(10.0, r.Real(-6, -2));
       s[pick] = 1;
       break;
@@ -266,7 +290,7 @@ size_t Prod(const std::vector<int64_t>& d) {
   return p;
 }
 
-std::vector<int64_t> OutDims(const Case& c, const Operand& o, int64_t n) {
+std::vector<int64_t> OutDims(const Call& c, const Operand& o, int64_t n) {
   if (c.kind == Kind::kAllGather) return {static_cast<int64_t>(Prod(o.dims)) * n};
   std::vector<int64_t> out = o.dims;
   if (c.kind == Kind::kReduceScatter) out[c.axis] /= n;
@@ -274,7 +298,7 @@ std::vector<int64_t> OutDims(const Case& c, const Operand& o, int64_t n) {
 }
 
 // Elements of all inputs and outputs of every rank.
-size_t CaseElements(const Case& c) {
+size_t CallElements(const Call& c) {
   size_t total = 0;
   for (const auto& g : c.groups)
     for (const Operand& o : c.operands)
@@ -282,16 +306,13 @@ size_t CaseElements(const Case& c) {
   return total;
 }
 
-Case MakeCase(uint64_t seed, int64_t index, const std::vector<Layout>& layouts, size_t links) {
-  Rng r(Mix(seed, 0x1000 + static_cast<uint64_t>(index)));
-  Case c;
-  c.index = index;
-  c.link_set = static_cast<int>(index % kLinkSets);
+Call MakeCall(Rng& r, const Family& family, size_t max_elements) {
+  Call c;
   c.kind = kAllKinds[r.Int(0, kNumKinds - 1)];
   c.op = static_cast<ReduceOp>(r.Int(0, 3));
   std::vector<Layout> usable;
-  for (const Layout& l : layouts)
-    if (Even(l) || (c.kind != Kind::kAllToAll)) usable.push_back(l);
+  for (const Layout& l : family.partitions)
+    if (Even(l) || c.kind != Kind::kAllToAll) usable.push_back(l);
   c.groups = r.Pick(usable);
   int64_t lcm = 1, nmin = INT64_MAX;
   for (const auto& g : c.groups) {
@@ -303,7 +324,6 @@ Case MakeCase(uint64_t seed, int64_t index, const std::vector<Layout>& layouts, 
   // Shapes first without the kind's constraint, then the constrained axis fixed.
   const int64_t rank = r.Int(0, 3);
   const bool needs_axis = c.kind == Kind::kReduceScatter || c.kind == Kind::kAllToAll;
-  c.axis = 0;
   for (int64_t i = 0; i < k; ++i) {
     Operand o;
     do {
@@ -326,18 +346,17 @@ Case MakeCase(uint64_t seed, int64_t index, const std::vector<Layout>& layouts, 
     for (const Operand& o : c.operands) min_rank = std::min(min_rank, o.dims.size());
     c.axis = r.Int(0, static_cast<int64_t>(min_rank));  // axis == rank: one block per row
   }
-  // Keep a case's memory and time bounded: shrink the largest operand until it fits.
-  while (CaseElements(c) > kMaxCaseElements) {
+  // Keep a case's memory and time bounded: halve the largest operand until it fits.
+  while (CallElements(c) > max_elements) {
     auto it = std::max_element(c.operands.begin(), c.operands.end(),
                                [](const Operand& a, const Operand& b) { return Prod(a.dims) < Prod(b.dims); });
-    for (size_t d = 0; d < it->dims.size(); ++d) {
+    bool halved = false;
+    for (size_t d = 0; d < it->dims.size() && !halved; ++d) {
       if (needs_axis && static_cast<int64_t>(d) == c.axis) continue;
-      if (it->dims[d] > 1) {
-        it->dims[d] /= 2;
-        break;
-      }
+      if (it->dims[d] > 1) it->dims[d] /= 2, halved = true;
     }
-    if (needs_axis && CaseElements(c) > kMaxCaseElements && it->dims[c.axis] > lcm) it->dims[c.axis] = lcm;
+    if (!halved && needs_axis && it->dims[c.axis] > lcm) it->dims[c.axis] = lcm, halved = true;
+    if (!halved) break;
   }
   if (c.kind == Kind::kPpermute) {
     // The same pairs in every group, ranks below the smallest group's size; sources and
@@ -358,6 +377,19 @@ Case MakeCase(uint64_t seed, int64_t index, const std::vector<Layout>& layouts, 
           if (p > 0.8 || (p > 0.6 && r.Chance(0.5))) o.in_place.insert(dev);
     }
   }
+  return c;
+}
+
+Case MakeCase(uint64_t seed, int64_t index, const std::vector<Family>& families, size_t links) {
+  Rng r(Mix(seed, 0x1000 + static_cast<uint64_t>(index)));
+  Case c;
+  c.index = index;
+  c.link_set = static_cast<int>(index % kLinkSets);
+  const Family& family = r.Pick(families);
+  c.devices = family.devices;
+  const double u = r.Real(0, 1);
+  const int64_t calls = u < 0.6 ? 1 : u < 0.85 ? 2 : 3;
+  for (int64_t i = 0; i < calls; ++i) c.calls.push_back(MakeCall(r, family, kMaxCaseElements / calls));
   c.shares = DrawShares(r, links);
   c.staging_bytes = r.Pick(std::vector<size_t>{0, 1024, 16 << 10, 16 << 10, 1 << 20});
   c.streaming_bytes = r.Pick(std::vector<size_t>{256 << 10, 256 << 10, 4096});
@@ -375,9 +407,9 @@ struct Buffer {
   size_t bytes = 0;
   uint8_t* data() { return mem.data() + Offset(); }
   size_t Offset() const { return (64 - reinterpret_cast<uintptr_t>(mem.data()) % 64) % 64; }
-  void Assign(const std::vector<uint8_t>& v, uint8_t fill_rest) {
+  void Assign(const std::vector<uint8_t>& v) {
     bytes = v.size();
-    mem.assign(bytes + kCanaryBytes + 64, fill_rest);
+    mem.assign(bytes + kCanaryBytes + 64, 0);
     std::memset(data() + bytes, kCanary, kCanaryBytes);
     if (bytes) std::memcpy(data(), v.data(), bytes);
   }
@@ -397,166 +429,191 @@ struct Outcome {
   }
 };
 
+// One call's buffers: [device][operand].
+struct CallBuffers {
+  std::map<int64_t, std::vector<std::vector<uint8_t>>> original;
+  std::map<int64_t, std::vector<Buffer>> in, out;
+};
+
+const std::vector<int64_t>& GroupOf(const Call& c, int64_t dev, int* rank) {
+  for (const auto& g : c.groups)
+    for (size_t r = 0; r < g.size(); ++r)
+      if (g[r] == dev) {
+        *rank = static_cast<int>(r);
+        return g;
+      }
+  static const std::vector<int64_t> none;
+  return none;
+}
+
+std::vector<OperandRequest> Requests(const Call& c, CallBuffers& b, int64_t dev, int64_t n,
+                                     std::vector<std::vector<int64_t>>* out_dims) {
+  const size_t k = c.operands.size();
+  std::vector<OperandRequest> reqs(k);
+  out_dims->assign(k, {});
+  for (size_t i = 0; i < k; ++i) {
+    const Operand& o = c.operands[i];
+    (*out_dims)[i] = OutDims(c, o, n);
+    reqs[i].in_dtype = reqs[i].out_dtype = o.dtype;
+    reqs[i].in_dims = o.dims;
+    reqs[i].out_dims = (*out_dims)[i];
+    reqs[i].in = b.in[dev][i].data();
+    reqs[i].out = o.in_place.count(dev) ? b.in[dev][i].data() : b.out[dev][i].data();
+  }
+  return reqs;
+}
+
+using RangeList = std::vector<std::pair<uint64_t, uint64_t>>;
+
+std::string RangesText(const RangeList& ranges) {
+  std::string s;
+  for (const auto& [b, e] : ranges) s += " [" + std::to_string(b) + "," + std::to_string(e) + ")";
+  return s;
+}
+
+void CheckCall(const Call& c, size_t ci, CallBuffers& b, const std::map<int64_t, std::vector<Status>>& status,
+               Outcome* result) {
+  const size_t k = c.operands.size();
+  for (const auto& g : c.groups)
+    for (size_t r = 0; r < g.size() && result->ok; ++r) {
+      const int64_t dev = g[r];
+      const std::string who = "call " + std::to_string(ci) + " device " + std::to_string(dev) + " (rank " +
+                              std::to_string(r) + ")";
+      if (!status.at(dev)[ci].ok()) {
+        result->Fail(who + " failed: " + status.at(dev)[ci].message());
+        return;
+      }
+      for (size_t i = 0; i < k && result->ok; ++i) {
+        const Operand& o = c.operands[i];
+        std::vector<const uint8_t*> srcs;
+        for (int64_t peer : g) srcs.push_back(b.original[peer][i].data());
+        const auto want = RefCollective(c.kind, c.op, o.dtype, o.dims, c.axis, c.pairs, srcs, static_cast<int>(r));
+        const bool inplace = o.in_place.count(dev) > 0;
+        Buffer& got = inplace ? b.in[dev][i] : b.out[dev][i];
+        const std::string where = who + " operand " + std::to_string(i) + (inplace ? " (in place)" : "");
+        const size_t wrong = CountWrong(o.dtype, got.Contents(), want);
+        if (wrong)
+          result->Fail(where + ": " + (wrong == SIZE_MAX ? std::string("wrong size") : std::to_string(wrong) + " wrong elements"));
+        else if (!got.CanaryIntact())
+          result->Fail(where + ": wrote past the end of its output");
+        else if (!inplace && b.in[dev][i].Contents() != b.original[dev][i])
+          result->Fail(where + ": changed its input");
+        else if (!inplace && !b.in[dev][i].CanaryIntact())
+          result->Fail(where + ": wrote past the end of its input");
+      }
+    }
+}
+
 Outcome RunCase(const Case& c) {
   SetShmStagingBytes(c.staging_bytes);
   SetShmStreamingSeparateBytes(c.streaming_bytes);
   SetHugePageOutputs(c.huge_pages);
   SetPopulateOutputs(c.populate);
   Outcome result;
-  std::vector<int64_t> flat, sizes;
-  for (const auto& g : c.groups) {
-    flat.insert(flat.end(), g.begin(), g.end());
-    sizes.push_back(static_cast<int64_t>(g.size()));
+  std::vector<CallBuffers> bufs(c.calls.size());
+  std::vector<std::vector<int64_t>> flat(c.calls.size()), sizes(c.calls.size()), flat_pairs(c.calls.size());
+  for (size_t ci = 0; ci < c.calls.size(); ++ci) {
+    const Call& call = c.calls[ci];
+    for (const auto& g : call.groups) {
+      flat[ci].insert(flat[ci].end(), g.begin(), g.end());
+      sizes[ci].push_back(static_cast<int64_t>(g.size()));
+    }
+    for (const auto& [s, d] : call.pairs) flat_pairs[ci].insert(flat_pairs[ci].end(), {s, d});
+    // Inputs: random values seeded by case, call, operand and device.
+    const bool with_nan = call.op == ReduceOp::kMax || call.op == ReduceOp::kMin;
+    for (const auto& g : call.groups)
+      for (int64_t dev : g)
+        for (size_t i = 0; i < call.operands.size(); ++i) {
+          const Operand& o = call.operands[i];
+          bufs[ci].original[dev].push_back(RandomData(
+              o.dtype, Prod(o.dims), c.data_seed + static_cast<uint32_t>(104729 * ci + 131 * i + 7919 * dev), with_nan));
+          bufs[ci].in[dev].emplace_back().Assign(bufs[ci].original[dev][i]);
+          const size_t out_bytes = Prod(OutDims(call, o, static_cast<int64_t>(g.size()))) * ByteWidth(o.dtype);
+          bufs[ci].out[dev].emplace_back().Assign(std::vector<uint8_t>(out_bytes, 0xAB));
+        }
   }
-  std::vector<int64_t> flat_pairs;
-  for (const auto& [s, d] : c.pairs) flat_pairs.insert(flat_pairs.end(), {s, d});
-  const size_t k = c.operands.size();
 
-  // Inputs (the same random values whatever the layout: seeded by case, operand and device).
-  std::map<int64_t, std::vector<std::vector<uint8_t>>> original;  // device -> operand -> bytes
-  std::map<int64_t, std::vector<Buffer>> in, out;
-  const bool with_nan = c.op == ReduceOp::kMax || c.op == ReduceOp::kMin;
-  for (const auto& g : c.groups)
-    for (int64_t dev : g) {
-      in[dev].resize(k);
-      out[dev].resize(k);
-      for (size_t i = 0; i < k; ++i) {
-        const Operand& o = c.operands[i];
-        original[dev].push_back(RandomData(o.dtype, Prod(o.dims),
-                                           c.data_seed + static_cast<uint32_t>(131 * i + 7919 * dev), with_nan));
-        in[dev][i].Assign(original[dev][i], 0);
-        const size_t out_bytes = Prod(OutDims(c, o, static_cast<int64_t>(g.size()))) * ByteWidth(o.dtype);
-        out[dev][i].Assign(std::vector<uint8_t>(out_bytes, 0xAB), 0);
-      }
-    }
-
-  // Pin the shares on the plan bucket of every group's call (groups of other sizes have other
-  // message sizes), and work out the ranges the executor must cut there.
-  std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> expected_ranges;
-  std::map<std::string, size_t> expected_records;
+  // Pin the shares on the plan bucket of every call on every group (groups of other sizes have other
+  // message sizes), and work out the ranges the executor must cut there: one record per rank.
   const size_t links = c.shares.size();
-  for (const auto& g : c.groups) {
-    const int n = static_cast<int>(g.size());
-    std::vector<OperandRequest> reqs(k);
-    std::vector<std::vector<int64_t>> out_dims(k);
-    for (size_t i = 0; i < k; ++i) {
-      out_dims[i] = OutDims(c, c.operands[i], n);
-      reqs[i].in_dtype = reqs[i].out_dtype = c.operands[i].dtype;
-      reqs[i].in_dims = c.operands[i].dims;
-      reqs[i].out_dims = out_dims[i];
-      reqs[i].in = in[g[0]][i].data();  // the buffers of the group's first rank
-      reqs[i].out = c.operands[i].in_place.count(g[0]) ? in[g[0]][i].data() : out[g[0]][i].data();
-    }
-    CallRequest req;
-    req.kind = c.kind;
-    req.reduction = Name(c.op);
-    req.axis = c.axis;
-    req.pairs = flat_pairs;
-    req.operands = reqs;
-    CallDesc desc;
-    Status s = DescribeCall(req, n, "fuzz", &desc);
-    if (!s.ok()) {
-      result.Fail("the case is invalid (a bug of the fuzzer): " + s.message());
-      return result;
-    }
-    s = SetShares(c.kind, plan::BucketOf(MessageBytes(desc, n)), c.shares, /*pinned=*/true);
-    if (!s.ok()) {
-      result.Fail("set_shares: " + s.message());
-      return result;
-    }
-    if (links > 1 && n > 1 && desc.total_units() > 0) {
-      const std::string key = FormatIds(g);
-      for (const auto& range : plan::CutRanges(desc.virtual_bytes(), 1, c.shares))
-        expected_ranges[key].emplace_back(range.begin, range.end);
-      expected_records[key] = static_cast<size_t>(n);
+  std::multiset<std::pair<std::string, RangeList>> expected;
+  for (size_t ci = 0; ci < c.calls.size(); ++ci) {
+    const Call& call = c.calls[ci];
+    for (const auto& g : call.groups) {
+      const int n = static_cast<int>(g.size());
+      std::vector<std::vector<int64_t>> out_dims;
+      const std::vector<OperandRequest> reqs = Requests(call, bufs[ci], g[0], n, &out_dims);
+      CallRequest req;
+      req.kind = call.kind;
+      req.reduction = Name(call.op);
+      req.axis = call.axis;
+      req.pairs = flat_pairs[ci];
+      req.operands = reqs;
+      CallDesc desc;
+      Status s = DescribeCall(req, n, "fuzz", &desc);
+      if (!s.ok()) {
+        result.Fail("call " + std::to_string(ci) + " is invalid (a bug of the fuzzer): " + s.message());
+        return result;
+      }
+      s = SetShares(call.kind, plan::BucketOf(MessageBytes(desc, n)), c.shares, /*pinned=*/true);
+      if (!s.ok()) {
+        result.Fail("set_shares: " + s.message());
+        return result;
+      }
+      if (links > 1 && n > 1 && desc.total_units() > 0) {
+        RangeList ranges;
+        for (const auto& range : plan::CutRanges(desc.virtual_bytes(), 1, c.shares)) ranges.emplace_back(range.begin, range.end);
+        for (int r = 0; r < n; ++r) expected.insert({FormatIds(g), ranges});
+      }
     }
   }
 
   (void)TakeSplitRecords();
-  std::map<int64_t, Status> status;
-  for (const auto& g : c.groups)
-    for (int64_t dev : g) status[dev] = Status();
+  std::map<int64_t, std::vector<Status>> status;
+  for (int64_t dev : c.devices) status[dev].assign(c.calls.size(), Status());
   std::vector<std::thread> threads;
   const int64_t run = NextRunId();
-  for (const auto& g : c.groups)
-    for (int64_t dev : g)
-      threads.emplace_back([&, dev, n = static_cast<int64_t>(g.size())] {
-        std::vector<OperandRequest> reqs(k);
-        std::vector<std::vector<int64_t>> out_dims(k);
-        for (size_t i = 0; i < k; ++i) {
-          const Operand& o = c.operands[i];
-          out_dims[i] = OutDims(c, o, n);
-          reqs[i].in_dtype = reqs[i].out_dtype = o.dtype;
-          reqs[i].in_dims = o.dims;
-          reqs[i].out_dims = out_dims[i];
-          reqs[i].in = in[dev][i].data();
-          reqs[i].out = o.in_place.count(dev) ? in[dev][i].data() : out[dev][i].data();
-        }
+  for (int64_t dev : c.devices)
+    threads.emplace_back([&, dev] {
+      // This device's calls one after another, as a program runs them: a fast rank starts its next
+      // call while its peers still finish the last one.
+      for (size_t ci = 0; ci < c.calls.size(); ++ci) {
+        const Call& call = c.calls[ci];
+        int rank = 0;
+        const int64_t n = static_cast<int64_t>(GroupOf(call, dev, &rank).size());
+        std::vector<std::vector<int64_t>> out_dims;
+        const std::vector<OperandRequest> reqs = Requests(call, bufs[ci], dev, n, &out_dims);
         CollectiveArgs a;
-        a.groups = flat;
-        a.group_sizes = sizes;
+        a.groups = flat[ci];
+        a.group_sizes = sizes[ci];
         a.device = dev;
         a.run_id = run;
         a.label = "fuzz_test";
-        a.request.kind = c.kind;
-        a.request.reduction = Name(c.op);
-        a.request.axis = c.axis;
-        a.request.pairs = flat_pairs;
+        a.request.kind = call.kind;
+        a.request.reduction = Name(call.op);
+        a.request.axis = call.axis;
+        a.request.pairs = flat_pairs[ci];
         a.request.operands = reqs;
-        status[dev] = RunCollective(a);
-      });
+        status[dev][ci] = RunCollective(a);
+        if (!status[dev][ci].ok()) break;  // a program stops at its first failing call
+      }
+    });
   for (auto& t : threads) t.join();
 
-  for (const auto& g : c.groups) {
-    for (size_t r = 0; r < g.size() && result.ok; ++r) {
-      const int64_t dev = g[r];
-      if (!status[dev].ok()) {
-        result.Fail("device " + std::to_string(dev) + " failed: " + status[dev].message());
-        break;
-      }
-      for (size_t i = 0; i < k && result.ok; ++i) {
-        const Operand& o = c.operands[i];
-        std::vector<const uint8_t*> srcs;
-        for (int64_t peer : g) srcs.push_back(original[peer][i].data());
-        const auto want = RefCollective(c.kind, c.op, o.dtype, o.dims, c.axis, c.pairs, srcs, static_cast<int>(r));
-        const bool inplace = o.in_place.count(dev) > 0;
-        Buffer& result_buf = inplace ? in[dev][i] : out[dev][i];
-        const std::string where = "device " + std::to_string(dev) + " (rank " + std::to_string(r) + ") operand " +
-                                  std::to_string(i) + (inplace ? " (in place)" : "");
-        const size_t wrong = CountWrong(o.dtype, result_buf.Contents(), want);
-        if (wrong)
-          result.Fail(where + ": " + (wrong == SIZE_MAX ? std::string("wrong size") : std::to_string(wrong) +
-                                                                                           " wrong elements"));
-        else if (!result_buf.CanaryIntact())
-          result.Fail(where + ": wrote past the end of its output");
-        else if (!inplace && in[dev][i].Contents() != original[dev][i])
-          result.Fail(where + ": changed its input");
-        else if (!inplace && !in[dev][i].CanaryIntact())
-          result.Fail(where + ": wrote past the end of its input");
-      }
-    }
-  }
+  for (size_t ci = 0; ci < c.calls.size() && result.ok; ++ci) CheckCall(c.calls[ci], ci, bufs[ci], status, &result);
   // The forced split was the one cut: every rank of every multi-link call recorded those ranges.
   if (result.ok && links > 1) {
-    std::map<std::string, size_t> seen;
-    for (const SplitRecord& rec : TakeSplitRecords()) {
-      auto it = expected_ranges.find(rec.group);
-      if (it == expected_ranges.end()) {
-        result.Fail("a split record for group " + rec.group + ", which should not reach the executor");
-        break;
-      }
-      ++seen[rec.group];
-      if (rec.ranges != it->second) {
-        std::string got, want;
-        for (const auto& [b, e] : rec.ranges) got += " [" + std::to_string(b) + "," + std::to_string(e) + ")";
-        for (const auto& [b, e] : it->second) want += " [" + std::to_string(b) + "," + std::to_string(e) + ")";
-        result.Fail("group " + rec.group + " rank " + std::to_string(rec.rank) + " cut" + got + ", the forced shares give" + want);
-        break;
-      }
+    std::multiset<std::pair<std::string, RangeList>> seen;
+    for (const SplitRecord& rec : TakeSplitRecords()) seen.insert({rec.group, rec.ranges});
+    if (seen != expected) {
+      std::string text;
+      for (const auto& [g, ranges] : seen)
+        if (expected.count({g, ranges}) != seen.count({g, ranges})) text += " group " + g + " cut" + RangesText(ranges) + ";";
+      for (const auto& [g, ranges] : expected)
+        if (expected.count({g, ranges}) != seen.count({g, ranges})) text += " group " + g + " should cut" + RangesText(ranges) + ";";
+      result.Fail("the split records differ from the forced shares' ranges (" + std::to_string(seen.size()) +
+                  " records, " + std::to_string(expected.size()) + " expected):" + text);
     }
-    if (result.ok && seen != expected_records)
-      result.Fail("split records: " + std::to_string(seen.size()) + " groups recorded, expected " +
-                  std::to_string(expected_records.size()));
   }
   return result;
 }
@@ -627,7 +684,7 @@ int main(int argc, char** argv) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<std::string> sets = MakeLinkSets(opt.seed);
   int failures = 0;
-  int64_t ran = 0;
+  int64_t ran = 0, calls = 0;
   std::map<std::string, int64_t> per_kind;
   for (int s = 0; s < kLinkSets && failures < 10; ++s) {
     if (opt.only >= 0 && opt.only % kLinkSets != s) continue;
@@ -635,12 +692,12 @@ int main(int argc, char** argv) {
     Expect(st.ok(), "configure links \"" + sets[s] + "\": " + st.message());
     if (!st.ok()) continue;
     const size_t links = CurrentLinkSet()->links.size();
-    const std::vector<Layout> layouts = MakeLayouts(opt.seed, s);
+    const std::vector<Family> families = MakeFamilies(opt.seed, s);
     const auto ts = std::chrono::steady_clock::now();
     int64_t here = 0;
     for (int64_t i = s; i < opt.cases && failures < 10; i += kLinkSets) {
       if (opt.only >= 0 && i != opt.only) continue;
-      const Case c = MakeCase(opt.seed, i, layouts, links);
+      const Case c = MakeCase(opt.seed, i, families, links);
       const auto tc = std::chrono::steady_clock::now();
       const Outcome out = RunCase(c);
       if (opt.verbose)
@@ -653,7 +710,8 @@ int main(int argc, char** argv) {
                     static_cast<unsigned long long>(opt.seed), static_cast<long long>(opt.cases),
                     static_cast<long long>(i));
       }
-      ++per_kind[std::string(Name(c.kind))];
+      for (const Call& call : c.calls) ++per_kind[std::string(Name(call.kind))];
+      calls += static_cast<int64_t>(c.calls.size());
       ++ran, ++here;
     }
     std::printf("links \"%s\": %lld cases, %.1f s\n", sets[s].c_str(), static_cast<long long>(here),
@@ -662,8 +720,8 @@ int main(int argc, char** argv) {
   SetRecordSplits(false);
   std::string kinds;
   for (const auto& [name, count] : per_kind) kinds += " " + name + " " + std::to_string(count);
-  std::printf("fuzz: seed %llu, %lld cases (%s ) in %.1f s%s\n", static_cast<unsigned long long>(opt.seed),
-              static_cast<long long>(ran), kinds.c_str(),
+  std::printf("fuzz: seed %llu, %lld cases, %lld calls (%s ) in %.1f s%s\n", static_cast<unsigned long long>(opt.seed),
+              static_cast<long long>(ran), static_cast<long long>(calls), kinds.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
               failures >= 10 ? "; stopped after 10 failures" : "");
   return Summary();
