@@ -1,7 +1,7 @@
 """Property-based tests (hypothesis): random programs of FlexLink collectives equal lax's.
 
 One example is a whole program: a mesh (1-D to 3-D, devices permuted, 4 or 8 of them), check_vma on
-or off, explicit API or lax under replacement, and 1-3 collectives drawn from psum, pmean, pmax,
+or off, explicit API or lax under replacement, and 1-5 distinct collectives of psum, pmean, pmax,
 pmin, all_gather (tiled or not, any axis), psum_scatter (any scatter_dimension, tiled or not),
 ppermute (partial permutations) and all_to_all (any split/concat axes, tiled or not), each over a
 random subset of the mesh axes, with axis_index_groups where lax takes them, on a random dtype and
@@ -97,10 +97,17 @@ def _groups(draw, n, even):
     return [list(order[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+# jax 0.11.2: a shard_map whose outputs mix a zero-size psum with non-empty results (even
+# `lax.psum(zeros((0,)), "x"), y * 2`) segfaults XLA:CPU's compiler, with lax alone; fine on 0.10.2.
+# There, programs of several collectives draw no zero-size dimensions (single ones still do).
+_ZERO_SIZE_MIX_CRASHES = jax.__version_info__ >= (0, 11)
+
+
 @st.composite
-def _shape(draw, max_rank=3):
+def _shape(draw, max_rank=3, nonzero=False):
     rank = draw(st.integers(0, max_rank))
-    dims = [draw(st.one_of(st.integers(0, 6), st.integers(1, 6), st.integers(1, 6)))
+    low = 1 if nonzero else 0
+    dims = [draw(st.one_of(st.integers(low, 6), st.integers(1, 6), st.integers(1, 6)))
             for _ in range(rank)]
     if rank and draw(st.booleans()):  # one long dimension: links get ranges of several blocks
         dims[draw(st.integers(0, rank - 1))] = draw(st.integers(50, 3000))
@@ -108,7 +115,7 @@ def _shape(draw, max_rank=3):
 
 
 @st.composite
-def _op(draw, name, sizes, names, check_vma):
+def _op(draw, name, sizes, names, check_vma, nonzero):
     """One collective `name`: (name, axes, kwargs, dtypes of its leaves, local shape)."""
     k = draw(st.integers(1, len(names)))
     picked = draw(st.permutations(names))[:k] if name != "ppermute" else None
@@ -125,7 +132,7 @@ def _op(draw, name, sizes, names, check_vma):
         groups = draw(_groups(n, even))
         kw["axis_index_groups"] = groups
         group = len(groups[0])
-    shape = draw(_shape())
+    shape = draw(_shape(nonzero=nonzero))
     if name == "all_gather":
         kw["tiled"] = draw(st.booleans())
         if kw["tiled"]:
@@ -180,10 +187,11 @@ def programs(draw, links):
     devices = draw(st.permutations(range(8)))[:math.prod(shape)]
     check_vma = draw(st.booleans())
     sizes = dict(zip(names, shape))
-    # Distinct collectives per program (2-5 of the 8): every example covers several kinds, in one
+    # Distinct collectives per program (1-5 of the 8): every example covers several kinds, in one
     # compile.
-    chosen = draw(st.permutations(_COLLECTIVES))[:draw(st.integers(2, 5))]
-    ops = [draw(_op(name, sizes, names, check_vma)) for name in chosen]
+    chosen = draw(st.permutations(_COLLECTIVES))[:draw(st.integers(1, 5))]
+    nonzero = _ZERO_SIZE_MIX_CRASHES and len(chosen) > 1
+    ops = [draw(_op(name, sizes, names, check_vma, nonzero)) for name in chosen]
     return {
         "mesh": (shape, names, devices), "check_vma": check_vma, "ops": ops,
         "replace": draw(st.booleans()), "shares": [draw(_shares(links)) for _ in range(2)],
