@@ -1,22 +1,25 @@
 """Property-based tests (hypothesis): random programs of FlexLink collectives equal lax's.
 
-One example is a whole program: a mesh (1-D to 3-D, devices permuted, 4 or 8 of them), check_vma on
-or off, explicit API or lax under replacement, and 1-5 distinct collectives of psum, pmean, pmax,
-pmin, all_gather (tiled or not, any axis), psum_scatter (any scatter_dimension, tiled or not),
-ppermute (partial permutations) and all_to_all (any split/concat axes, tiled or not), each over a
-random subset of the mesh axes, with axis_index_groups where lax takes them, on a random dtype and
-shape (0-d and zero-size included), its operand an array or a pytree of two. The program runs on a
-link set (one test per link set) with random forced shares per call (set_shares pins every size
-bucket), then again with other shares. Properties:
+One example is a whole program: a mesh (1-D to 3-D, devices permuted, 4 or 8 of them), jit of
+shard_map with check_vma on or off or (1-D) jax.pmap, explicit API or lax under replacement, and
+1-5 distinct collectives of psum, pmean, pmax, pmin, all_gather (tiled or not, any axis),
+psum_scatter (any scatter_dimension, tiled or not), ppermute (partial permutations) and all_to_all
+(any split/concat axes, tiled or not), each over a random subset of the mesh axes, with
+axis_index_groups where lax takes them, on a random dtype and shape (0-d and zero-size included),
+its operand an array or a pytree of two. It runs on a link set (one test per link set) with random
+shares pinned for every collective and size bucket (set_shares), then again with other shares.
+Properties:
   - every result equals lax's: bitwise, or for sums of floats within the summation-order bound
     of tests/helpers.py (the tolerance test_ops.py uses);
   - the two splits give bitwise identical results (the engine's lossless invariant);
-  - the compiled program runs no collective on XLA (lax's fallback would make the comparison moot).
+  - a link whose pinned share is 0 ran no bytes (split records);
+  - the compiled program runs no collective on XLA (lax's fallback would make the comparison moot);
+  - a program lax refuses, FlexLink refuses with the same exception type.
 
-Examples compile (~0.2-0.5 s each here), so the example count is small and fixed in CI
-(derandomized, no database). FLEXLINK_PROPERTY_EXAMPLES=N runs N per test; FLEXLINK_PROPERTY_RANDOM=1
-draws fresh examples (then `pytest --hypothesis-seed=S` repeats a run). A failure prints the
-falsifying program and a `@reproduce_failure` blob (docs/testing.md).
+Examples compile (0.1-1.5 s each here), so the example count is small and the seed fixed per test
+(no database). FLEXLINK_PROPERTY_EXAMPLES=N runs N per test; FLEXLINK_PROPERTY_RANDOM=1 draws
+fresh examples (then `pytest --hypothesis-seed=S` repeats a run). A failure prints the falsifying
+program and a `@reproduce_failure` blob (docs/testing.md).
 """
 import math
 import os
@@ -194,6 +197,8 @@ def programs(draw, links):
     ops = [draw(_op(name, sizes, names, check_vma, nonzero)) for name in chosen]
     return {
         "mesh": (shape, names, devices), "check_vma": check_vma, "ops": ops,
+        # 1-D meshes: also under jax.pmap (axis "x" over the same devices; check_vma does not apply).
+        "pmap": len(names) == 1 and draw(st.booleans()),
         "replace": draw(st.booleans()), "shares": [draw(_shares(links)) for _ in range(2)],
         "seed": draw(st.integers(0, 2**16)),
     }
@@ -227,31 +232,40 @@ def _pin(shares):
             _flexlink.set_shares(kind, b, shares, pinned=True)
 
 
+def _program(prog, mod):
+    """The example's program of module `mod`'s collectives: jit(shard_map) through the per-device
+    harness, or jax.pmap."""
+    shape, names, devices = prog["mesh"]
+    body = _body(mod, prog["ops"])
+    if prog["pmap"]:
+        return jax.pmap(body, axis_name=names[0], devices=[jax.devices()[d] for d in devices])
+    return per_device(body, mesh(shape, names, [jax.devices()[d] for d in devices]),
+                      check_vma=prog["check_vma"])
+
+
 def _check(prog, links_spec):
     shape, names, devices = prog["mesh"]
-    m = mesh(shape, names, [jax.devices()[d] for d in devices])
     ops = prog["ops"]
     args = []
     for i, (_, _, _, dtypes, local) in enumerate(ops):
         leaves = tuple(make_data(dt, shape + local, seed=prog["seed"] + 97 * i + j)
                        for j, dt in enumerate(dtypes))
         args.append(leaves[0] if len(leaves) == 1 else leaves)
-    check_vma = prog["check_vma"]
 
-    want_fn = per_device(_body(lax, ops), m, check_vma=check_vma)
+    want_fn = _program(prog, lax)
     try:
         want_c = want_fn.lower(*args).compile()
     except Exception as e:  # noqa: BLE001 - lax refuses it: FlexLink must refuse it too
         with pytest.raises(type(e)):
-            per_device(_body(flx, ops), m, check_vma=check_vma).lower(*args).compile()
+            _program(prog, flx).lower(*args).compile()
         return
     want = host(want_c(*args))
 
     if prog["replace"]:
         with flx.replace_collectives():
-            got_c = per_device(_body(lax, ops), m, check_vma=check_vma).lower(*args).compile()
+            got_c = _program(prog, lax).lower(*args).compile()
     else:
-        got_c = per_device(_body(flx, ops), m, check_vma=check_vma).lower(*args).compile()
+        got_c = _program(prog, flx).lower(*args).compile()
     text = got_c.as_text()
     on_xla = [line.strip()[:120] for line in text.splitlines() if any(c in line for c in _XLA_COLLECTIVE)]
     assert not on_xla, f"collectives left to XLA: {on_xla}"
