@@ -33,6 +33,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
@@ -79,6 +83,16 @@ const std::vector<DType> kDTypes = {DType::kPred, DType::kS8,  DType::kS16, DTyp
                                     DType::kU8,   DType::kU16, DType::kU32, DType::kU64, DType::kF16,
                                     DType::kBF16, DType::kF32, DType::kF64, DType::kC64, DType::kC128};
 bool IsComplex(DType t) { return t == DType::kC64 || t == DType::kC128; }
+
+// XLA:CPU runs device programs on tsl thread-pool workers, which flush denormals to zero
+// (FTZ/DAZ), while Python calls the control surface (set_shares) on a thread that does not. The
+// fuzz's device threads do the same, so a value set on the main thread and read on a device thread
+// is read as XLA would.
+void FlushDenormalsLikeXla() {
+#if defined(__SSE2__)
+  _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ
+#endif
+}
 
 // ---- The run's link sets and group layouts.
 
@@ -262,7 +276,7 @@ std::vector<int64_t> DrawDims(Rng& r, int64_t count) {
 
 std::vector<double> DrawShares(Rng& r, size_t links) {
   std::vector<double> s(links, 0.0);
-  const int64_t pattern = r.Int(0, 6);
+  const int64_t pattern = r.Int(0, 7);
   const size_t pick = static_cast<size_t>(r.Int(0, static_cast<int64_t>(links) - 1));
   switch (pattern) {
     case 0: s[pick] = 1; break;                           // one link, any of them
@@ -277,11 +291,15 @@ std::vector<double> DrawShares(Rng& r, size_t links) {
       for (double& x : s) x = std::pow(10.0, r.Real(-6, -2));
       s[pick] = 1;
       break;
+    case 7:                                               // denormal shares (and zeros), alone or beside normal ones
+      for (double& x : s) x = r.Chance(0.3) ? 0.0 : std::pow(10.0, -r.Real(308.5, 320));
+      if (r.Chance(0.3)) s[pick] = r.Real(0.1, 1);
+      break;
     default: s[0] = 1; break;                             // the primary alone
   }
   if (std::accumulate(s.begin(), s.end(), 0.0) <= 0) s[pick] = 1;
   const double sum = std::accumulate(s.begin(), s.end(), 0.0);
-  for (double& x : s) x /= sum;  // as the balancer normalises pinned shares
+  for (double& x : s) x /= sum;  // as set_shares normalises them (on this, the control thread)
   return s;
 }
 
@@ -564,7 +582,10 @@ Outcome RunCase(const Case& c) {
       }
       if (links > 1 && n > 1 && desc.total_units() > 0) {
         RangeList ranges;
-        for (const auto& range : plan::CutRanges(desc.virtual_bytes(), 1, c.shares)) ranges.emplace_back(range.begin, range.end);
+        std::thread([&] {  // cut as a device thread does (denormal shares read as 0 there)
+          FlushDenormalsLikeXla();
+          for (const auto& range : plan::CutRanges(desc.virtual_bytes(), 1, c.shares)) ranges.emplace_back(range.begin, range.end);
+        }).join();
         for (int r = 0; r < n; ++r) expected.insert({FormatIds(g), ranges});
       }
     }
@@ -577,6 +598,7 @@ Outcome RunCase(const Case& c) {
   const int64_t run = NextRunId();
   for (int64_t dev : c.devices)
     threads.emplace_back([&, dev] {
+      FlushDenormalsLikeXla();
       // This device's calls one after another, as a program runs them: a fast rank starts its next
       // call while its peers still finish the last one.
       for (size_t ci = 0; ci < c.calls.size(); ++ci) {
