@@ -391,3 +391,24 @@ def test_stage1_profiles_again_for_a_much_larger_call(mesh1d):
     assert call(128 << 10) == 128 << 10
     assert call(512 << 10) == 128 << 10
     assert call(2 << 20) == 2 << 20
+
+
+def test_denormal_shares_pinned_before_the_group_exists(mesh1d):
+    """Regression (found by tests/test_properties.py): shares set before a group's first call are
+    stored and handed to the group when a device thread makes it; a vector of denormal shares
+    ([0, 2.2e-311]) passed set_shares but was refused there (denormals read as 0 on XLA's threads)
+    and the pin silently dropped: the call ran stage 2's equal split. Normalised when set, it pins
+    the whole call to the second link."""
+    flx.configure(links="shm;tcp", autotune_min_bytes=0)
+    _flexlink.set_record_splits(True)
+    per_device = 4000
+    b = bucket(message_bytes("all_reduce", per_device, 4))
+    _flexlink.set_shares("all_reduce", b, [0.0, 2.225073858507e-311], pinned=True)
+    x = sharded(mesh1d, make_data("float32", (N * per_device,), seed=9))
+    _flexlink.take_split_records()
+    got = np.asarray(collective_fn(mesh1d, flx, "all_reduce")(x))
+    records = _flexlink.take_split_records()
+    assert len(records) == N and all(r["ranges"][0][0] == r["ranges"][0][1] for r in records), records
+    plan = [p for p in flx.stats()["plans"] if p["collective"] == "all_reduce" and p["bucket_bytes"] == b]
+    assert plan and plan[0]["mode"] == "pinned" and plan[0]["shares"] == {"shm": 0.0, "tcp": 1.0}, plan
+    np.testing.assert_allclose(got, np.asarray(collective_fn(mesh1d, lax, "all_reduce")(x)), rtol=1e-5, atol=1e-4)

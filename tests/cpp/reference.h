@@ -224,4 +224,44 @@ inline std::vector<uint8_t> RefAllToAll(const std::vector<int64_t>& dims, int64_
   return out;
 }
 
+// One operand of any kind on `rank` of a group whose inputs are `inputs` (rank order), per-rank input
+// dims `dims`: all_reduce / reduce_scatter reduce in rank order, all_gather stacks the ranks' blocks
+// along `axis` ([outer, n, inner]), ppermute and all_to_all as above. Element by element.
+inline std::vector<uint8_t> RefCollective(Kind kind, ReduceOp op, DType t, const std::vector<int64_t>& dims,
+                                          int64_t axis, const std::vector<std::pair<int64_t, int64_t>>& pairs,
+                                          const std::vector<const uint8_t*>& inputs, int rank) {
+  const size_t n = inputs.size(), w = ByteWidth(t);
+  size_t count = 1, outer = 1;
+  for (size_t a = 0; a < dims.size(); ++a) {
+    count *= static_cast<size_t>(dims[a]);
+    if (static_cast<int64_t>(a) < axis) outer *= static_cast<size_t>(dims[a]);
+  }
+  std::vector<uint8_t> out;
+  switch (kind) {
+    case Kind::kPpermute: return RefPpermute(pairs, inputs, count * w, rank);
+    case Kind::kAllToAll: return RefAllToAll(dims, axis, inputs, w, rank);
+    case Kind::kAllReduce:
+      out.resize(count * w);
+      for (size_t i = 0; i < count; ++i) RefReduce(t, op, inputs, i, &out[i * w]);
+      return out;
+    case Kind::kAllGather: {
+      const size_t inner = outer ? count / outer : 0;
+      out.resize(count * n * w);
+      for (size_t o = 0; o < outer; ++o)
+        for (size_t k = 0; k < n; ++k)
+          if (inner) std::memcpy(&out[(o * n + k) * inner * w], inputs[k] + o * inner * w, inner * w);
+      return out;
+    }
+    case Kind::kReduceScatter: {
+      const size_t out_count = count / n, inner = outer ? out_count / outer : 0;
+      out.resize(out_count * w);
+      for (size_t o = 0; o < outer; ++o)
+        for (size_t i = 0; i < inner; ++i)
+          RefReduce(t, op, inputs, (o * n + rank) * inner + i, &out[(o * inner + i) * w]);
+      return out;
+    }
+  }
+  return out;
+}
+
 }  // namespace flexlink::testing

@@ -22,6 +22,7 @@
 #include "xla_ffi/links/faulty.h"
 #include "xla_ffi/links/link.h"
 #include "xla_ffi/plan/balancer.h"
+#include "xla_ffi/plan/shares.h"
 #include "xla_ffi/xproc/process_group.h"
 #include "xla_ffi/xproc/registry.h"
 #include "xla_ffi/xproc/xproc_executor.h"
@@ -102,6 +103,8 @@ Status GetGroup(std::span<const int64_t> devices, std::string_view label, Group*
 void EnsureLinks() { CurrentLinkSet(); }
 
 Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned) {
+  // Here, not only in each balancer: groups made later get the stored vector on a device thread.
+  FLEXLINK_RETURN_IF_ERROR(plan::NormaliseShares(shares));
   FLEXLINK_RETURN_IF_ERROR(SetSharesEverywhere(kind, bucket_bytes, shares, pinned));
   const uint64_t version = CurrentLinkSet()->version;
   GroupRegistry& reg = Registry();

@@ -7,6 +7,7 @@
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/plan/shares.h"
 
 namespace flexlink::gpu {
 namespace {
@@ -153,6 +154,8 @@ Status GpuEngine::SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double
   if (shares.size() != set->links.size())
     return Status::InvalidArgument("set_shares: " + std::to_string(shares.size()) + " shares for " +
                                    std::to_string(set->links.size()) + " links");
+  // Normalised here: executors made later get the stored vector on a device thread (plan/shares.h).
+  FLEXLINK_RETURN_IF_ERROR(plan::NormaliseShares(shares));
   std::lock_guard<std::mutex> lock(mu_);
   overrides_[{kind, bucket_bytes}] = {shares, pinned};
   Status status;

@@ -248,15 +248,7 @@ Status Balancer::SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double>
                                    std::to_string(links_.size()) + " shares (one per link), got " +
                                    std::to_string(shares.size()));
   }
-  double sum = 0;
-  for (double s : shares) {
-    if (!(s >= 0) || !std::isfinite(s)) {
-      return Status::InvalidArgument("flexlink: plan shares must be finite and >= 0");
-    }
-    sum += s;
-  }
-  if (!(sum > 0)) return Status::InvalidArgument("flexlink: plan shares must not all be 0");
-  for (double& s : shares) s /= sum;
+  FLEXLINK_RETURN_IF_ERROR(NormaliseShares(shares));
   std::lock_guard<std::mutex> lock(mu_);
   Entry& e = EntryFor(kind, bucket_bytes);
   if (pinned) {

@@ -2,9 +2,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <numeric>
 #include <vector>
+
+#include "xla_ffi/core/status.h"
 
 namespace flexlink::plan {
 
@@ -39,6 +42,22 @@ inline void DropBelow(std::vector<double>& shares, double min_share) {
     if (shares[i] < min_share && i != largest) shares[i] = 0;
   }
   Normalise(shares);
+}
+
+// Checks user-given shares (finite, >= 0, not all 0) and scales them to sum 1. Done once, on the
+// thread that sets them, before they are stored for groups made later: those are made on XLA's
+// device threads, where a denormal share (1e-311) reads as 0, so a vector of such shares was
+// refused there and the pin silently dropped (docs/testing.md). Normalised, its sum is 1 on every
+// thread.
+inline Status NormaliseShares(std::vector<double>& shares) {
+  double sum = 0;
+  for (double s : shares) {
+    if (!(s >= 0) || !std::isfinite(s)) return Status::InvalidArgument("flexlink: plan shares must be finite and >= 0");
+    sum += s;
+  }
+  if (!(sum > 0)) return Status::InvalidArgument("flexlink: plan shares must not all be 0");
+  for (double& s : shares) s /= sum;
+  return Status::Ok();
 }
 
 }  // namespace flexlink::plan
