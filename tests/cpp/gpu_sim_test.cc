@@ -15,9 +15,12 @@
 #include "tests/cpp/sim/sim_comm.h"
 #include "tests/cpp/sim/sim_device.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/faults.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/reduce.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_engine.h"
+#include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/pcie_chunks.h"
 
 namespace flexlink::testing {
@@ -468,6 +471,128 @@ void TestSetupOnce() {
   Expect(s.device.preloads() == 4, "setup: kernels loaded once per device");
 }
 
+// Faults on GPU links (docs/faults.md, "GPU links"): an injected error on either link fails its
+// range over to the other in the same call, exactly; the link is unhealthy, left out of the next
+// calls' ranges and re-admitted by a probe; with no link left the call fails naming both.
+LinkHealthSnapshot HealthOf(const std::string& group, const std::string& link) {
+  for (const auto& h : SnapshotHealth())
+    if (h.group == group && h.link == link) return h;
+  return {};
+}
+
+void TestFaults() {
+  SetAutotuneMinBytes(0);
+  const HealthOptions saved = GetHealthOptions();
+  HealthOptions o = saved;
+  o.probe_calls = 3;
+  SetHealthOptions(o);
+  Sim s(4, {.jitter_us = 10});
+  const std::string group = "[0, 1, 2, 3]";
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{30000}}, 0, {}, false};
+  const char* spec = "nccl@staging_mib=0.0625;pcie@slot_mib=0.0625";
+  auto names = [&] { return s.engine->CurrentLinks()->names(); };
+  for (const std::string bad : {"nccl", "pcie"}) {
+    const std::string other = bad == "nccl" ? "pcie" : "nccl";
+    const std::string what = "faults: " + bad + ":error@at_call=2";
+    Expect(s.engine->ConfigureLinks(spec).ok(), what + ": configure");
+    PinShares(*s.engine, c, 4, {0.5, 0.5});
+    ResetHealth();
+    Expect(gpu::SetGpuFaults(bad + ":error@at_call=2", names()).ok(), what + ": set");
+    CheckCase(*s.engine, s.h, c, what + ", call 1");
+    Expect(HealthOf(group, bad).state == LinkState::kHealthy, what + ": healthy after call 1");
+    CheckCase(*s.engine, s.h, c, what + ", call 2 fails over");  // exact against the reference
+    const LinkHealthSnapshot h = HealthOf(group, bad);
+    Expect(h.state == LinkState::kUnhealthy && h.errors == 1 && h.failovers == 1 && h.since_call == 2 &&
+               h.reason.find("injected error at its call 2") != std::string::npos,
+           what + ": unhealthy with the error: " + h.reason);
+    Expect(FailoverCount() == 1, what + ": one failover, got " + std::to_string(FailoverCount()));
+    const auto recent = RecentFailovers();
+    Expect(!recent.empty() && recent.back().link == bad && recent.back().to == other && recent.back().call == 2 &&
+               recent.back().collective == "all_reduce" && recent.back().group == group && recent.back().bytes > 0,
+           what + ": the failover's record");
+    // Calls 3 and 4 leave it out; call 5 (3 calls after the failure) probes it, which succeeds.
+    s.engine->splits().SetEnabled(true);
+    (void)s.engine->splits().Take();
+    CheckCase(*s.engine, s.h, c, what + ", call 3 without it");
+    const size_t bad_index = bad == "nccl" ? 0 : 1;
+    for (const SplitRecord& r : s.engine->splits().Take())
+      Expect(r.ranges[bad_index].first == r.ranges[bad_index].second, what + ": excluded from call 3's ranges");
+    CheckCase(*s.engine, s.h, c, what + ", call 4");
+    CheckCase(*s.engine, s.h, c, what + ", call 5 probes");
+    bool probed = false;
+    for (const SplitRecord& r : s.engine->splits().Take())
+      probed |= r.ranges[bad_index].first != r.ranges[bad_index].second;
+    s.engine->splits().SetEnabled(false);
+    const LinkHealthSnapshot after = HealthOf(group, bad);
+    Expect(probed && after.state == LinkState::kHealthy && after.probes == 1 &&
+               after.reason.find("re-admitted") != std::string::npos,
+           what + ": re-admitted by the probe: " + after.reason);
+    Expect(HealthOf(group, other).state == LinkState::kHealthy, what + ": the carrier stays healthy");
+    s.ExpectNoSimErrors(what);
+  }
+  // Sticky: the probe fails too and is failed over like any range.
+  {
+    const std::string what = "faults: nccl sticky";
+    Expect(s.engine->ConfigureLinks(spec).ok(), what + ": configure");
+    PinShares(*s.engine, c, 4, {0.5, 0.5});
+    ResetHealth();
+    Expect(gpu::SetGpuFaults("nccl:error@at_call=1,sticky=1", names()).ok(), what + ": set");
+    for (int call = 1; call <= 4; ++call) CheckCase(*s.engine, s.h, c, what + ", call " + std::to_string(call));
+    const LinkHealthSnapshot h = HealthOf(group, "nccl");
+    Expect(h.state == LinkState::kUnhealthy && h.probes == 1 && h.failovers == 2 && FailoverCount() == 2,
+           what + ": the failed probe failed over (probes " + std::to_string(h.probes) + ", failovers " +
+               std::to_string(h.failovers) + ")");
+  }
+  // No link left: every rank fails with the collective, the group and each link's report.
+  {
+    const std::string what = "faults: both links";
+    Expect(s.engine->ConfigureLinks(spec).ok(), what + ": configure");
+    PinShares(*s.engine, c, 4, {0.5, 0.5});
+    ResetHealth();
+    Expect(gpu::SetGpuFaults("nccl:error@at_call=1,sticky=1;pcie:error@at_call=1,sticky=1", names()).ok(), what + ": set");
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto st = RunRanks(*s.engine, s.h, c, &out);
+    for (int r = 0; r < 4; ++r) {
+      const std::string& m = st[r].message();
+      Expect(!st[r].ok() &&
+                 m.find("all_reduce on group [0, 1, 2, 3]: no link could carry the bytes of call 1") != std::string::npos &&
+                 m.find("link nccl: injected error") != std::string::npos &&
+                 m.find("link pcie: injected error") != std::string::npos,
+             what + ": rank " + std::to_string(r) + ": " + m);
+    }
+  }
+  // One link: nothing to fail over to; the call fails with the injected error.
+  {
+    const std::string what = "faults: one link";
+    Expect(s.engine->ConfigureLinks("pcie@slot_mib=0.0625").ok(), what + ": configure");
+    Expect(gpu::SetGpuFaults("pcie:error@at_call=1", names()).ok(), what + ": set");
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto st = RunRanks(*s.engine, s.h, c, &out);
+    Expect(!st[0].ok() && st[0].message().find("injected error at its call 1") != std::string::npos,
+           what + ": " + st[0].message());
+    CheckCase(*s.engine, s.h, c, what + ": the next call runs");
+  }
+  // What GPU links refuse, and the shared grammar's errors; a refused spec keeps the previous one.
+  Expect(s.engine->ConfigureLinks(spec).ok(), "faults: configure");
+  const std::pair<const char*, const char*> refused[] = {
+      {"nccl:hang@at_call=1", "hang is not supported on GPU links"},
+      {"pcie:slow@factor=3", "slow is not supported on GPU links"},
+      {"rank:absent@rank=1,at_call=2", "rank:absent is not supported"},
+      {"shm:error@at_call=1", "no link named \"shm\""},
+      {"nccl:error@at_call=0", "is not an integer >= 1"},
+  };
+  for (const auto& [text, want] : refused) {
+    Status st = gpu::SetGpuFaults(text, names());
+    Expect(!st.ok() && st.message().find(want) != std::string::npos,
+           std::string("faults: refuses ") + text + ": " + st.message());
+  }
+  Expect(CurrentFaults() && CurrentFaults()->text == "pcie:error@at_call=1", "faults: a refused spec keeps the previous");
+  Expect(gpu::SetGpuFaults("", names()).ok() && !CurrentFaults(), "faults: cleared");
+  SetHealthOptions(saved);
+  ResetHealth();
+  s.ExpectNoSimErrors("faults");
+}
+
 }  // namespace
 }  // namespace flexlink::testing
 
@@ -493,6 +618,7 @@ int main() {
       {"TestStageOne", TestStageOne},
       {"TestSeedFromNominalFits", TestSeedFromNominalFits},
       {"TestStageTwoFavoursTheFasterLink", TestStageTwoFavoursTheFasterLink},
+      {"TestFaults", TestFaults},
       {"TestCollectives", TestCollectives},
   };
   for (const Test& t : tests) {

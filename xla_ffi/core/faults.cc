@@ -189,11 +189,16 @@ Status ParseFaults(std::string_view text, const std::vector<std::string>& links,
 Status SetFaults(std::string_view text) {
   std::vector<Fault> faults;
   FLEXLINK_RETURN_IF_ERROR(ParseFaults(text, CurrentLinkSet()->names(), &faults));
+  SetParsedFaults(text, std::move(faults));
+  return Status::Ok();
+}
+
+void SetParsedFaults(std::string_view text, std::vector<Fault> faults) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (faults.empty()) {
     g_current.reset();
     g_any.store(false);
-    return Status::Ok();
+    return;
   }
   auto set = std::make_shared<FaultSet>();
   set->version = g_next_version++;
@@ -201,7 +206,6 @@ Status SetFaults(std::string_view text) {
   set->faults = std::move(faults);
   g_current = std::move(set);
   g_any.store(true);
-  return Status::Ok();
 }
 
 std::shared_ptr<const FaultSet> CurrentFaults() {

@@ -53,6 +53,9 @@ Status ParseFaults(std::string_view text, const std::vector<std::string>& links,
 // Parses against the current link set and makes the result current (empty clears). On error the
 // current faults stay.
 Status SetFaults(std::string_view text);
+// Makes already parsed faults current (an engine with its own link names and rules: the CUDA
+// module, cuda/gpu_faults.cc); `text` is kept for faults() and error messages.
+void SetParsedFaults(std::string_view text, std::vector<Fault> faults);
 // The current faults; null when none are set (the fast path).
 std::shared_ptr<const FaultSet> CurrentFaults();
 

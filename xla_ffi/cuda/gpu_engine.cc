@@ -1,11 +1,14 @@
 #include "xla_ffi/cuda/gpu_engine.h"
 
+#include "xla_ffi/core/health.h"
+
 #include <algorithm>
 #include <atomic>
 #include <new>
 #include <tuple>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/plan/shares.h"
 
@@ -46,6 +49,7 @@ Status GpuEngine::ConfigureLinks(std::string_view spec) {
   FLEXLINK_RETURN_IF_ERROR(MakeGpuLinkSet(spec, next_version_, &api_, &comm_, &set));
   ++next_version_;
   for (const std::string& name : set->names()) MarkLinkHealth(name, true);
+  DropHealthBefore(set->version);  // the old set's groups stay idle: their health is no longer reported
   links_ = std::move(set);
   overrides_.clear();
   seeds_.clear();

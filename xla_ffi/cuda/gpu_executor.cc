@@ -32,11 +32,19 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
       ranks_(group_.size()),
       timings_(group_.size()),
       profiler_(this) {
-  for (const auto& link : links_->links) channels_.push_back(link->Open(group_));
+  for (const auto& link : links_->links)
+    channels_.push_back(std::make_unique<FaultyGpuChannel>(link->Open(group_), group_.size()));
+  // Health, as on CPU, for groups with a link to fail over to.
+  if (names_.size() > 1) {
+    health_ = std::make_shared<GroupHealth>(FormatIds(group_.ids), names_);
+    RegisterGroupHealth(health_, links_->version);
+  }
 }
 
 Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream stream) {
+  const auto start = Clock::now();
   const int n = group_.size();
+  const size_t links = names_.size();
   const uint64_t bytes = MessageBytes(desc, n);
   if (ready_.load(std::memory_order_acquire)) {
     PollTimings(rank);
@@ -46,21 +54,137 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
     auto s = std::make_shared<CallState>();
     s->plan = balancer_.PlanFor(desc.kind, bytes);
     s->profile = profiler_.Decide(desc.kind, bytes, &s->plan);
+    s->shares = s->plan->shares;
+    if (health_) {
+      s->call = health_->NextCall();
+      s->shares = health_->Effective(s->plan->shares, s->call, desc.virtual_bytes(), &s->masked, &s->probe);
+      for (size_t i = 0; i < links; ++i) s->unhealthy.push_back(health_->Unhealthy(i));
+    } else {
+      s->unhealthy.assign(links, 0);
+    }
+    s->faults = CurrentFaults();
+    s->failed.assign(links, std::vector<char>(links, 0));
+    s->errors.assign(links, "");
     // Every rank's parts have the shapes of this one's, or the arrival fails them all.
-    s->ranges = plan::CutRanges(desc.virtual_bytes(), 1, s->plan->shares);
+    s->ranges = plan::CutRanges(desc.virtual_bytes(), 1, s->shares);
     std::vector<uint64_t> link_bytes;
     for (const auto& r : s->ranges) link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, n));
     s->record = timings_.Open(s->plan, bytes, std::move(link_bytes));
     return s;
   });
+  Assignment work(links);
+  for (size_t i = 0; i < links; ++i)
+    if (!state->ranges[i].empty()) work[i].push_back(state->ranges[i]);
   Status status = ctx.Arrive(rank, desc, names_[0]);
   if (status.ok()) status = EnsureSetup(rank, ctx.label());
-  if (status.ok()) status = Enqueue(ctx, rank, desc, stream, *state);
-  if (!status.ok()) timings_.Lose(state->record);
+  if (status.ok() && state->faults) status = Agree(ctx, rank, desc, *state, &work);
+  if (status.ok()) status = Enqueue(ctx, rank, desc, stream, *state, work);
+  if (rank == 0) RecordHealth(*state, desc, status.ok(), Since(start));
+  // A call whose shares are not the plan's teaches stage 2 nothing (as on CPU), so its times go.
+  bool moved = false;
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    for (const std::string& e : state->errors) moved |= !e.empty();
+  }
+  if (!status.ok() || state->masked || moved) timings_.Lose(state->record);
   return status;
 }
 
-Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state) {
+Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, CallState& state, Assignment* work) {
+  const size_t links = names_.size();
+  auto publish = [&](size_t round, size_t source, size_t link, const Status& s) {
+    std::lock_guard<std::mutex> lock(state.mu);
+    state.failed[round][source] = 1;
+    if (state.errors[link].empty()) state.errors[link] = s.message();
+  };
+  // Round 0: each link's own range; round r: the ranges still without a link, on their carriers.
+  for (size_t i = 0; i < links; ++i) {
+    if (state.ranges[i].empty()) continue;
+    Status s = channels_[i]->Admit(rank, *state.faults, ctx.label());
+    if (!s.ok()) publish(0, i, i, s);
+  }
+  FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "agree on refused links", "executor"));
+  std::vector<size_t> pending;
+  std::vector<char> bad(links, 0);
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    for (size_t i = 0; i < links; ++i)
+      if (state.failed[0][i]) pending.push_back(i), bad[i] = 1;
+  }
+  for (size_t round = 1; round < links && !pending.empty(); ++round) {
+    // From the call's shared state only, so every rank chooses the same carriers: the healthy link
+    // not failed in this call with the largest share (ties: the lower index), as on CPU.
+    std::vector<size_t> carrier(links, links);
+    for (size_t i : pending) {
+      for (size_t j = 0; j < links; ++j) {
+        if (bad[j] || state.unhealthy[j]) continue;
+        if (carrier[i] == links || state.shares[j] > state.shares[carrier[i]]) carrier[i] = j;
+      }
+    }
+    if (std::any_of(pending.begin(), pending.end(), [&](size_t i) { return carrier[i] == links; })) break;
+    for (size_t i : pending) {
+      Status s = channels_[carrier[i]]->Admit(rank, *state.faults, ctx.label());
+      if (!s.ok()) publish(round, i, carrier[i], s);
+    }
+    FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "agree on refused links", "executor"));
+    std::vector<size_t> still;
+    std::lock_guard<std::mutex> lock(state.mu);
+    for (size_t i : pending) {
+      if (state.failed[round][i]) {
+        still.push_back(i);
+        bad[carrier[i]] = 1;
+      } else {
+        (*work)[carrier[i]].push_back(state.ranges[i]);
+        (*work)[i].clear();
+        if (rank == 0) state.moves.emplace_back(i, carrier[i]);
+      }
+    }
+    pending = std::move(still);
+  }
+  if (pending.empty()) return Status::Ok();
+  std::string report;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    for (size_t j = 0; j < links; ++j)
+      report += (j ? "; " : "") + names_[j] + ": " +
+                (!state.errors[j].empty() ? state.errors[j]
+                 : state.unhealthy[j]     ? std::string("unhealthy (excluded until its next probe)")
+                                          : std::string("not tried"));
+  }
+  return Status::Internal(ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
+                          FormatIds(group_.ids) + ": no link could carry the bytes of call " +
+                          std::to_string(state.call) + " (links: " + report + ")");
+}
+
+void GpuExecutor::RecordHealth(CallState& state, const CallDesc& desc, bool enqueued, double seconds) {
+  if (!health_) return;
+  std::lock_guard<std::mutex> lock(state.mu);
+  if (state.recorded) return;
+  state.recorded = true;
+  const int n = group_.size();
+  for (size_t j = 0; j < names_.size(); ++j) {
+    if (state.errors[j].empty()) continue;
+    if (static_cast<int>(j) == state.probe) health_->Probed(j, state.call, false, state.errors[j]);
+    else health_->Failed(j, state.call, state.errors[j]);
+  }
+  const std::string group = FormatIds(group_.ids);
+  for (const auto& [from, to] : state.moves) {
+    health_->FailedOver(from);
+    const auto& r = state.ranges[from];
+    RecordFailover(FailoverRecord{group, std::string(Name(desc.kind)), names_[from], names_[to], state.errors[from],
+                                  state.call, desc.InputBytes(UnitRange{r.begin, r.end}, n), seconds, UnixNow()});
+  }
+  if (!enqueued) return;
+  for (size_t i = 0; i < names_.size(); ++i) {
+    if (state.ranges[i].empty() || !state.errors[i].empty()) continue;
+    // Enqueued is all the host knows of a GPU range in its call: no bandwidth evidence here.
+    health_->Observed(i, state.call, 0, -1, -1);
+    if (static_cast<int>(i) == state.probe || state.unhealthy[i]) health_->Probed(i, state.call, true, "");
+  }
+}
+
+Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state,
+                            const Assignment& work) {
   Rank& k = ranks_[rank];
   if (state.profile.session) FLEXLINK_RETURN_IF_ERROR(profiler_.Enqueue(state.profile, rank, stream, ctx.label()));
 
@@ -73,8 +197,8 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
     slot.busy = false;
   }
   slot.used.clear();
-  for (size_t i = 0; i < state.ranges.size(); ++i)
-    if (!state.ranges[i].empty()) slot.used.push_back(i);
+  for (size_t i = 0; i < work.size(); ++i)
+    if (!work[i].empty()) slot.used.push_back(i);
 
   const std::string where = ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
                             FormatIds(group_.ids) + ": ";
@@ -83,10 +207,13 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   thread_local std::vector<Piece> pieces;
   const bool alone = slot.used.size() == 1;  // one link: on XLA's stream itself, no fork or join
   for (size_t i : slot.used) {
-    desc.PiecesOf(UnitRange{state.ranges[i].begin, state.ranges[i].end}, &pieces);
     const Stream on = alone ? stream : k.side[i];
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, slot.start)));
-    FLEXLINK_RETURN_IF_ERROR(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, ctx.label()}));
+    // Its own range, then the ranges it carries for failed links, in the same order on every rank.
+    for (const plan::UnitRange& r : work[i]) {
+      desc.PiecesOf(UnitRange{r.begin, r.end}, &pieces);
+      FLEXLINK_RETURN_IF_ERROR(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, ctx.label()}));
+    }
     FLEXLINK_RETURN_IF_ERROR(check(api_.Record(slot.stop[i], on)));
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, slot.stop[i])));
   }

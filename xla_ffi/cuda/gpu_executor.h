@@ -13,6 +13,10 @@
 //      work); a timing event on XLA's stream; each link with a range either directly on XLA's
 //      stream (one link) or on its own side stream, forked from XLA's stream with that event and
 //      joined back with the link's end event; then return. The host never waits for the device.
+// Faults and health (docs/faults.md, "GPU links"): the call's shares leave out unhealthy links (and
+// give one due for a probe a small range); with faults injected, every rank asks each link whether
+// its range may be enqueued and the ranks agree at a host barrier before anything is enqueued, so a
+// refused range is enqueued on another link of the same call (Agree).
 #pragma once
 
 #include <atomic>
@@ -26,8 +30,11 @@
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/faults.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/rendezvous.h"
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/gpu_link_set.h"
 #include "xla_ffi/cuda/gpu_profile.h"
@@ -50,6 +57,7 @@ class GpuExecutor {
   Communicator& comm() { return comm_; }
   plan::Balancer& balancer() { return balancer_; }
   const std::vector<std::string>& link_names() const { return names_; }
+  GroupHealth& health() { return *health_; }
 
   // One rank's part of one call: returns once its work is enqueued on `stream`.
   Status Run(CallContext& ctx, int rank, const CallDesc& desc, Stream stream);
@@ -85,11 +93,32 @@ class GpuExecutor {
     std::vector<plan::UnitRange> ranges;  // per link, of the call's virtual bytes
     uint64_t record = 0;                  // its timing record
     ProfileAction profile;                // stage 1's part of this call, if any
+    uint64_t call = 0;                    // the group's call number (health, probes)
+    std::vector<double> shares;           // the plan's, less unhealthy links, plus a probe
+    bool masked = false;                  // shares differ from the plan's
+    int probe = -1;                       // the link probed in this call
+    std::vector<char> unhealthy;          // per link, at the call's start (the same for every rank)
+    std::shared_ptr<const FaultSet> faults;  // the faults of this call, the same for every rank
+    // The agreement (Agree), written by every rank under mu.
+    std::mutex mu;
+    std::vector<std::vector<char>> failed;  // [round][source link]: its range was refused there
+    std::vector<std::string> errors;        // per link, its first refusal
+    std::vector<std::pair<size_t, size_t>> moves;  // (source, carrier), recorded by rank 0
+    bool recorded = false;
   };
+  // Per link, the ranges of the call's virtual bytes this rank enqueues on it (its own and those it
+  // carries for failed links).
+  using Assignment = std::vector<std::vector<plan::UnitRange>>;
 
   Status EnsureSetup(int rank, std::string_view label);
   Status SetupAll();
-  Status Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state);
+  Status Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state,
+                 const Assignment& work);
+  // With faults injected: asks each link for this rank's ranges, agrees with the other ranks on
+  // the refused ones and moves each to a carrier; an error when a range is left with no link.
+  Status Agree(CallContext& ctx, int rank, const CallDesc& desc, CallState& state, Assignment* work);
+  // Rank 0, once per call, after the agreement or a clean enqueue: health and the failover log.
+  void RecordHealth(CallState& state, const CallDesc& desc, bool enqueued, double seconds);
   void PollTimings(int rank);
   // Reads a slot whose events completed: true when it was read (or given up on error).
   bool ReadSlot(int rank, Slot& slot);
@@ -102,7 +131,8 @@ class GpuExecutor {
   SplitLog* const splits_;
   Communicator comm_;
   plan::Balancer balancer_;
-  std::vector<std::unique_ptr<GpuChannel>> channels_;
+  std::vector<std::unique_ptr<FaultyGpuChannel>> channels_;
+  std::shared_ptr<GroupHealth> health_;
   std::vector<Rank> ranks_;
   TimingBook timings_;
   GpuProfiler profiler_;

@@ -15,7 +15,10 @@
 #include <vector>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/faults.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/runtime/handlers.h"
 #include "xla_ffi/cuda/runtime/process.h"
 #include "xla_ffi/ffi/py_values.h"
@@ -106,9 +109,21 @@ NB_MODULE(_flexlink_cuda, m) {
         nb::arg("spec"), "Selects the GPU links (kinds nccl, pcie; rdma is refused); calls must not be running.");
   m.def("links", [] { return ProcessEngine().CurrentLinks()->names(); });
   m.def("links_spec", [] { return ProcessEngine().CurrentLinks()->spec; });
-  m.def("stats", &Stats, "{'links': {name: {bytes, calls, seconds, healthy}}}: the calls whose CUDA events "
+  m.def("stats", &Stats, "{'links': {name: {bytes, calls, seconds, healthy, state}}, 'health': [...], "
+        "'failovers': {...}}: the calls whose CUDA events "
         "have completed (read now, without waiting; calls still running on the device are not counted yet).");
-  m.def("reset_stats", &ResetLinkStats);
+  m.def("reset_stats", [] {
+    ResetLinkStats();
+    ResetHealth();
+  }, "Zeroes the link counters; every GPU link's health back to healthy; the failover log emptied.");
+  m.def("inject_faults", [](const std::string& spec) {
+    Check(SetGpuFaults(spec, ProcessEngine().CurrentLinks()->names()));
+  }, nb::arg("spec"), "Sets the GPU links' injected faults (FLEXLINK_FAULTS syntax; GPU links take only "
+     "error faults, docs/faults.md); \"\" clears them.");
+  m.def("faults", [] {
+    auto f = CurrentFaults();
+    return f ? f->text : std::string();
+  }, "The GPU links' injected faults' text (\"\" when none).");
   m.def("plans", &Plans);
   m.def(
       "set_shares",
