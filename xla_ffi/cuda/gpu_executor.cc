@@ -34,11 +34,10 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
       profiler_(this) {
   for (const auto& link : links_->links)
     channels_.push_back(std::make_unique<FaultyGpuChannel>(link->Open(group_), group_.size()));
-  // Health, as on CPU, for groups with a link to fail over to.
-  if (names_.size() > 1) {
-    health_ = std::make_shared<GroupHealth>(FormatIds(group_.ids), names_);
-    RegisterGroupHealth(health_, links_->version);
-  }
+  // Health, as on CPU, is reported for groups with a link to fail over to; a one-link group keeps
+  // only its call numbers (for error messages).
+  health_ = std::make_shared<GroupHealth>(FormatIds(group_.ids), names_);
+  if (names_.size() > 1) RegisterGroupHealth(health_, links_->version);
 }
 
 Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream stream) {
@@ -55,12 +54,11 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
     s->plan = balancer_.PlanFor(desc.kind, bytes);
     s->profile = profiler_.Decide(desc.kind, bytes, &s->plan);
     s->shares = s->plan->shares;
-    if (health_) {
-      s->call = health_->NextCall();
+    s->call = health_->NextCall();
+    s->unhealthy.assign(links, 0);
+    if (links > 1) {
       s->shares = health_->Effective(s->plan->shares, s->call, desc.virtual_bytes(), &s->masked, &s->probe);
-      for (size_t i = 0; i < links; ++i) s->unhealthy.push_back(health_->Unhealthy(i));
-    } else {
-      s->unhealthy.assign(links, 0);
+      for (size_t i = 0; i < links; ++i) s->unhealthy[i] = health_->Unhealthy(i);
     }
     s->faults = CurrentFaults();
     s->failed.assign(links, std::vector<char>(links, 0));
@@ -157,7 +155,7 @@ Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, Call
 }
 
 void GpuExecutor::RecordHealth(CallState& state, const CallDesc& desc, bool enqueued, double seconds) {
-  if (!health_) return;
+  if (names_.size() < 2) return;
   std::lock_guard<std::mutex> lock(state.mu);
   if (state.recorded) return;
   state.recorded = true;
