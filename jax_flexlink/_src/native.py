@@ -86,6 +86,44 @@ def module_for_links(spec: str):
   return _flexlink_cuda
 
 
+def _fault_links(spec: str) -> list[str]:
+  """The link names a fault spec names, e.g. "nccl:error@at_call=2;rank:absent@..." -> ["nccl"]."""
+  names = []
+  for part in spec.split(";"):
+    name = part.split(":", 1)[0].strip()
+    if part.strip() and name != "rank":
+      names.append(name)
+  return names
+
+
+def module_for_faults(spec: str):
+  """The module whose engine takes these faults: the CUDA module when every link they name is one of
+  its current links and not all are CPU links; otherwise the CPU module (whose parser then names a
+  link it does not have). rank:absent alone is the CPU engine's."""
+  names = _fault_links(spec)
+  if _flexlink_cuda is None or not names or all(n in _flexlink.links() for n in names):
+    return _flexlink
+  gpu = list(_flexlink_cuda.links())
+  return _flexlink_cuda if all(n in gpu for n in names) else _flexlink
+
+
+def set_faults(spec: str) -> None:
+  """Makes `spec` the process's injected faults, in the module it names links of; the other module's
+  faults are cleared, so that one spec is current ("" clears both)."""
+  target = module_for_faults(spec)
+  target.inject_faults(spec)  # a bad spec raises here and the previous faults stay
+  for module in modules():
+    if module is not target:
+      module.inject_faults("")
+
+
+def current_faults() -> str:
+  for module in modules():
+    if module.faults():
+      return module.faults()
+  return ""
+
+
 def _nccl_wheel_library() -> str:
   """libnccl.so.2 of the nvidia-nccl-cu13 wheel (what jax's CUDA plugin loads), or ""."""
   spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
@@ -142,7 +180,7 @@ def register_targets() -> None:
     _flexlink.set_health_option("link_timeout_s", ENV.link_timeout_s)
   if ENV.faults:  # after the links: a fault must name a configured link
     try:
-      _flexlink.inject_faults(ENV.faults)
+      set_faults(ENV.faults)
     except ValueError as e:
       raise ValueError(f"FLEXLINK_FAULTS: {e}") from None
   _registered = True

@@ -62,8 +62,9 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
 
 
 def inject_faults(spec: str) -> None:
-  """Injects link and rank faults into the CPU engine's calls from now on (tests and drills;
-  docs/faults.md). `spec`, as FLEXLINK_FAULTS, is faults separated by `;`:
+  """Injects link and rank faults into the engine's calls from now on (tests and drills;
+  docs/faults.md): the CPU engine's, or the GPU engine's when the spec names GPU links (which take
+  only `error` faults; hang, slow and rank:absent are refused there, docs/faults.md says why). `spec`, as FLEXLINK_FAULTS, is faults separated by `;`:
 
     NAME:slow@factor=K[,from_call=N]   link NAME K times slower from its N-th call (default 1)
     NAME:error@at_call=N[,sticky=1]    link NAME fails its N-th call (sticky: and every later one)
@@ -76,12 +77,12 @@ def inject_faults(spec: str) -> None:
   """
   if not isinstance(spec, str):
     raise ValueError(f"inject_faults: expected a fault spec string, got {type(spec).__name__}")
-  _flexlink.inject_faults(spec)
+  native.set_faults(spec)
 
 
 def faults() -> str:
   """The injected faults' spec ("" when none)."""
-  return _flexlink.faults()
+  return native.current_faults()
 
 
 # Whether the tuning cache still has to be read for the current CPU links (see load_cached_model).
