@@ -530,6 +530,31 @@ void TestFaults() {
     Expect(HealthOf(group, other).state == LinkState::kHealthy, what + ": the carrier stays healthy");
     s.ExpectNoSimErrors(what);
   }
+  // Every collective, dtype and in-place case: its first call's pcie range failed over to nccl, exact.
+  {
+    const auto t0 = Clock::now();
+    const auto cases = StandardCases(4, 30000);
+    uint64_t moved = 0, with_pcie = 0;
+    s.engine->splits().SetEnabled(true);
+    (void)s.engine->splits().Take();
+    for (const Case& k : cases) {
+      Expect(s.engine->ConfigureLinks(spec).ok(), "faults: every case: configure");
+      PinShares(*s.engine, k, 4, {0.5, 0.5});
+      Expect(gpu::SetGpuFaults("pcie:error@at_call=1", names()).ok(), "faults: every case: set");
+      ResetHealth();
+      CheckCase(*s.engine, s.h, k, "faults: every case, pcie refused");
+      moved += FailoverCount();
+      for (const SplitRecord& r : s.engine->splits().Take())
+        with_pcie += r.rank == 0 && r.ranges[1].first != r.ranges[1].second;
+    }
+    s.engine->splits().SetEnabled(false);
+    // One failover per case whose plan gave pcie a range (a case too small for two has none).
+    Expect(moved == with_pcie && moved > 0, "faults: every case: " + std::to_string(moved) + " failovers, " +
+                                                std::to_string(with_pcie) + " cases with a pcie range");
+    std::printf("  %-58s %4zu cases %6.2f s, %llu failovers\n", "4 ranks, nccl;pcie 50/50, pcie:error@at_call=1",
+                cases.size(), Seconds(t0), static_cast<unsigned long long>(moved));
+    s.ExpectNoSimErrors("faults: every case");
+  }
   // Sticky: the probe fails too and is failed over like any range.
   {
     const std::string what = "faults: nccl sticky";
