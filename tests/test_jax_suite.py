@@ -80,3 +80,53 @@ def test_runner_comparison_fails_on_replacement_only_failures(selftest_run):
                 Expected(S + "test_abort", "x"), Expected(S + "test_hang", "x")]
   assert jax_suite.report({}, {"selftest": jax_suite.compare(
       selftest_run["native"], selftest_run["replaced"], expected=documented)})
+
+
+def test_native_baseline_stands_in_only_with_the_same_settings(selftest_run, tmp_path, monkeypatch):
+  """A recorded native baseline gives the same comparison as the native run it was recorded from,
+  and is refused (with the setting named) when anything it was recorded with differs."""
+  import baseline  # noqa: PLC0415 - tests/jax_suite, on sys.path above
+  here = Path(jax_suite.HERE)
+  current = baseline.settings(here=here, test_file=SUITE, exclude=None, test_timeout=10.0,
+                              env_recorded=jax_suite.ENV_RECORDED)
+  path = tmp_path / "selftest.json"
+  baseline.write(path, {"selftest_suite": selftest_run["native"]}, {"selftest_suite": current})
+  native, why = baseline.load(path, "selftest_suite", current)
+  assert why == "" and native["meta"]["baseline"] == str(path)
+  assert {t: r["outcome"] for t, r in native["tests"].items()} == {
+      t: r["outcome"] for t, r in selftest_run["native"]["tests"].items()}
+  assert (jax_suite.compare(native, selftest_run["replaced"], expected=[])
+          == jax_suite.compare(selftest_run["native"], selftest_run["replaced"], expected=[]))
+  assert baseline.check_same_tests(native, selftest_run["replaced"]) == ""
+  fewer = {"tests": dict(list(selftest_run["replaced"]["tests"].items())[1:])}
+  assert "1 in it and not collected" in baseline.check_same_tests(native, fewer)
+
+  other_jax = {**current, "packages": {**current["packages"], "jax": "0.0.1"}}
+  assert baseline.load(path, "selftest_suite", other_jax)[0] is None
+  assert "packages.jax: baseline" in baseline.load(path, "selftest_suite", other_jax)[1]
+  monkeypatch.setenv("JAX_NUM_GENERATED_CASES", "7")
+  with_cases = baseline.settings(here=here, test_file=SUITE, exclude=None, test_timeout=10.0,
+                               env_recorded=jax_suite.ENV_RECORDED)
+  res, why = baseline.load(path, "selftest_suite", with_cases)
+  assert res is None and "env.JAX_NUM_GENERATED_CASES: baseline None, here '7'" in why
+  assert "no baseline" in baseline.load(tmp_path / "none.json", "selftest_suite", current)[1]
+  assert "has no pmap_test" in baseline.load(path, "pmap_test", current)[1]
+  failed = {"meta": {**selftest_run["native"]["meta"], "session_errors": ["deadline"]},
+            "tests": {}}
+  with pytest.raises(ValueError, match="no baseline"):
+    baseline.write(tmp_path / "bad.json", {"s": failed}, {"s": current})
+
+
+def test_committed_baselines_are_well_formed():
+  """Every committed baseline is readable, names a vendored tag and records outcomes only."""
+  import baseline  # noqa: PLC0415
+  paths = sorted(Path(jax_suite.BASELINES).glob("*.json"))
+  assert paths, "no committed baseline"
+  for path in paths:
+    doc = baseline.json.loads(path.read_text())
+    assert doc["format"] == baseline.FORMAT and doc["version"] == baseline.VERSION
+    assert (Path(jax_suite.VENDORED) / path.stem).is_dir(), path
+    for suite, entry in doc["suites"].items():
+      assert suite in jax_suite.SUITES and entry["settings"]["tag"] == path.stem
+      assert set(entry["tests"].values()) <= {"passed", "skipped", "failed", "error", "xfailed", "xpassed"}
+      assert sum(entry["recorded"]["counts"].values()) == len(entry["tests"])

@@ -137,6 +137,7 @@ def _env_debug(name: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
+  module: str
   timeout_s: float
   replace_collectives: bool
   debug_level: int
@@ -164,6 +165,9 @@ def _env_hosts(name: str) -> int:
 
 def from_environment() -> EnvConfig:
   return EnvConfig(
+      # The native module _flexlink to load instead of the one next to the package (a path to a
+      # _flexlink*.so, e.g. a sanitizer build's; docs/sanitizers.md); empty: the package's own.
+      module=os.environ.get("FLEXLINK_MODULE", "").strip(),
       timeout_s=_env_timeout("FLEXLINK_TIMEOUT_S", 300.0),
       replace_collectives=_env_bool("FLEXLINK_REPLACE_COLLECTIVES", False),
       debug_level=_env_debug("FLEXLINK_DEBUG"),

@@ -3,13 +3,39 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import warnings
 
 import jax
 
+from jax_flexlink._src import config
+from jax_flexlink._src.config import ENV
+
+
+def _load_module_from(path: str):
+  """The CPU module from FLEXLINK_MODULE (e.g. an ASan build's, docs/sanitizers.md), installed as
+  jax_flexlink._flexlink so every later import of it gets this one."""
+  if not os.path.isfile(path):
+    raise ImportError(f"FLEXLINK_MODULE={path!r}: no such file (expected the path of a _flexlink*.so, "
+                      "e.g. build/<dir>/_flexlink.cpython-311-x86_64-linux-gnu.so)")
+  spec = importlib.util.spec_from_file_location("jax_flexlink._flexlink", path)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"FLEXLINK_MODULE={path!r}: not a Python extension module")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)  # ImportError with the loader's reason (e.g. another Python's build)
+  sys.modules[spec.name] = module
+  setattr(sys.modules["jax_flexlink"], "_flexlink", module)
+  return module
+
+
 try:
-  from jax_flexlink import _flexlink  # the nanobind module built from xla_ffi/
+  if ENV.module:
+    _flexlink = _load_module_from(ENV.module)
+  else:
+    from jax_flexlink import _flexlink  # the nanobind module built from xla_ffi/
 except ImportError as e:  # the usual cause: Python found the source tree before the installed package
+  if ENV.module:
+    raise
   raise ImportError(
       "jax_flexlink's compiled module _flexlink is missing next to the jax_flexlink package imported "
       f"from {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}. If that is the repository's source tree (Python puts "
@@ -17,8 +43,6 @@ except ImportError as e:  # the usual cause: Python found the source tree before
       "`pip install .` imports the sources, which have no compiled module), run from another "
       "directory or install in place with `pip install -e .`; otherwise rebuild with "
       f"`pip install .` ({e})") from e
-from jax_flexlink._src import config
-from jax_flexlink._src.config import ENV
 
 
 def _load_cuda_module():

@@ -1,10 +1,16 @@
 """Runs JAX's own shard_map and pmap tests natively and under FlexLink's replacement mode, and fails
 when a test that passes natively does not pass under replacement (docs/jax_suite.md).
 
-  python tests/jax_suite/run.py                  # CI's selection, both modes, compare (~8 min here)
+  python tests/jax_suite/run.py                  # CI's selection: replaced, compared with native
+  python tests/jax_suite/run.py --native run     # ... running native too (the full comparison)
+  python tests/jax_suite/run.py --record-baseline  # run native, write tests/jax_suite/baselines/<tag>.json
   python tests/jax_suite/run.py --select all     # the full suites (~15-20 min here)
   python tests/jax_suite/run.py --test pmap_test.py::PythonPmapTest::testBasic   # one test
   python tests/jax_suite/run.py --compare-only   # compare the last run's results again
+
+The native outcomes come from the committed baseline of the tag (baseline.py) when it was recorded
+with exactly this run's settings (jax and the other packages' versions, Python, the vendored files,
+the harness, the selection, the recorded environment); otherwise native runs, and run.py says why.
 
 Each (suite, mode) runs pytest in a subprocess with jax_suite_plugin.py, which records one JSON line
 per test. A test that aborts the process or passes its deadline ends that subprocess; it is recorded
@@ -40,7 +46,10 @@ ENV_RECORDED = ("JAX_ENABLE_X64", "JAX_NUM_GENERATED_CASES", "JAX_SKIP_SLOW_TEST
                 "JAX_ENABLE_CHECKS", "XLA_FLAGS", "FLEXLINK_TIMEOUT_S", "FLEXLINK_LINKS",
                 "PYTEST_ADDOPTS")
 
+BASELINES = HERE / "baselines"
+
 sys.path.insert(0, str(HERE))
+import baseline  # noqa: E402
 from expected_differences import EXPECTED  # noqa: E402
 
 
@@ -226,7 +235,11 @@ def report(results: dict, comparisons: dict) -> bool:
   print(f"\n{'suite':16} {'mode':9} {'wall s':>7}  counts")
   for (suite, mode), res in results.items():
     m = res["meta"]
-    print(f"{suite:16} {mode:9} {m['wall_s']:7.0f}  {m['counts']}  pytest runs {m['pytest_runs']}")
+    if "baseline" in m:
+      print(f"{suite:16} {mode:9} {'-':>7}  {m['counts']}  from the baseline (recorded in "
+            f"{m['recorded_wall_s']:.0f} s)")
+    else:
+      print(f"{suite:16} {mode:9} {m['wall_s']:7.0f}  {m['counts']}  pytest runs {m['pytest_runs']}")
     for err in m["session_errors"]:
       ok = False
       print(f"  SESSION ERROR: {err}")
@@ -268,15 +281,26 @@ def main(argv=None) -> int:
                   help="seconds for the whole run (default 3 h)")
   ap.add_argument("--compare-only", action="store_true",
                   help="compare the results already in --out")
+  ap.add_argument("--native", choices=("auto", "run", "baseline"), default="auto",
+                  help="auto (default): native outcomes from the tag's committed baseline when its "
+                       "recorded settings equal this run's, else run native; run: always run native "
+                       "(the full comparison); baseline: the baseline or fail")
+  ap.add_argument("--record-baseline", action="store_true",
+                  help="run native and write its outcomes with the settings to --baselines/<tag>.json")
+  ap.add_argument("--baselines", type=Path, default=BASELINES, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  if args.record_baseline and (args.test or args.compare_only or "native" not in args.mode):
+    ap.error("--record-baseline runs the native mode of whole suites (no --test, no --compare-only)")
 
   tag = args.tag or default_tag()
   out = args.out / tag
   out.mkdir(parents=True, exist_ok=True)
   exclude = HERE / "ci_exclude.txt" if args.select == "ci" and not args.test else None
   deadline = time.monotonic() + args.deadline
-  results = {}
+  results, suite_settings = {}, {}
+  baseline_path = baseline.path_for(args.baselines, tag)
   for suite in args.suite:
+    test_file = VENDORED / tag / f"{suite}.py"
     for mode in args.mode:
       if args.compare_only:
         results[suite, mode] = json.loads((out / f"{suite}.{mode}.json").read_text())
@@ -284,10 +308,38 @@ def main(argv=None) -> int:
       only = args.test and [t for t in args.test if t.startswith(f"{suite}.py::")]
       if only == []:
         continue
+      if mode == "native" and not args.record_baseline and args.native != "run":
+        suite_settings[suite] = baseline.settings(
+            here=HERE, test_file=test_file, exclude=exclude, test_timeout=args.test_timeout,
+            env_recorded=ENV_RECORDED)
+        res, why = (None, "--test runs chosen tests natively") if only else baseline.load(
+            baseline_path, suite, suite_settings[suite])
+        if res is not None:
+          print(f"jax_suite: {tag} {suite} native: from {baseline_path.relative_to(ROOT)} "
+                f"(recorded with this run's settings; --native run runs it)", flush=True)
+          (out / f"{suite}.native.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+          results[suite, mode] = res
+          continue
+        if args.native == "baseline":
+          print(f"jax_suite: {suite} native: no usable baseline: {why}")
+          return 1
+        print(f"jax_suite: {tag} {suite} native: running it, the baseline does not apply: {why}",
+              flush=True)
       print(f"jax_suite: {tag} {suite} {mode} ...", flush=True)
-      results[suite, mode] = run_suite(VENDORED / tag / f"{suite}.py", mode, out, only=only,
-                                       exclude=exclude, test_timeout=args.test_timeout,
-                                       deadline=deadline)
+      results[suite, mode] = run_suite(test_file, mode, out, only=only, exclude=exclude,
+                                       test_timeout=args.test_timeout, deadline=deadline)
+    if (suite, "native") in results and (suite, "replaced") in results and not args.test:
+      mismatch = (baseline.check_same_tests(results[suite, "native"], results[suite, "replaced"])
+                  if "baseline" in results[suite, "native"]["meta"] else "")
+      if mismatch:
+        results[suite, "native"]["meta"]["session_errors"].append(mismatch)
+  if args.record_baseline:
+    native = {suite: results[suite, "native"] for suite in args.suite}
+    baseline.write(baseline_path, native, {
+        suite: baseline.settings(here=HERE, test_file=VENDORED / tag / f"{suite}.py",
+                                 exclude=exclude, test_timeout=args.test_timeout,
+                                 env_recorded=ENV_RECORDED) for suite in args.suite})
+    print(f"jax_suite: wrote {baseline_path}")
   comparisons = {}
   for suite in args.suite:
     if (suite, "native") in results and (suite, "replaced") in results:
