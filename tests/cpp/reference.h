@@ -200,7 +200,7 @@ inline std::vector<uint8_t> RefPpermute(const std::vector<std::pair<int64_t, int
                                         const std::vector<const uint8_t*>& inputs, size_t bytes, int rank) {
   std::vector<uint8_t> out(bytes, 0);
   for (const auto& [s, d] : pairs)
-    if (d == rank) std::memcpy(out.data(), inputs[s], bytes);
+    if (d == rank && bytes) std::memcpy(out.data(), inputs[s], bytes);  // no memcpy from null (UBSan)
   return out;
 }
 
