@@ -1768,12 +1768,13 @@ void TestMultiOperandExchange() {
 }
 
 // Runs a test function and prints how long it took (the suite's slow parts show at a glance).
-// `engine_test NAME...` runs only the test functions whose names contain one of the NAMEs.
+// `engine_test NAME...` runs only the test functions whose names contain one of the NAMEs; `=NAME`
+// only the one of that name (TestPpermute without TestPpermuteInPlace).
 std::vector<std::string> g_only;
 
 void Timed(const char* name, void (*test)()) {
   if (!g_only.empty() && std::none_of(g_only.begin(), g_only.end(), [&](const std::string& s) {
-        return std::string(name).find(s) != std::string::npos;
+        return s.starts_with("=") ? s.substr(1) == name : std::string(name).find(s) != std::string::npos;
       }))
     return;
   const auto t0 = std::chrono::steady_clock::now();
