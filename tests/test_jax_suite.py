@@ -125,7 +125,11 @@ def test_committed_baselines_are_well_formed():
   for path in paths:
     doc = baseline.json.loads(path.read_text())
     assert doc["format"] == baseline.FORMAT and doc["version"] == baseline.VERSION
-    assert (Path(jax_suite.VENDORED) / path.stem).is_dir(), path
+    # Bazel's runfiles carry the baselines but not the vendored suites (third_party/, ~MBs); the
+    # pytest run from the source tree checks the tag against them.
+    if Path(jax_suite.VENDORED).is_dir():
+      assert (Path(jax_suite.VENDORED) / path.stem).is_dir(), path
+    assert path.stem.startswith("jax-v"), path
     for suite, entry in doc["suites"].items():
       assert suite in jax_suite.SUITES and entry["settings"]["tag"] == path.stem
       assert set(entry["tests"].values()) <= {"passed", "skipped", "failed", "error", "xfailed", "xpassed"}
