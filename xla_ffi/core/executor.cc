@@ -8,6 +8,7 @@
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/failover.h"
 #include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/rendezvous.h"
 #include "xla_ffi/core/stats.h"
@@ -304,12 +305,7 @@ Status Executor::Recover(CallContext& ctx, int rank, const CallDesc& desc,
             "(aliased) call, so its input bytes cannot be recovered and the range cannot be re-run elsewhere: " +
             state.errors[i]);
       }
-      size_t best = links;
-      for (size_t j = 0; j < links; ++j) {
-        if (bad[j] || health_->Unhealthy(j)) continue;
-        if (best == links || state.shares[j] > state.shares[best]) best = j;
-      }
-      carrier[i] = best;
+      carrier[i] = FailoverCarrier(bad, state.shares, [&](size_t j) { return health_->Unhealthy(j); });
     }
     if (std::any_of(pending.begin(), pending.end(), [&](size_t i) { return carrier[i] == links; })) break;
     for (size_t i : pending) {
@@ -348,18 +344,10 @@ Status Executor::Recover(CallContext& ctx, int rank, const CallDesc& desc,
     state.recovered = true;
   }
   if (pending.empty()) return Status::Ok();
-  std::string report;
-  {
-    std::lock_guard<std::mutex> lock(state.mu);
-    for (size_t j = 0; j < links; ++j)
-      report += (j ? "; " : "") + link_names_[j] + ": " +
-                (!state.errors[j].empty() ? state.errors[j]
-                 : health_->Unhealthy(j)  ? std::string("unhealthy (excluded until its next probe)")
-                                          : std::string("not tried"));
-  }
-  return Status::Internal(ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
-                          FormatIds(comm_->devices()) + ": no link could carry the bytes of call " +
-                          std::to_string(state.call) + " (links: " + report + ")");
+  std::lock_guard<std::mutex> lock(state.mu);
+  return Status::Internal(NoCarrierMessage(ctx.label(), desc.kind, FormatIds(comm_->devices()), state.call,
+                                           link_names_, state.errors,
+                                           [&](size_t j) { return health_->Unhealthy(j); }));
 }
 
 void Executor::RecordHealth(CallState& state, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,

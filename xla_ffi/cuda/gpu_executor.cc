@@ -4,6 +4,7 @@
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/failover.h"
 #include "xla_ffi/core/stats.h"
 
 namespace flexlink::gpu {
@@ -113,12 +114,8 @@ Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, Call
     // From the call's shared state only, so every rank chooses the same carriers: the healthy link
     // not failed in this call with the largest share (ties: the lower index), as on CPU.
     std::vector<size_t> carrier(links, links);
-    for (size_t i : pending) {
-      for (size_t j = 0; j < links; ++j) {
-        if (bad[j] || state.unhealthy[j]) continue;
-        if (carrier[i] == links || state.shares[j] > state.shares[carrier[i]]) carrier[i] = j;
-      }
-    }
+    for (size_t i : pending)
+      carrier[i] = FailoverCarrier(bad, state.shares, [&](size_t j) { return state.unhealthy[j] != 0; });
     if (std::any_of(pending.begin(), pending.end(), [&](size_t i) { return carrier[i] == links; })) break;
     for (size_t i : pending) {
       Status s = channels_[carrier[i]]->Admit(rank, *state.faults, ctx.label());
@@ -140,18 +137,9 @@ Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, Call
     pending = std::move(still);
   }
   if (pending.empty()) return Status::Ok();
-  std::string report;
-  {
-    std::lock_guard<std::mutex> lock(state.mu);
-    for (size_t j = 0; j < links; ++j)
-      report += (j ? "; " : "") + names_[j] + ": " +
-                (!state.errors[j].empty() ? state.errors[j]
-                 : state.unhealthy[j]     ? std::string("unhealthy (excluded until its next probe)")
-                                          : std::string("not tried"));
-  }
-  return Status::Internal(ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
-                          FormatIds(group_.ids) + ": no link could carry the bytes of call " +
-                          std::to_string(state.call) + " (links: " + report + ")");
+  std::lock_guard<std::mutex> lock(state.mu);
+  return Status::Internal(NoCarrierMessage(ctx.label(), desc.kind, FormatIds(group_.ids), state.call, names_,
+                                           state.errors, [&](size_t j) { return state.unhealthy[j] != 0; }));
 }
 
 void GpuExecutor::RecordHealth(CallState& state, const CallDesc& desc, bool enqueued, double seconds) {
