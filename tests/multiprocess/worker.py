@@ -142,6 +142,20 @@ def collectives():
   say(f"ALL OK {checks} checks; cross-process groups set up here: {len(groups)}")
 
 
+def _expect_failure(f, x, missing: str):
+  """Runs the call that must fail, reports its error and how long it took, and exits (3: failed as
+  it should, 4: it completed without `missing`)."""
+  start = time.monotonic()
+  try:
+    f(x).block_until_ready()
+  except Exception as e:  # noqa: BLE001 - the error is what these modes check
+    say(f"FAILED after {time.monotonic() - start:.2f} s: {e}")
+    sys.stdout.flush()
+    os._exit(3)
+  say(f"UNEXPECTED: the collective completed without {missing}")
+  os._exit(4)
+
+
 def kill():
   mesh = Mesh(np.array(DEVICES), ("x",))
   f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
@@ -150,15 +164,7 @@ def kill():
   say("warm")
   if ME == NPROC - 1:
     os.kill(os.getpid(), signal.SIGKILL)
-  start = time.monotonic()
-  try:
-    f(x).block_until_ready()
-  except Exception as e:  # noqa: BLE001 - the error is what this mode checks
-    say(f"FAILED after {time.monotonic() - start:.2f} s: {e}")
-    sys.stdout.flush()
-    os._exit(3)
-  say("UNEXPECTED: the collective completed without the killed process")
-  os._exit(4)
+  _expect_failure(f, x, "the killed process")
 
 
 def absent():
@@ -169,15 +175,7 @@ def absent():
   x = global_array(mesh, P("x"), np.ones((N, 1024), np.float32))
   f(x).block_until_ready()
   say("warm")
-  start = time.monotonic()
-  try:
-    f(x).block_until_ready()
-  except Exception as e:  # noqa: BLE001 - the error is what this mode checks
-    say(f"FAILED after {time.monotonic() - start:.2f} s: {e}")
-    sys.stdout.flush()
-    os._exit(3)
-  say("UNEXPECTED: the collective completed without the absent rank")
-  os._exit(4)
+  _expect_failure(f, x, "the absent rank")
 
 
 def plan():
