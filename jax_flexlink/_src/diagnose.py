@@ -11,7 +11,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 
 HEALTH_NOT_AVAILABLE = "health tracking not available in this build"
 # xla_ffi/core/stragglers.h kStragglerMinLatenessS: a rank must cost this much at the median.
@@ -355,8 +354,12 @@ def format_report(r: Report) -> str:
   return "\n".join(out)
 
 
-def read_tune_cache(path: str, host: str, links_spec: str) -> dict:
-  """The tuning cache's entries as the report lists them; never raises (a corrupt file is reported)."""
+def read_tune_cache(path: str, host: str, links_spec: str, identity: dict | None = None) -> dict:
+  """The tuning cache's entries as the report lists them; never raises (a corrupt file is reported).
+
+  `identity`: the engine's tune_cache_identity() ({version, fingerprint, engine}); with it an entry
+  matches only if the engine would trust it too (plan/tuning_cache.cc: same file format, host
+  fingerprint and engine revision), not merely by host name and link set."""
   info = {"path": path, "host": host, "entries": []}
   if not os.path.exists(path):
     info["error"] = "no file (stage 1 has not been cached on this machine with this path)"
@@ -378,6 +381,9 @@ def read_tune_cache(path: str, host: str, links_spec: str) -> dict:
              "max_bytes": e.get("max_bytes"), "collectives": sorted((e.get("fits") or {}).keys())
              if isinstance(e.get("fits"), dict) else []}
     entry["matches"] = entry["host"] == host and entry["links"].replace(" ", "") == canon
+    if identity is not None:
+      entry["matches"] = entry["matches"] and doc.get("version") == identity["version"] and (
+          e.get("fingerprint") == identity["fingerprint"] and e.get("engine") == identity["engine"])
     info["entries"].append(entry)
   return info
 
@@ -385,18 +391,13 @@ def read_tune_cache(path: str, host: str, links_spec: str) -> dict:
 def gather_config() -> dict:
   """Links, timeout, fault injection and the tuning cache of this process."""
   from jax_flexlink import _flexlink  # noqa: PLC0415
-  from jax_flexlink._src import native  # noqa: PLC0415
+  from jax_flexlink._src import native, tune  # noqa: PLC0415
 
   spec = _flexlink.links_spec()
   config = {"links_spec": spec, "links_list": list(_flexlink.links()), "timeout_s": float(_flexlink.timeout()),
-            "faults": os.environ.get("FLEXLINK_FAULTS", "").strip() or None}
-  # The fault-injection work exposes the active faults when it is in the build.
-  if hasattr(_flexlink, "faults"):
-    try:
-      config["faults"] = _flexlink.faults() or config["faults"]
-    except Exception as e:  # noqa: BLE001 - a report must not fail on one section
-      config["faults"] = f"unknown ({e})"
-  config["tune_cache"] = read_tune_cache(native.tune_cache_path(), socket.gethostname(), spec)
+            "faults": native.current_faults() or None}  # the CPU or the CUDA module's
+  identity = _flexlink.tune_cache_identity()
+  config["tune_cache"] = read_tune_cache(tune.cache_path(), identity["host"], spec, identity)
   return config
 
 
