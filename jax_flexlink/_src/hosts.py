@@ -4,8 +4,14 @@ A process's host identity is `FLEXLINK_HOST_ID` if set (so one machine can play 
 tests), else its hostname plus the kernel's boot id (two containers with one hostname on different
 machines still differ). A device's host is its process's identity (`device.process_index`); in a
 multi-process job every process publishes its identity in jax.distributed's key-value store under
-`flexlink/host/<process_index>` and reads all the others' once (blocking gets, FLEXLINK_TIMEOUT_S),
-cached for the process's lifetime.
+`flexlink/host/<process_index>` and reads all the others' once (blocking gets bounded by the live
+deadline, `runtime.timeout_s()`), cached for the process's lifetime.
+
+This module also keeps the job's one map of global device ids to their process and device object
+(`device_process`, `device_object`, `process_devices`), and the one bounded blocking get of the
+key-value store (`kv_get`) that every exchange at lowering uses (host identities here; segment
+names, tcp tokens and ports, NCCL unique ids in processes.py), so that a missing process is
+reported the same way everywhere.
 
 Testbed: `FLEXLINK_EMULATED_HOSTS=H` (or `emulated_hosts(H)` in a test) splits each process's
 devices, in device-id order, into H hosts of consecutive devices, so the hierarchical path
@@ -22,12 +28,73 @@ import threading
 import jax
 
 from jax_flexlink._src import compat
+from jax_flexlink._src.collective import NotLowerable
 from jax_flexlink._src.config import ENV
 
 _KEY = "flexlink/host/{}"
 _lock = threading.Lock()
+_device_process: dict[int, int] = {}    # global device id -> process index
+_device_object: dict[int, object] = {}  # global device id -> jax Device
 _exchanged: dict = {}            # id(kv client) -> {process_index: identity}
 _emulated_override: list = []    # stack of emulated_hosts(H) settings, innermost last
+
+
+def _load_devices() -> None:
+  # The default backend's devices and the CPU ones (a GPU job lowers host-device programs too).
+  for platform in (None, "cpu"):
+    try:
+      devices = jax.devices(platform) if platform else jax.devices()
+    except RuntimeError:
+      continue
+    for d in devices:
+      _device_process.setdefault(d.id, d.process_index)
+      _device_object.setdefault(d.id, d)
+
+
+def device_process(device_id: int) -> int:
+  """The process index of a global device id (jax.devices() of the default backend and CPU)."""
+  if device_id not in _device_process:
+    _load_devices()
+  try:
+    return _device_process[device_id]
+  except KeyError:
+    raise NotLowerable(f"device {device_id} is not one of this job's devices") from None
+
+
+def device_object(device_id: int):
+  """The jax Device of a global device id."""
+  device_process(device_id)
+  return _device_object[device_id]
+
+
+def process_devices() -> dict[int, list[int]]:
+  """{process index: its global device ids of the default backend, ascending}."""
+  out: dict[int, list[int]] = {}
+  for d in jax.devices():
+    _device_process.setdefault(d.id, d.process_index)
+    _device_object.setdefault(d.id, d)
+    out.setdefault(d.process_index, []).append(d.id)
+  return {p: sorted(ids) for p, ids in out.items()}
+
+
+def kv_timeout_ms() -> int:
+  """The live deadline (set_timeout / FLEXLINK_TIMEOUT_S) in the store's milliseconds."""
+  from jax_flexlink._src import runtime  # noqa: PLC0415 - runtime loads the native module
+  return max(1, int(runtime.timeout_s() * 1000))
+
+
+def kv_get(client, key: str, what: str, *, as_bytes: bool = False, timeout_ms: int | None = None):
+  """A blocking get of `key` bounded by the live deadline; a RuntimeError that says what was
+  missing (`what`: "process 1 did not publish ...") and why that usually happens."""
+  timeout_ms = kv_timeout_ms() if timeout_ms is None else timeout_ms
+  get = client.blocking_key_value_get_bytes if as_bytes else client.blocking_key_value_get
+  try:
+    return get(key, timeout_ms)
+  except Exception as e:  # the store's own error type differs between jax versions
+    raise RuntimeError(
+        f"jax_flexlink: {what} ({key}) within {timeout_ms / 1000:g} s (the deadline, "
+        f"FLEXLINK_TIMEOUT_S / set_timeout); every process of the job must lower the same "
+        f"collectives in the same order: {e}") from None
 
 
 @functools.cache  # read at every collective's lowering; neither changes while the process runs
@@ -53,17 +120,10 @@ def _process_identities() -> dict:
     if known is None:
       me = jax.process_index()
       client.key_value_set(_KEY.format(me), process_identity())
-      timeout_ms = int(ENV.timeout_s * 1000)
       known = {me: process_identity()}
       for p in range(jax.process_count()):
         if p != me:
-          try:
-            known[p] = client.blocking_key_value_get(_KEY.format(p), timeout_ms)
-          except Exception as e:  # the store's own error type differs between jax versions
-            raise RuntimeError(
-                f"jax_flexlink: process {p} did not publish its host identity "
-                f"({_KEY.format(p)}) within FLEXLINK_TIMEOUT_S={ENV.timeout_s:g} s; every process "
-                f"of the job must lower the same collectives ({e})") from e
+          known[p] = kv_get(client, _KEY.format(p), f"process {p} did not publish its host identity")
       _exchanged[id(client)] = known
     return known
 
@@ -91,16 +151,13 @@ def hosts_of(devices) -> list[str]:
   emulated = emulated_host_count()
   local_rank = {}
   if emulated > 1:
-    per_process: dict = {}
-    for d in jax.devices():
-      per_process.setdefault(d.process_index, []).append(d.id)
-    for p, ids in per_process.items():
+    for p, ids in process_devices().items():
       if len(ids) % emulated:
         raise ValueError(
             f"FLEXLINK_EMULATED_HOSTS={emulated}: process {p}'s {len(ids)} devices do not split "
             "evenly into that many hosts")
       per_host = len(ids) // emulated
-      for i, device_id in enumerate(sorted(ids)):
+      for i, device_id in enumerate(ids):
         local_rank[device_id] = i // per_host
   out = []
   for d in devices:

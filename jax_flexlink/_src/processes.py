@@ -32,26 +32,11 @@ from jax_flexlink._src.collective import NotLowerable
 _lock = threading.Lock()
 _prepared: dict[tuple[int, ...], str] = {}  # group devices -> segment name (unlinked or not)
 _created_unlinked: dict[str, bool] = {}  # segments this process created -> unlinked yet
-_device_process: dict[int, int] = {}
-_device_object: dict[int, object] = {}
 # (group, tcp link) -> connections its listeners refused for a missing or wrong token
 _refused: dict[tuple, int] = {}
 
 
-def device_process(device_id: int) -> int:
-  """The process index of a global device id (jax.devices() of the default backend and CPU)."""
-  if device_id not in _device_process:
-    for platform in (None, "cpu"):
-      try:
-        devices = jax.devices(platform) if platform else jax.devices()
-      except RuntimeError:
-        continue
-      _device_process.update({d.id: d.process_index for d in devices})
-      _device_object.update({d.id: d for d in devices})
-  try:
-    return _device_process[device_id]
-  except KeyError:
-    raise NotLowerable(f"device {device_id} is not one of this job's devices") from None
+device_process = hosts.device_process  # the job's one device map (hosts.py)
 
 
 def spans_processes(devices) -> bool:
@@ -72,7 +57,7 @@ def prepare(groups, group_sizes, platforms) -> None:
     me = jax.process_index()
     if all(device_process(d) != me for d in group):
       continue  # this process runs none of its ranks
-    if len(set(hosts.hosts_of([_device_object[d] for d in group]))) > 1:  # hierarchical.py splits such groups before this
+    if len(set(hosts.hosts_of([hosts.device_object(d) for d in group]))) > 1:  # hierarchical.py splits such groups before this
       raise NotLowerable(
           f"the group of devices {list(group)} spans hosts, and a FlexLink group runs inside one "
           "host (groups across hosts run hierarchically, docs/multihost.md)")
@@ -87,14 +72,13 @@ def prepare(groups, group_sizes, platforms) -> None:
 
 def _set_up(group: tuple[int, ...], me: int) -> str:
   from jax_flexlink._src import native  # noqa: PLC0415 - native imports jax's FFI registration
-  from jax_flexlink._src import runtime  # noqa: PLC0415
   client = compat.distributed_client()
   if client is None:
     raise NotLowerable(
         f"the group of devices {list(group)} spans processes, and FlexLink sets such groups up "
         "through jax.distributed's key-value store; call jax.distributed.initialize() first")
   module = native._flexlink
-  timeout_ms = max(1, int(runtime.timeout_s() * 1000))
+  timeout_ms = hosts.kv_timeout_ms()
   local = [d for d in group if device_process(d) == me]
   key = "flexlink/xproc/" + hashlib.sha256(",".join(map(str, group)).encode()).hexdigest()[:32]
   creator = device_process(group[0])
@@ -103,13 +87,9 @@ def _set_up(group: tuple[int, ...], me: int) -> str:
     _created_unlinked[name] = False
     client.key_value_set(f"{key}/name", name)
   else:
-    try:
-      name = client.blocking_key_value_get(f"{key}/name", timeout_ms)
-    except Exception as e:  # jax raises its own runtime error type for a deadline
-      raise RuntimeError(
-          f"jax_flexlink: process {creator} did not publish the shared-memory segment of the "
-          f"group of devices {list(group)} within {timeout_ms / 1000:g} s (does every process "
-          f"compile the same program?): {e}") from None
+    name = hosts.kv_get(client, f"{key}/name",
+                        f"process {creator} did not publish the shared-memory segment of the group "
+                        f"of devices {list(group)}", timeout_ms=timeout_ms)
     module.xproc_attach(name, list(group), local)
   if client.key_value_increment(f"{key}/mapped", len(local)) == len(group):
     _unlink(name)
@@ -136,10 +116,14 @@ def _connect_tcp(client, module, key, group, local, me, creator, link, timeout_m
     token = os.urandom(16)
     client.key_value_set_bytes(f"{key}/token", token)
   else:
-    token = client.blocking_key_value_get_bytes(f"{key}/token", timeout_ms)
+    token = hosts.kv_get(client, f"{key}/token",
+                         f"process {creator} did not publish the token of the {link} ring of the "
+                         f"group of devices {list(group)}", as_bytes=True, timeout_ms=timeout_ms)
   port_of = dict(zip(local, ports))
   for process in sorted({device_process(d) for d in group} - {me}):
-    text = client.blocking_key_value_get(f"{key}/ports/{process}", timeout_ms)
+    text = hosts.kv_get(client, f"{key}/ports/{process}",
+                        f"process {process} did not publish its ports of the {link} ring of the "
+                        f"group of devices {list(group)}", timeout_ms=timeout_ms)
     port_of.update((int(d), int(p)) for d, p in (item.split(":") for item in text.split(",")))
   _refused[(group, link)] = module.xproc_tcp_connect(list(group), local, [port_of[d] for d in group],
                                                      token, link)
