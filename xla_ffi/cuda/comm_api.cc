@@ -17,6 +17,14 @@ NcclReduction Native(CommType type, CommOp op, size_t lanes = 1) { return {true,
 
 }  // namespace
 
+Status CommApi::NewId(CommId*) {
+  return Status::FailedPrecondition("this collective library has no communicators across processes");
+}
+
+Status CommApi::InitRanks(const CommId&, int, std::span<const int>, std::span<const int>, std::vector<Comm>*) {
+  return Status::FailedPrecondition("this collective library has no communicators across processes");
+}
+
 NcclReduction NcclReductionOf(DType dtype, ReduceOp op) {
   const CommOp o = OpOf(op);
   switch (dtype) {

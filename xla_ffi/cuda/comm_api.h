@@ -3,6 +3,7 @@
 // issues the same sequence of operations. Types and ops are NCCL's, by their own names.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -17,12 +18,28 @@ using Comm = void*;  // ncclComm_t / the simulation's communicator
 enum class CommType { kInt8, kUint8, kInt32, kUint32, kInt64, kUint64, kFloat16, kFloat32, kFloat64, kBfloat16 };
 enum class CommOp { kSum, kProd, kMax, kMin };
 
+// A communicator's identity across processes: ncclUniqueId's 128 bytes (NCCL_UNIQUE_ID_BYTES), made
+// by one process (the group's leader) and carried to the others (jax.distributed's key-value store,
+// at lowering; gpu_xproc.h).
+inline constexpr size_t kCommIdBytes = 128;
+using CommId = std::array<unsigned char, kCommIdBytes>;
+
 class CommApi {
  public:
   virtual ~CommApi() = default;
   // One communicator per device of `devices` (rank order), made together from the calling thread
   // (ncclCommInitAll): no rank's collective can be in flight while they are made.
   virtual Status InitAll(std::span<const int> devices, std::vector<Comm>* comms) = 0;
+  // Groups spanning processes (gpu_xproc.h). NewId: a fresh communicator identity
+  // (ncclGetUniqueId), made once by the leader process. InitRanks: this process's ranks `ranks` (of
+  // `nranks`, global rank order) of the communicator `id`, rank ranks[i] on CUDA device devices[i],
+  // all made from the calling thread inside one group (ncclGroupStart, one ncclCommInitRank per
+  // local rank, ncclGroupEnd), so several local GPUs join without a thread per rank, and no local
+  // rank has anything in flight meanwhile (jax-ml/jax#11637). Returns once every rank of every
+  // process has joined (NCCL's semantics). Defaults: not supported by this library.
+  virtual Status NewId(CommId* id);
+  virtual Status InitRanks(const CommId& id, int nranks, std::span<const int> ranks, std::span<const int> devices,
+                           std::vector<Comm>* comms);
   // Operations between GroupStart and GroupEnd on this thread are issued together (send/recv sets).
   virtual Status GroupStart() = 0;
   virtual Status GroupEnd() = 0;

@@ -10,6 +10,7 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/cuda/gpu_xproc.h"
 #include "xla_ffi/plan/shares.h"
 
 namespace flexlink::gpu {
@@ -128,6 +129,9 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
     }
     return Status::Ok();
   }
+  // A group spanning processes, set up at lowering (gpu_xproc.h), runs there.
+  if (GpuXprocGroup* xgroup = FindGpuXprocGroup(*this, members))
+    return xgroup->Run(rank, desc, stream, args.label, args.run_id);
   GpuExecutor* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
   std::shared_ptr<CallContext> call = group->comm().Join(rank, args.run_id, args.label);

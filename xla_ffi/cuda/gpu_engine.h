@@ -41,6 +41,11 @@ class GpuEngine {
   GpuEngine& operator=(const GpuEngine&) = delete;
 
   DeviceApi& api() { return api_; }
+  CommApi& comm() { return comm_; }
+  // This engine among all made in the process (registries key their groups by it, gpu_xproc.h).
+  uint64_t serial() const { return serial_; }
+  // The CUDA device of a group member id (GpuEngineOptions::device_of).
+  int DeviceOf(int64_t id) const { return options_.device_of(id); }
 
   // Returns once this rank's work is enqueued on `stream` (or with the error that stopped it).
   Status Run(const CollectiveArgs& args, Stream stream);

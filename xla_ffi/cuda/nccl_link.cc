@@ -54,21 +54,47 @@ Status NcclChannel::Setup() {
   std::vector<Comm> comms;
   Status s = comm_.InitAll(group_.devices, &comms);
   if (!s.ok()) return Status::Internal(where + s.message());
+  for (int r = 0; r < n; ++r) FLEXLINK_RETURN_IF_ERROR(SetupRank(r, comms[r], where));
+  return Status::Ok();
+}
+
+Status NcclChannel::SetupRank(int r, Comm comm, const std::string& where) {
   auto check = [&](Status st) { return st.ok() ? st : Status::Internal(where + st.message()); };
-  for (int r = 0; r < n; ++r) {
-    Rank& k = ranks_[r];
-    const int dev = group_.devices[r];
-    k.comm = comms[r];
-    FLEXLINK_RETURN_IF_ERROR(check(api_.SetDevice(dev)));
-    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &k.comp)));
-    for (Event* e : {&k.fork, &k.join, &k.nccl_done[0], &k.nccl_done[1], &k.packed[0], &k.packed[1],
-                     &k.kernel_done[0], &k.kernel_done[1]})
-      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, /*timing=*/false, e)));
-    for (int p = 0; p < 2; ++p) {
-      FLEXLINK_RETURN_IF_ERROR(check(api_.AllocDevice(dev, options_.staging_bytes, &k.send[p])));
-      FLEXLINK_RETURN_IF_ERROR(check(api_.AllocDevice(dev, options_.staging_bytes, &k.recv[p])));
-    }
+  Rank& k = ranks_[r];
+  const int dev = group_.devices[r];
+  k.comm = comm;
+  FLEXLINK_RETURN_IF_ERROR(check(api_.SetDevice(dev)));
+  FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &k.comp)));
+  for (Event* e : {&k.fork, &k.join, &k.nccl_done[0], &k.nccl_done[1], &k.packed[0], &k.packed[1],
+                   &k.kernel_done[0], &k.kernel_done[1]})
+    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, /*timing=*/false, e)));
+  for (int p = 0; p < 2; ++p) {
+    FLEXLINK_RETURN_IF_ERROR(check(api_.AllocDevice(dev, options_.staging_bytes, &k.send[p])));
+    FLEXLINK_RETURN_IF_ERROR(check(api_.AllocDevice(dev, options_.staging_bytes, &k.recv[p])));
   }
+  return Status::Ok();
+}
+
+Status NcclChannel::SetupAcrossProcesses(const CommId& id, std::span<const int> local) {
+  const int n = group_.size();
+  const std::string where = "flexlink: setting up the " + name_ + " link for group " + FormatIds(group_.ids) +
+                            " across processes: ";
+  // Two local ranks on one GPU are refused here, as NCCL would; ranks of other processes on the same
+  // GPU as ours are NCCL's to refuse (ncclCommInitRank: "Duplicate GPU detected").
+  for (size_t a = 0; a < local.size(); ++a)
+    for (size_t b = a + 1; b < local.size(); ++b)
+      if (group_.devices[local[a]] == group_.devices[local[b]])
+        return Status::InvalidArgument(where + "ranks " + std::to_string(local[a]) + " and " + std::to_string(local[b]) +
+                                       " are both on CUDA device " + std::to_string(group_.devices[local[a]]) +
+                                       "; NCCL puts at most one rank of a communicator on a GPU");
+  if (options_.staging_bytes < static_cast<size_t>(n) * 16)
+    return Status::InvalidArgument(where + "staging_mib is too small for " + std::to_string(n) + " ranks");
+  std::vector<int> devices;
+  for (int r : local) devices.push_back(group_.devices[r]);
+  std::vector<Comm> comms;
+  Status s = comm_.InitRanks(id, n, local, devices, &comms);
+  if (!s.ok()) return Status(s.code(), where + s.message());
+  for (size_t i = 0; i < local.size(); ++i) FLEXLINK_RETURN_IF_ERROR(SetupRank(local[i], comms[i], where));
   return Status::Ok();
 }
 

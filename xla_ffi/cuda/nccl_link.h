@@ -14,6 +14,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,9 +51,15 @@ class NcclChannel : public GpuChannel {
   NcclChannel(std::string name, DeviceApi* api, CommApi* comm, GroupInfo group, NcclOptions options);
   std::string_view link_name() const override { return name_; }
   Status Setup() override;
+  // A group spanning processes (gpu_xproc.h): only this process's ranks `local` (their CUDA devices
+  // in the group's `devices`), on communicator `id` made by the leader process and joined by every
+  // process (CommApi::InitRanks). Called once, from one thread, while every local rank waits inside
+  // its first call's cross-process arrival.
+  Status SetupAcrossProcesses(const CommId& id, std::span<const int> local);
   Status Enqueue(const GpuWork& work) override;
 
  private:
+  Status SetupRank(int r, Comm comm, const std::string& where);
   struct Rank {
     Comm comm = nullptr;
     Stream comp = nullptr;

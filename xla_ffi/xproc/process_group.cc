@@ -455,4 +455,36 @@ Status ProcessGroup::Sync(int rank, const CallDesc& desc, std::string_view label
   return Barrier(rank, &step, where, 0, false, desc);
 }
 
+// The GPU engine's hooks (process_group.h): the same barrier, fingerprint check, liveness and abort,
+// with a message that names the GPU group's link instead of the segment's shm.
+Status ProcessGroup::ArriveWithoutData(int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
+                                       std::string_view link) {
+  const uint64_t call = calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1;
+  const Where where = [&] {
+    return ErrorPrefix(label) + desc.Describe() + " on group " + Ids(devices_) + " (" + std::string(link) +
+           ", run " + std::to_string(run_id) + ", call " + std::to_string(call) + " on this group)";
+  };
+  if (auto reason = broken())
+    return Status::FailedPrecondition(where() + ": the cross-process group is broken: " + *reason);
+  uint32_t step = ranks_[rank].arrived.load(std::memory_order_relaxed);
+  const int buffer = step & 1;
+  WriteFingerprint(desc, Slot(buffer, rank));
+  FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, 0, false, desc));
+  return CheckFingerprints(buffer, label, run_id, call);
+}
+
+Status ProcessGroup::SyncWithoutData(int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
+                                     std::string_view link, std::string_view what) {
+  const uint64_t call = calls_[rank].load(std::memory_order_relaxed);
+  const Where where = [&] {
+    return ErrorPrefix(label) + desc.Describe() + " on group " + Ids(devices_) + " (" + std::string(link) +
+           ", run " + std::to_string(run_id) + ", call " + std::to_string(call) + " on this group; " +
+           std::string(what) + ")";
+  };
+  if (auto reason = broken())
+    return Status::FailedPrecondition(where() + ": the cross-process group is broken: " + *reason);
+  uint32_t step = ranks_[rank].arrived.load(std::memory_order_relaxed);
+  return Barrier(rank, &step, where, 0, false, desc);
+}
+
 }  // namespace flexlink::xproc

@@ -54,6 +54,14 @@ class ProcessGroup {
   // A barrier step with no data within the current call (the executor's failover agreement): what
   // every rank wrote before it is visible after it. Its failure fails the group as a step's does.
   Status Sync(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
+  // For groups whose data moves elsewhere (the GPU engine's groups across processes, cuda/gpu_xproc.h):
+  // the call's arrival (fingerprint + barrier + check, counting the call) and a barrier within the
+  // call, as Arrive and Sync, but touching no output (they are device memory) and checking no slot
+  // size (no data goes through the slots); messages name the group's link as `link`.
+  Status ArriveWithoutData(int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
+                           std::string_view link);
+  Status SyncWithoutData(int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
+                         std::string_view link, std::string_view what);
   // Records `message` as the group's failure (first one wins) and wakes every waiter: another link's
   // error of this rank's call, so that the other processes fail fast with the reason.
   void Abort(int rank, const std::string& message) { Fail(rank, message); }

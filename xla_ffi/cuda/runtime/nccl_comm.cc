@@ -5,6 +5,7 @@
 #include <link.h>
 #include <nccl.h>
 
+#include <cstring>
 #include <string>
 
 namespace flexlink::gpu {
@@ -143,6 +144,47 @@ Status NcclComm::InitAll(std::span<const int> devices, std::vector<Comm>* comms)
     }
   }
   FLEXLINK_NCCL(sym_->GroupEnd(), "ncclGroupEnd (creating the communicators)");
+  comms->assign(made.begin(), made.end());
+  return Status::Ok();
+}
+
+static_assert(sizeof(ncclUniqueId) == kCommIdBytes, "CommId carries ncclUniqueId's bytes");
+
+Status NcclComm::NewId(CommId* out) {
+  FLEXLINK_RETURN_IF_ERROR(Load());
+  ncclUniqueId id;
+  FLEXLINK_NCCL(sym_->GetUniqueId(&id), "ncclGetUniqueId");
+  std::memcpy(out->data(), &id, kCommIdBytes);
+  return Status::Ok();
+}
+
+Status NcclComm::InitRanks(const CommId& cid, int nranks, std::span<const int> ranks, std::span<const int> devices,
+                           std::vector<Comm>* comms) {
+  FLEXLINK_RETURN_IF_ERROR(Load());
+  if (ranks.size() != devices.size()) return Status::InvalidArgument("InitRanks: as many devices as ranks");
+  ncclUniqueId id;
+  std::memcpy(&id, cid.data(), kCommIdBytes);
+  const size_t m = ranks.size();
+  std::vector<ncclComm_t> made(m, nullptr);
+  // This process's ranks in one group from this thread (several local GPUs): NCCL joins them to the
+  // other processes' ranks together; ncclGroupEnd returns once every rank of the communicator has
+  // joined. The executor calls this inside its first call's cross-process arrival, where no local
+  // rank has anything of the group in flight (jax-ml/jax#11637).
+  FLEXLINK_NCCL(sym_->GroupStart(), "ncclGroupStart");
+  for (size_t i = 0; i < m; ++i) {
+    if (cudaSetDevice(devices[i]) != cudaSuccess) {
+      (void)sym_->GroupEnd();
+      return Status::Internal("cudaSetDevice(" + std::to_string(devices[i]) + ") for NCCL's communicator of rank " +
+                              std::to_string(ranks[i]));
+    }
+    const ncclResult_t res = sym_->CommInitRank(&made[i], nranks, id, ranks[i]);
+    if (res != ncclSuccess) {
+      (void)sym_->GroupEnd();
+      return Status::Internal("ncclCommInitRank (rank " + std::to_string(ranks[i]) + " of " + std::to_string(nranks) +
+                              "): " + sym_->GetErrorString(res));
+    }
+  }
+  FLEXLINK_NCCL(sym_->GroupEnd(), "ncclGroupEnd (joining the communicator across processes)");
   comms->assign(made.begin(), made.end());
   return Status::Ok();
 }

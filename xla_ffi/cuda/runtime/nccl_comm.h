@@ -21,6 +21,9 @@ class NcclComm : public CommApi {
   int Version();
 
   Status InitAll(std::span<const int> devices, std::vector<Comm>* comms) override;
+  Status NewId(CommId* id) override;
+  Status InitRanks(const CommId& id, int nranks, std::span<const int> ranks, std::span<const int> devices,
+                   std::vector<Comm>* comms) override;
   Status GroupStart() override;
   Status GroupEnd() override;
   Status AllReduce(const void* send, void* recv, size_t count, CommType type, CommOp op, Comm comm,

@@ -1,0 +1,456 @@
+// GPU groups across processes (xla_ffi/cuda/gpu_xproc.h) on the host simulation: the parent forks P
+// processes, each runs the GPU engine over its own simulated device (tests/cpp/sim) for its ranks
+// (one thread each, as XLA runs one thread per GPU), with the cross-process simulated NCCL
+// (sim_xproc_comm.h). The leader process (rank 0's) creates the group's segment and NCCL
+// identities and hands them to the others through a pipe (the key-value store's part); every
+// process attaches, and every local rank runs the call through the cross-process rendezvous and
+// plan (the segment's barrier, fingerprints, liveness, plan slot) and NCCL communicators made
+// with InitRanks. Checked:
+//   - every collective (StandardCases: every kind × dtype × op, layouts, in place, several operands)
+//     against the independent reference, bitwise, on 2 processes × 1 and × 2 ranks, through nccl,
+//     through two nccl links splitting each call (the plan's ranges), and "nccl;pcie" (pcie left
+//     out with its reason); "pcie" alone refused on every rank with that reason;
+//   - plan agreement: the leader's pinned shares decide every rank's ranges, even where another
+//     process pinned different shares for its own balancer: identical ranges on every rank of
+//     every process, the leader's;
+//   - a peer process killed (SIGKILL, and _exit) between calls: the others fail within seconds,
+//     long before the deadline, naming the dead rank with its pid; a later call fails at once;
+//   - nothing left in /dev/shm (segments and the simulation's communicator files).
+// The parent starts no threads before forking; alarm() backstops any hang.
+#include <dirent.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/cpp/check.h"
+#include "tests/cpp/gpu_cases.h"
+#include "tests/cpp/reference.h"
+#include "tests/cpp/sim/sim_device.h"
+#include "tests/cpp/sim/sim_xproc_comm.h"
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/cuda/gpu_engine.h"
+#include "xla_ffi/cuda/gpu_xproc.h"
+#include "xla_ffi/plan/ranges.h"
+#include "xla_ffi/xproc/process_group.h"
+
+namespace flexlink::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// What the leader hands the others (the key-value store's role at lowering).
+struct Setup {
+  char name[64];
+  uint32_t ids;
+  gpu::CommId id[4];
+};
+
+// Split records every process leaves for the parent (plan agreement across processes).
+struct SplitRow {
+  int32_t process, rank;
+  uint64_t call;
+  uint64_t r[2][2];  // per link: [begin, end)
+};
+struct Shared {
+  std::atomic<int32_t> rows;
+  SplitRow row[4096];
+  std::atomic<int32_t> passed, failed;
+  std::atomic<int32_t> attached;  // processes that attached the group (the leader unlinks after all)  // the children's checks, summed into the parent's
+};
+
+struct Scenario {
+  std::string what;
+  int processes = 2;
+  int per_process = 1;
+  std::string links = "nccl@staging_mib=0.0625";
+  int mode = 0;  // 0: every case against the reference; 1: plan agreement; 2: pcie alone refused;
+                 // 3: a peer killed (SIGKILL) between calls; 4: a peer _exits between calls
+};
+
+bool WriteFull(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n) {
+    const ssize_t w = write(fd, c, n);
+    if (w <= 0) return false;
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool ReadFull(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n) {
+    const ssize_t r = read(fd, c, n);
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// One process's ranks of the group: ids process * per_process + i, each on simulated device i.
+struct Local {
+  Local(const Scenario& s, int process)
+      : scenario(s), process(process), device(Options()), comm(&device, size_t{1} << 20) {
+    gpu::GpuEngineOptions eo;
+    const int per = s.per_process;
+    eo.device_of = [per](int64_t id) { return static_cast<int>(id % per); };
+    engine = std::make_unique<gpu::GpuEngine>(&device, &comm, eo);
+    for (int i = 0; i < per; ++i) {
+      gpu::Stream st = nullptr;
+      (void)device.SetDevice(i);
+      (void)device.CreateStream(i, &st);
+      streams.push_back(st);
+    }
+    for (int p = 0; p < s.processes; ++p)
+      for (int i = 0; i < per; ++i) group.push_back(p * per + i);
+    for (int i = 0; i < per; ++i) local.push_back(process * per + i);
+  }
+  static sim::SimOptions Options() {
+    sim::SimOptions o;
+    o.devices = 4;
+    o.wait_timeout_s = 20;
+    return o;
+  }
+  int n() const { return static_cast<int>(group.size()); }
+
+  // Runs `c` on this process's ranks; outputs per local rank and operand.
+  std::vector<Status> Run(const Case& c, std::vector<std::vector<std::vector<uint8_t>>>* out, int64_t run) {
+    const int per = scenario.per_process, N = n();
+    const std::vector<int64_t> sizes{N};
+    std::vector<int64_t> flat;
+    for (const auto& [s, d] : c.pairs) flat.insert(flat.end(), {s, d});
+    const size_t k = c.dims.size();
+    std::vector<std::vector<void*>> din(per, std::vector<void*>(k)), dout(per, std::vector<void*>(k));
+    std::vector<std::vector<std::vector<int64_t>>> out_dims(per, std::vector<std::vector<int64_t>>(k));
+    for (int i = 0; i < per; ++i) {
+      const int r = static_cast<int>(local[i]);
+      for (size_t j = 0; j < k; ++j) {
+        const size_t w = ByteWidth(c.dtypes[j]), in = Count(c.dims[j]), outc = OutCount(c, j, N);
+        const auto x = RandomData(c.dtypes[j], in, static_cast<uint32_t>(1000 * r + 17 * j + in), false);
+        (void)device.AllocDevice(i, std::max<size_t>(in * w, 1), &din[i][j]);
+        std::memcpy(din[i][j], x.data(), in * w);
+        if (c.in_place) {
+          dout[i][j] = din[i][j];
+        } else {
+          (void)device.AllocDevice(i, std::max<size_t>(outc * w, 1), &dout[i][j]);
+          std::memset(dout[i][j], 0xCD, outc * w);
+        }
+        out_dims[i][j] = {static_cast<int64_t>(outc)};
+      }
+    }
+    std::vector<Status> status(per);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < per; ++i)
+      threads.emplace_back([&, i] {
+        std::vector<OperandRequest> ops(k);
+        for (size_t j = 0; j < k; ++j) {
+          ops[j].in_dtype = ops[j].out_dtype = c.dtypes[j];
+          ops[j].in_dims = c.dims[j];
+          ops[j].out_dims = c.kind == Kind::kAllReduce || c.kind == Kind::kPpermute || c.kind == Kind::kAllToAll
+                                ? std::span<const int64_t>(c.dims[j])
+                                : std::span<const int64_t>(out_dims[i][j]);
+          ops[j].in = din[i][j];
+          ops[j].out = dout[i][j];
+        }
+        CollectiveArgs a;
+        a.groups = group;
+        a.group_sizes = sizes;
+        a.device = local[i];
+        a.run_id = run;
+        a.label = "xtest";
+        a.request.kind = c.kind;
+        a.request.reduction = Name(c.op);
+        a.request.axis = c.axis;
+        a.request.pairs = flat;
+        a.request.operands = ops;
+        status[i] = engine->Run(a, streams[i]);
+      });
+    for (auto& t : threads) t.join();
+    device.SynchronizeAll();
+    out->assign(per, std::vector<std::vector<uint8_t>>(k));
+    for (int i = 0; i < per; ++i)
+      for (size_t j = 0; j < k; ++j) {
+        const size_t bytes = OutCount(c, j, N) * ByteWidth(c.dtypes[j]);
+        (*out)[i][j].assign(static_cast<uint8_t*>(dout[i][j]), static_cast<uint8_t*>(dout[i][j]) + bytes);
+      }
+    return status;
+  }
+
+  // Runs `c` and checks this process's ranks against the reference.
+  bool Check(const Case& c, int64_t run, const std::string& what) {
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const std::vector<Status> status = Run(c, &out, run);
+    bool ok = true;
+    for (size_t i = 0; i < status.size(); ++i)
+      if (!status[i].ok()) {
+        Expect(false, what + ": " + c.Name() + ": rank " + std::to_string(local[i]) + ": " + status[i].message());
+        ok = false;
+      }
+    if (!ok) return false;
+    for (size_t j = 0; j < c.dims.size(); ++j) {
+      const auto xs = Inputs(c, j, n());
+      for (size_t i = 0; i < local.size(); ++i) {
+        const auto want = Expected(c, j, n(), static_cast<int>(local[i]), xs);
+        const size_t wrong = CountWrong(c.dtypes[j], out[i][j], want);
+        Expect(wrong == 0, what + ": " + c.Name() + ": operand " + std::to_string(j) + " rank " +
+                               std::to_string(local[i]) + ": " + std::to_string(wrong) + " wrong elements");
+        ok = ok && wrong == 0;
+      }
+    }
+    for (const std::string& e : device.TakeErrors()) {
+      Expect(false, what + ": " + c.Name() + ": simulation: " + e);
+      ok = false;
+    }
+    return ok;
+  }
+
+  const Scenario& scenario;
+  const int process;
+  sim::SimDevice device;
+  sim::SimXprocComm comm;
+  std::unique_ptr<gpu::GpuEngine> engine;
+  std::vector<gpu::Stream> streams;
+  std::vector<int64_t> group, local;
+};
+
+// The body of process `p`: set-up through the pipes, then the scenario. Exit status: 0 passed.
+[[noreturn]] void Child(const Scenario& s, int p, int up, const std::vector<int>& down, Shared* shared) {
+  alarm(120);
+  g_passed = g_failed = 0;  // fork copied the parent's counts
+  SetTimeoutSeconds(60);
+  Local L(s, p);
+  Status st = L.engine->ConfigureLinks(s.links);
+  if (!st.ok()) {
+    std::printf("FAIL: %s: process %d: links: %s\n", s.what.c_str(), p, st.message().c_str());
+    _exit(2);
+  }
+  Setup setup{};
+  if (p == 0) {
+    std::string name;
+    std::vector<gpu::CommId> ids;
+    st = gpu::CreateGpuXprocGroup(*L.engine, L.group, L.local, &name, &ids);
+    if (!st.ok()) {
+      std::printf("FAIL: %s: create: %s\n", s.what.c_str(), st.message().c_str());
+      _exit(2);
+    }
+    std::snprintf(setup.name, sizeof setup.name, "%s", name.c_str());
+    setup.ids = static_cast<uint32_t>(ids.size());
+    for (size_t i = 0; i < ids.size() && i < 4; ++i) setup.id[i] = ids[i];
+    for (int q = 1; q < s.processes; ++q)
+      if (!WriteFull(down[q], &setup, sizeof setup)) _exit(3);
+  } else {
+    if (!ReadFull(up, &setup, sizeof setup)) _exit(4);
+    st = gpu::AttachGpuXprocGroup(*L.engine, setup.name, std::span<const gpu::CommId>(setup.id, setup.ids), L.group,
+                                  L.local);
+    if (!st.ok()) {
+      std::printf("FAIL: %s: process %d: attach: %s\n", s.what.c_str(), p, st.message().c_str());
+      _exit(2);
+    }
+  }
+  // Every process attached: the name can go (processes.py does this with a counter in the store).
+  shared->attached.fetch_add(1);
+  if (p == 0) {
+    const auto t0 = Clock::now();
+    while (shared->attached.load() < s.processes && Seconds(t0) < 20)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    (void)xproc::Segment::Unlink(setup.name);
+  }
+  const int N = L.n();
+  int64_t run = 5000;
+  if (s.mode == 0) {
+    const std::vector<Case> cases = StandardCases(N, 4096);
+    for (const Case& c : cases) L.Check(c, ++run, s.what);
+    gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+    Expect(g && g->segment().calls() == cases.size(), s.what + ": process " + std::to_string(p) + ": " +
+                                                          std::to_string(cases.size()) + " calls counted");
+    if (s.links.find("pcie") != std::string::npos)
+      Expect(g && g->left_out().size() == 1 && g->left_out()[0].first == "pcie" &&
+                 g->left_out()[0].second.find("CUDA events") != std::string::npos,
+             s.what + ": pcie left out with its reason");
+    Expect(L.comm.inits() >= 1, s.what + ": communicators made with InitRanks");
+  } else if (s.mode == 1) {
+    // The leader pins 0.3/0.7 for every kind's bucket; the others pin 0.8/0.2 on their own
+    // balancers, which must not matter: every rank cuts the leader's plan.
+    gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+    const std::vector<double> mine = p == 0 ? std::vector<double>{0.3, 0.7} : std::vector<double>{0.8, 0.2};
+    std::vector<Case> cases = StandardCases(N, 4096);
+    for (const Case& c : cases) (void)g->balancer().SetShares(c.kind, plan::BucketOf(CaseBytes(c, N)), mine, true);
+    L.engine->splits().SetEnabled(true);
+    for (size_t i = 0; i < cases.size(); i += 3) L.Check(cases[i], ++run, s.what);
+    for (const SplitRecord& rec : L.engine->splits().Take()) {
+      const int32_t at = shared->rows.fetch_add(1);
+      if (at >= 4096 || rec.ranges.size() != 2) continue;
+      SplitRow& row = shared->row[at];
+      row.process = p;
+      row.rank = rec.rank;
+      row.call = rec.call;
+      for (int l = 0; l < 2; ++l) row.r[l][0] = rec.ranges[l].first, row.r[l][1] = rec.ranges[l].second;
+    }
+  } else if (s.mode == 2) {
+    // pcie alone: no link of the set spans processes; every rank says so, nothing hangs.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{1000}}, 0, {}, false};
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto status = L.Run(c, &out, ++run);
+    for (size_t i = 0; i < status.size(); ++i)
+      Expect(!status[i].ok() && status[i].message().find("can span processes") != std::string::npos &&
+                 status[i].message().find("xtest") != std::string::npos,
+             s.what + ": rank " + std::to_string(L.local[i]) + " refused with the reason: " + status[i].message());
+    gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+    Expect(g && g->left_out().size() == 1 && g->left_out()[0].second.find("CUDA events") != std::string::npos,
+           s.what + ": pcie left out with its reason");
+  } else {
+    // A peer dies between calls: one good call, then the last process dies, the rest call again.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{1000}}, 0, {}, false};
+    L.Check(c, ++run, s.what);
+    const int victim = s.processes - 1;
+    if (p == victim) {
+      if (s.mode == 3) raise(SIGKILL);
+      _exit(42);
+    }
+    // Give the victim time to die first (the check must find it dead, not merely late).
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const auto t0 = Clock::now();
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto status = L.Run(c, &out, ++run);
+    const double took = Seconds(t0);
+    Expect(took < 10, s.what + ": the survivors fail long before the 60 s deadline (" + std::to_string(took) + " s)");
+    for (size_t i = 0; i < status.size(); ++i) {
+      const std::string& m = status[i].message();
+      const bool names_dead = m.find("rank " + std::to_string(victim * s.per_process)) != std::string::npos &&
+                              m.find("exited") != std::string::npos && m.find("pid") != std::string::npos;
+      Expect(!status[i].ok() && names_dead && m.find("xtest") != std::string::npos &&
+                 m.find("all_reduce") != std::string::npos,
+             s.what + ": rank " + std::to_string(L.local[i]) + " names the dead rank: " + m);
+    }
+    const auto t1 = Clock::now();
+    const auto again = L.Run(c, &out, ++run);
+    for (size_t i = 0; i < again.size(); ++i)
+      Expect(!again[i].ok() && again[i].message().find("broken") != std::string::npos && Seconds(t1) < 2,
+             s.what + ": a later call fails at once: " + again[i].message());
+    (void)L.device.TakeErrors();
+  }
+  shared->passed.fetch_add(g_passed);
+  shared->failed.fetch_add(g_failed);
+  std::fflush(stdout);
+  _exit(g_failed ? 1 : 0);
+}
+
+std::vector<std::string> ShmEntries() {
+  std::vector<std::string> out;
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d))
+      if (std::strncmp(e->d_name, "flexlink-", 9) == 0) out.emplace_back(e->d_name);
+    closedir(d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void RunScenario(const Scenario& s) {
+  const auto t0 = Clock::now();
+  auto* shared = static_cast<Shared*>(
+      mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  shared->rows.store(0);
+  shared->passed.store(0);
+  shared->attached.store(0);
+  shared->failed.store(0);
+  std::vector<int> rd(s.processes, -1), wr(s.processes, -1);
+  for (int p = 1; p < s.processes; ++p) {
+    int fds[2];
+    if (pipe(fds) != 0) return Expect(false, s.what + ": pipe");
+    rd[p] = fds[0];
+    wr[p] = fds[1];
+  }
+  std::fflush(stdout);
+  std::vector<pid_t> kids;
+  for (int p = 0; p < s.processes; ++p) {
+    const pid_t pid = fork();
+    if (pid == 0) Child(s, p, rd[p], wr, shared);
+    kids.push_back(pid);
+  }
+  for (int p = 1; p < s.processes; ++p) close(rd[p]), close(wr[p]);
+  const int victim = s.processes - 1;
+  for (int p = 0; p < s.processes; ++p) {
+    int status = 0;
+    waitpid(kids[p], &status, 0);
+    if ((s.mode == 3 || s.mode == 4) && p == victim) {
+      const bool died = s.mode == 3 ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
+                                    : WIFEXITED(status) && WEXITSTATUS(status) == 42;
+      Expect(died, s.what + ": the victim died as planned");
+      continue;
+    }
+    Expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+           s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
+  }
+  if (s.mode == 1) {
+    // Every rank of every process cut identical ranges for each call: the leader's 0.3/0.7.
+    const int rows = std::min<int>(shared->rows.load(), 4096);
+    const int n = s.processes * s.per_process;
+    std::vector<uint64_t> calls;
+    for (int i = 0; i < rows; ++i) calls.push_back(shared->row[i].call);
+    std::sort(calls.begin(), calls.end());
+    calls.erase(std::unique(calls.begin(), calls.end()), calls.end());
+    int agreed = 0, leaders = 0;
+    for (uint64_t call : calls) {
+      std::vector<const SplitRow*> of;
+      for (int i = 0; i < rows; ++i)
+        if (shared->row[i].call == call) of.push_back(&shared->row[i]);
+      bool same = static_cast<int>(of.size()) == n;
+      for (const SplitRow* r : of) same = same && std::memcmp(r->r, of[0]->r, sizeof r->r) == 0;
+      agreed += same;
+      const double total = static_cast<double>(of[0]->r[1][1]);
+      const double first = static_cast<double>(of[0]->r[0][1] - of[0]->r[0][0]);
+      // Aligned cuts: within a cache line per range of the leader's 0.3 (small calls may round).
+      leaders += total > 0 && std::abs(first - 0.3 * total) <= 64 + 0.01 * total;
+    }
+    Expect(!calls.empty() && agreed == static_cast<int>(calls.size()),
+           s.what + ": identical ranges on all " + std::to_string(n) + " ranks for " + std::to_string(agreed) + " of " +
+               std::to_string(calls.size()) + " calls");
+    Expect(!calls.empty() && leaders == static_cast<int>(calls.size()),
+           s.what + ": the leader's shares cut " + std::to_string(leaders) + " of " + std::to_string(calls.size()) +
+               " calls (the other process pinned 0.8/0.2 and was not followed)");
+  }
+  g_passed += shared->passed.load();
+  g_failed += shared->failed.load();
+  std::printf("  %s: %d checks in the processes, %.1f s\n", s.what.c_str(), shared->passed.load() + shared->failed.load(),
+              Seconds(t0));
+  munmap(shared, sizeof(Shared));
+}
+
+}  // namespace
+}  // namespace flexlink::testing
+
+int main() {
+  using namespace flexlink::testing;
+  alarm(600);
+  const auto before = ShmEntries();
+  for (int per : {1, 2}) {
+    const std::string shape = "2 processes x " + std::to_string(per) + ": ";
+    RunScenario({shape + "nccl, every case", 2, per, "nccl@staging_mib=0.0625", 0});
+    RunScenario({shape + "nccl;nccl2 split, every case", 2, per, "nccl@staging_mib=0.0625;nccl:nccl2@staging_mib=0.0625", 1});
+    RunScenario({shape + "nccl;pcie (pcie left out), every case", 2, per, "nccl@staging_mib=0.0625;pcie", 0});
+    RunScenario({shape + "pcie alone refused", 2, per, "pcie", 2});
+    RunScenario({shape + "a peer SIGKILLed between calls", 2, per, "nccl", 3});
+    RunScenario({shape + "a peer _exits between calls", 2, per, "nccl", 4});
+  }
+  const auto after = ShmEntries();
+  std::string left;
+  for (const auto& e : after)
+    if (!std::binary_search(before.begin(), before.end(), e)) left += " " + e;
+  Expect(left.empty(), "nothing left in /dev/shm:" + left);
+  return Summary();
+}

@@ -1,0 +1,357 @@
+#include "xla_ffi/cuda/gpu_xproc.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <tuple>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/cuda/gpu_engine.h"
+#include "xla_ffi/cuda/gpu_executor.h"
+#include "xla_ffi/cuda/nccl_link.h"
+#include "xla_ffi/plan/ranges.h"
+#include "xla_ffi/xproc/layout.h"
+#include "xla_ffi/xproc/process_group.h"
+
+namespace flexlink::gpu {
+
+GpuXprocLinks GpuXprocLinksOf(const GpuLinkSet& links) {
+  GpuXprocLinks out;
+  for (size_t i = 0; i < links.links.size(); ++i) {
+    const GpuLink* link = links.links[i].get();
+    if (dynamic_cast<const NcclLink*>(link) && out.used.size() < xproc::kMaxXprocLinks) {
+      out.used.push_back(i);
+    } else if (dynamic_cast<const NcclLink*>(link)) {
+      out.left_out.emplace_back(std::string(link->name()), "more than 8 links");
+    } else {
+      out.left_out.emplace_back(
+          std::string(link->name()),
+          "the pcie link orders the devices of a group with CUDA events, which do not cross processes; "
+          "staging through the group's segment registered as pinned memory is designed, not built "
+          "(docs/multiprocess.md)");
+    }
+  }
+  return out;
+}
+
+GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, GroupInfo group,
+                             std::shared_ptr<const GpuLinkSet> links, std::vector<CommId> comm_ids,
+                             plan::BalancerOptions options, DeviceApi* api, SplitLog* splits)
+    : segment_(std::move(segment)),
+      group_(std::move(group)),
+      links_(std::move(links)),
+      api_(*api),
+      splits_(splits),
+      comm_ids_(std::move(comm_ids)),
+      balancer_([&] {
+        std::vector<std::string> names;
+        for (size_t i : GpuXprocLinksOf(*links_).used) names.emplace_back(links_->links[i]->name());
+        return names;
+      }(), options),
+      ranks_(group_.size()) {
+  const GpuXprocLinks which = GpuXprocLinksOf(*links_);
+  left_out_ = which.left_out;
+  for (size_t i : which.used) {
+    used_names_.emplace_back(links_->links[i]->name());
+    channels_.push_back(links_->links[i]->Open(group_));
+  }
+  for (int r = 0; r < group_.size(); ++r)
+    if (segment_->is_local(r)) local_.push_back(r);
+}
+
+GpuXprocGroup::~GpuXprocGroup() = default;
+
+bool GpuXprocGroup::leader() const { return segment_->is_local(0); }
+
+std::optional<std::string> GpuXprocGroup::broken() const { return segment_->broken(); }
+
+Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::string_view label, int64_t run_id) {
+  xproc::ProcessGroup& seg = *segment_;
+  const uint64_t call = seg.rank_calls(rank) + 1;  // Arrive counts it
+  const size_t links = used_names_.size();
+  const auto where = [&] {
+    return ErrorPrefix(label) + desc.Describe() + " on group " + FormatIds(group_.ids) + " (" +
+           std::string(kGpuXprocLink) + ", run " + std::to_string(run_id) + ", call " + std::to_string(call) +
+           " on this group)";
+  };
+  if (links == 0)
+    return Status::FailedPrecondition(where() + ": none of the configured GPU links can span processes "
+                                      "(only nccl does so far)");
+  // 1. The leader's plan, written before its arrival: the barrier's release/acquire makes it
+  // visible to every rank after the arrival. Rewritten for call + 2 only after the leader passed
+  // call + 1's arrival, by which every rank has read it (layout.h, PlanSlot).
+  if (rank == 0) {
+    std::shared_ptr<const plan::Plan> plan = balancer_.PlanFor(desc.kind, MessageBytes(desc, group_.size()));
+    xproc::PlanSlot& slot = seg.plan_slot(call);
+    slot.epoch = plan->epoch;
+    slot.mode = static_cast<uint32_t>(plan->mode);
+    slot.links = static_cast<uint32_t>(links);
+    for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) slot.shares[i] = i < plan->shares.size() ? plan->shares[i] : 0;
+    slot.call = call;
+  }
+  // 2. Arrival: fingerprints, liveness, deadline, abort; fails the group for every process.
+  FLEXLINK_RETURN_IF_ERROR(seg.ArriveWithoutData(rank, desc, label, run_id, kGpuXprocLink));
+  // 3. The first call's set-up, then a barrier that turns one process's set-up failure into every
+  // process's error.
+  FLEXLINK_RETURN_IF_ERROR(EnsureSetup(rank, desc, label, run_id));
+  // 4. Every rank cuts the leader's plan.
+  const xproc::PlanSlot& slot = seg.plan_slot(call);
+  if (slot.call != call || slot.links != links) {
+    const std::string message =
+        where() + ": processes disagree on the group's calls or on its links (the leader's plan slot holds call " +
+        std::to_string(slot.call) + " for " + std::to_string(slot.links) + " links; this process has " +
+        std::to_string(links) + " links that can span processes)";
+    seg.Abort(rank, message);
+    return Status::Internal(message);
+  }
+  const std::vector<plan::UnitRange> ranges =
+      plan::CutRanges(desc.virtual_bytes(), 1, std::span<const double>(slot.shares, links));
+  Status s = Enqueue(rank, desc, stream, ranges, label, call, run_id);
+  // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
+  // the group is failed for every process (their next waits report this reason).
+  if (!s.ok()) seg.Abort(rank, s.message());
+  return s;
+}
+
+Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
+  // Every local rank passes the set-up barrier exactly once (its first call), whoever set up.
+  if (ranks_[rank].ready) return Status::Ok();
+  Status mine;
+  {
+    std::unique_lock<std::mutex> lock(setup_mu_);
+    if (!setup_started_) {
+      setup_started_ = true;
+      lock.unlock();
+      Status s;
+      try {
+        DeviceGuard guard(api_);
+        s = SetupLocal();
+      } catch (const std::exception& e) {
+        s = Status::Internal(std::string("flexlink: setting up group ") + FormatIds(group_.ids) + ": " + e.what());
+      }
+      lock.lock();
+      setup_status_ = s;
+      setup_done_ = true;
+      setup_cv_.notify_all();
+    } else {
+      const double timeout = TimeoutSeconds();
+      const auto deadline = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(std::min(timeout, 1e9)));
+      if (!setup_cv_.wait_until(lock, deadline, [&] { return setup_done_; }))
+        return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " timed out after " +
+                                        std::to_string(timeout) + " s waiting for the set-up of group " +
+                                        FormatIds(group_.ids) + " (NCCL communicators across processes)");
+    }
+    mine = setup_status_;
+  }
+  if (!mine.ok()) {
+    segment_->Abort(rank, mine.message());
+    return mine;
+  }
+  FLEXLINK_RETURN_IF_ERROR(segment_->SyncWithoutData(rank, desc, label, run_id, kGpuXprocLink,
+                                                     "every process's set-up done"));
+  ranks_[rank].ready = true;
+  return Status::Ok();
+}
+
+Status GpuXprocGroup::SetupLocal() {
+  const std::string where = "flexlink: setting up group " + FormatIds(group_.ids) + " across processes: ";
+  auto check = [&](Status s) { return s.ok() ? s : Status(s.code(), where + s.message()); };
+  if (comm_ids_.size() != channels_.size())
+    return Status::FailedPrecondition(where + "the leader made " + std::to_string(comm_ids_.size()) +
+                                      " NCCL identities for " + std::to_string(channels_.size()) +
+                                      " nccl links here (processes configured different links)");
+  std::vector<int> loaded;
+  for (int r : local_) {
+    const int dev = group_.devices[r];
+    FLEXLINK_RETURN_IF_ERROR(check(api_.SetDevice(dev)));
+    if (std::find(loaded.begin(), loaded.end(), dev) == loaded.end()) {
+      FLEXLINK_RETURN_IF_ERROR(check(api_.PreloadKernels(dev)));
+      loaded.push_back(dev);
+    }
+  }
+  // NCCL first: every process joins each communicator in the same (link) order, and ncclGroupEnd
+  // returns only once all have.
+  for (size_t i = 0; i < channels_.size(); ++i) {
+    auto* nccl = dynamic_cast<NcclChannel*>(channels_[i].get());
+    if (!nccl) return Status::Internal(where + "link " + used_names_[i] + " is not an nccl link");
+    FLEXLINK_RETURN_IF_ERROR(nccl->SetupAcrossProcesses(comm_ids_[i], local_));
+  }
+  for (int r : local_) {
+    const int dev = group_.devices[r];
+    Rank& k = ranks_[r];
+    k.side.assign(channels_.size(), nullptr);
+    k.stop.assign(channels_.size(), nullptr);
+    if (channels_.size() > 1) {
+      for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
+      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.start)));
+      for (Event& e : k.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &e)));
+    }
+  }
+  return Status::Ok();
+}
+
+Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
+                              std::string_view label, uint64_t call, int64_t run_id) {
+  Rank& k = ranks_[rank];
+  std::vector<size_t> used;
+  for (size_t i = 0; i < ranges.size(); ++i)
+    if (!ranges[i].empty()) used.push_back(i);
+  const std::string where =
+      ErrorPrefix(label) + std::string(Name(desc.kind)) + " on group " + FormatIds(group_.ids) + " (" +
+      std::string(kGpuXprocLink) + "): ";
+  auto check = [&](Status s) {
+    return s.ok() || s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message());
+  };
+  const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
+  if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Record(k.start, stream)));
+  thread_local std::vector<Piece> pieces;
+  for (size_t i : used) {
+    const Stream on = alone ? stream : k.side[i];
+    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, k.start)));
+    desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
+    FLEXLINK_RETURN_IF_ERROR(check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label})));
+    if (!alone) {
+      FLEXLINK_RETURN_IF_ERROR(check(api_.Record(k.stop[i], on)));
+      FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, k.stop[i])));
+    }
+  }
+  if (splits_ && splits_->enabled()) {
+    SplitRecord rec{FormatIds(group_.ids), run_id, call, rank, {}};
+    for (const auto& r : ranges) rec.ranges.emplace_back(r.begin, r.end);
+    splits_->Add(std::move(rec));
+  }
+  return Status::Ok();
+}
+
+// --- registry ---------------------------------------------------------------------------------
+
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  // (engine serial, devices) -> group; never erased (device threads keep raw pointers).
+  std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<GpuXprocGroup>> groups;
+  std::atomic<uint64_t> generation{1};
+};
+
+Registry& TheRegistry() {
+  static Registry* r = new Registry;  // outlives device threads at exit
+  return *r;
+}
+
+Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment, std::vector<CommId> ids,
+                std::span<const int64_t> devices) {
+  GroupInfo info;
+  info.ids.assign(devices.begin(), devices.end());
+  for (int r = 0; r < static_cast<int>(devices.size()); ++r)
+    info.devices.push_back(segment->is_local(r) ? engine.DeviceOf(devices[r]) : -1);
+  std::string why;
+  const int count = engine.api().DeviceCount(&why);
+  for (int r = 0; r < static_cast<int>(devices.size()); ++r)
+    if (segment->is_local(r) && (info.devices[r] < 0 || info.devices[r] >= count))
+      return Status::InvalidArgument("flexlink: GPU group " + FormatIds(devices) + " across processes: device " +
+                                     std::to_string(devices[r]) + " is not a CUDA device of this process (" +
+                                     std::to_string(count) + " visible" + (why.empty() ? "" : ": " + why) + ")");
+  plan::BalancerOptions options;
+  options.profile_from_bytes = AutotuneMinBytes();
+  options.profile_max_bytes = TuneMaxBytes();
+  auto group = std::make_unique<GpuXprocGroup>(std::move(segment), std::move(info), engine.CurrentLinks(),
+                                               std::move(ids), options, &engine.api(), &engine.splits());
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto key = std::make_pair(engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()));
+  if (reg.groups.count(key))
+    return Status::InvalidArgument("flexlink: GPU group " + FormatIds(devices) +
+                                   " across processes is already registered in this process");
+  reg.groups.emplace(std::move(key), std::move(group));
+  reg.generation.fetch_add(1);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, std::span<const int64_t> local_devices,
+                           std::string* segment_name, std::vector<CommId>* comm_ids) {
+  if (devices.empty() || local_devices.empty() || local_devices.end() == std::find(local_devices.begin(), local_devices.end(), devices[0]))
+    return Status::InvalidArgument("flexlink: GPU group " + FormatIds(devices) +
+                                   " across processes: the leader process (the one that creates the group) "
+                                   "runs its rank 0");
+  const GpuXprocLinks which = GpuXprocLinksOf(*engine.CurrentLinks());
+  std::vector<CommId> ids(which.used.size());
+  for (CommId& id : ids) {
+    Status s = engine.comm().NewId(&id);
+    if (!s.ok()) return Status(s.code(), "flexlink: GPU group " + FormatIds(devices) + " across processes: " + s.message());
+  }
+  std::unique_ptr<xproc::ProcessGroup> segment;
+  // Slots of the minimum size: no data goes through them, only fingerprints and the plan.
+  FLEXLINK_RETURN_IF_ERROR(xproc::ProcessGroup::Create(devices, local_devices, size_t{64} << 10, &segment));
+  const std::string name = segment->name();
+  Status s = Register(engine, std::move(segment), ids, devices);
+  if (!s.ok()) {
+    (void)xproc::Segment::Unlink(name);
+    return s;
+  }
+  *segment_name = name;
+  *comm_ids = std::move(ids);
+  return Status::Ok();
+}
+
+Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, std::span<const CommId> comm_ids,
+                           std::span<const int64_t> devices, std::span<const int64_t> local_devices) {
+  std::unique_ptr<xproc::ProcessGroup> segment;
+  FLEXLINK_RETURN_IF_ERROR(xproc::ProcessGroup::Attach(segment_name, devices, local_devices, &segment));
+  return Register(engine, std::move(segment), std::vector<CommId>(comm_ids.begin(), comm_ids.end()), devices);
+}
+
+GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices) {
+  Registry& reg = TheRegistry();
+  // Device threads remember their lookups, misses included, until the next registration.
+  struct Entry {
+    uint64_t serial;
+    std::vector<int64_t> ids;
+    GpuXprocGroup* group;
+  };
+  thread_local uint64_t seen_generation = 0;
+  thread_local std::vector<Entry> cache;
+  const uint64_t gen = reg.generation.load(std::memory_order_acquire);
+  if (gen != seen_generation) {
+    cache.clear();
+    seen_generation = gen;
+  }
+  for (const Entry& e : cache)
+    if (e.serial == engine.serial() && std::equal(e.ids.begin(), e.ids.end(), devices.begin(), devices.end()))
+      return e.group;
+  GpuXprocGroup* found = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto it = reg.groups.find({engine.serial(), std::vector<int64_t>(devices.begin(), devices.end())});
+    if (it != reg.groups.end()) found = it->second.get();
+  }
+  cache.push_back(Entry{engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()), found});
+  return found;
+}
+
+std::vector<GpuXprocInfo> GpuXprocGroups(const GpuEngine& engine) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  std::vector<GpuXprocInfo> out;
+  for (auto& [key, group] : reg.groups) {
+    if (key.first != engine.serial()) continue;
+    GpuXprocInfo info;
+    info.name = group->segment().name();
+    info.devices = group->segment().devices();
+    info.local_devices = group->segment().local_devices();
+    info.links = group->links();
+    info.left_out = group->left_out();
+    info.calls = group->segment().calls();
+    info.broken = group->broken();
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+}  // namespace flexlink::gpu

@@ -1,0 +1,149 @@
+// GPU groups whose ranks live in several processes of one host (docs/multiprocess.md, "GPU groups
+// across processes"). The in-process GPU executor (gpu_executor.h) meets its ranks' host threads in
+// process memory and makes every rank's NCCL communicator from one thread; across processes neither
+// is possible, so this executor reuses the CPU side's cross-process segment (xla_ffi/xproc/) for
+// everything host-side and NCCL's own cross-process communicators for the bytes:
+//
+//   - set-up (at lowering, Python's processes.py): the leader process (the one with rank 0) creates
+//     the group's segment and one NCCL identity per nccl link (CommApi::NewId); the segment name
+//     and the identities travel through jax.distributed's key-value store; every other member
+//     process attaches the segment with the identities (CreateGpuXprocGroup/AttachGpuXprocGroup);
+//   - per call, every local rank on its own device thread:
+//       1. the leader (rank 0) asks its balancer for the call's plan and writes it into the
+//          segment's plan slot (call & 1), as the CPU's XprocExecutor does;
+//       2. arrival: ProcessGroup::ArriveWithoutData, the segment's barrier with the fingerprint
+//          check, liveness of every peer process (a dead one is named before the deadline, and the
+//          failure is written into the segment so every process fails at once) and the deadline;
+//       3. the group's first call sets up every local rank, from one thread, while the others wait:
+//          NCCL communicators with ncclCommInitRank for all local ranks inside one
+//          ncclGroupStart/End (CommApi::InitRanks, which returns when every process has joined),
+//          streams, events, scratch; then a second barrier, so that a set-up failure in one
+//          process fails every process's call with its reason;
+//       4. every rank reads the leader's plan from the slot, checks it is for this call and as many
+//          links, cuts identical ranges (plan::CutRanges) and enqueues each link's range (one link:
+//          on XLA's stream; several: on side streams forked from it and joined back with events).
+//          The host never waits for the device.
+// Links: every nccl link of the link set current at set-up. pcie is left out, with the reason
+// (its channel orders devices with events, which do not cross processes; the design through the
+// segment registered as pinned memory is in docs/multiprocess.md). Not here yet: stage 1 and
+// stage 2 (the leader plans from pinned shares, seeds or its defaults and learns nothing across
+// processes), fault injection and failover.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "xla_ffi/core/call.h"
+#include "xla_ffi/core/status.h"
+#include "xla_ffi/cuda/comm_api.h"
+#include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/gpu_link.h"
+#include "xla_ffi/cuda/gpu_link_set.h"
+#include "xla_ffi/plan/balancer.h"
+#include "xla_ffi/plan/ranges.h"
+
+namespace flexlink::xproc {
+class ProcessGroup;
+}
+
+namespace flexlink::gpu {
+
+class GpuEngine;
+class NcclChannel;
+class SplitLog;
+
+// How messages name the link of such a group.
+inline constexpr std::string_view kGpuXprocLink = "GPU group across processes";
+
+class GpuXprocGroup {
+ public:
+  // `group.devices[r]`: the CUDA device of local rank r (-1 for other processes' ranks);
+  // `comm_ids`: one per nccl link of `links`, in link order.
+  GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, GroupInfo group,
+                std::shared_ptr<const GpuLinkSet> links, std::vector<CommId> comm_ids, plan::BalancerOptions options,
+                DeviceApi* api, SplitLog* splits);
+  ~GpuXprocGroup();
+  GpuXprocGroup(const GpuXprocGroup&) = delete;
+  GpuXprocGroup& operator=(const GpuXprocGroup&) = delete;
+
+  // Local rank `rank`'s part of one call: returns once its work is enqueued on `stream`.
+  Status Run(int rank, const CallDesc& desc, Stream stream, std::string_view label, int64_t run_id);
+
+  const GroupInfo& group() const { return group_; }
+  xproc::ProcessGroup& segment() { return *segment_; }
+  // The balancer over the used links; only the leader process's plans count.
+  plan::Balancer& balancer() { return balancer_; }
+  const std::vector<std::string>& links() const { return used_names_; }
+  const std::vector<std::pair<std::string, std::string>>& left_out() const { return left_out_; }
+  bool leader() const;
+  std::optional<std::string> broken() const;
+
+ private:
+  Status EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
+  Status SetupLocal();
+  Status Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
+                 std::string_view label, uint64_t call, int64_t run_id);
+
+  struct Rank {
+    std::vector<Stream> side;  // per used link
+    Event start = nullptr;
+    std::vector<Event> stop;   // per used link
+    bool ready = false;        // passed the set-up barrier (only its own device thread reads it)
+  };
+
+  std::unique_ptr<xproc::ProcessGroup> segment_;
+  const GroupInfo group_;
+  const std::shared_ptr<const GpuLinkSet> links_;
+  DeviceApi& api_;
+  SplitLog* const splits_;
+  std::vector<std::unique_ptr<GpuChannel>> channels_;  // per used link (NcclChannel)
+  std::vector<CommId> comm_ids_;                       // per used link
+  std::vector<std::string> used_names_;
+  std::vector<std::pair<std::string, std::string>> left_out_;
+  plan::Balancer balancer_;
+  std::vector<int> local_;  // local ranks, ascending
+  std::vector<Rank> ranks_;
+
+  std::mutex setup_mu_;
+  std::condition_variable setup_cv_;
+  bool setup_started_ = false;
+  bool setup_done_ = false;
+  Status setup_status_;
+};
+
+// The nccl links of a link set (those a group across processes uses) and the rest with the reason.
+struct GpuXprocLinks {
+  std::vector<size_t> used;
+  std::vector<std::pair<std::string, std::string>> left_out;
+};
+GpuXprocLinks GpuXprocLinksOf(const GpuLinkSet& links);
+
+// This process's GPU groups across processes, per engine. Create: makes the segment (this process
+// must hold rank 0: the leader) and one NCCL identity per used link; Attach: maps the segment made
+// by the leader, with its identities. `local_devices`: the group's ids run by this process.
+Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, std::span<const int64_t> local_devices,
+                           std::string* segment_name, std::vector<CommId>* comm_ids);
+Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, std::span<const CommId> comm_ids,
+                           std::span<const int64_t> devices, std::span<const int64_t> local_devices);
+// The registered group of `engine` with exactly these devices, or nullptr.
+GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices);
+
+struct GpuXprocInfo {
+  std::string name;
+  std::vector<int64_t> devices, local_devices;
+  std::vector<std::string> links;
+  std::vector<std::pair<std::string, std::string>> left_out;
+  uint64_t calls = 0;
+  std::optional<std::string> broken;
+};
+std::vector<GpuXprocInfo> GpuXprocGroups(const GpuEngine& engine);
+
+}  // namespace flexlink::gpu
