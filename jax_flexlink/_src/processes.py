@@ -15,6 +15,13 @@ happens here, at lowering time, where every process lowers the same program in t
 
 Nobody waits for another process except for the name, so two groups whose creators are different
 processes cannot wait on each other. Each group is set up once per process.
+
+GPU groups (lowering for "cuda", with the CUDA module built): the same exchange, plus one NCCL unique
+id per nccl link that the leader's module makes and publishes next to the segment name
+(`flexlink/gpuxproc/<hash>/nccl_ids`); the CUDA engine runs the group's host rendezvous and plan
+through the segment and its bytes through NCCL communicators made at the first call
+(xla_ffi/cuda/gpu_xproc.h). Without the module, or with no GPU link that can span processes,
+`route` raises NotLowerable with the reason and lax's collective stays.
 """
 from __future__ import annotations
 
@@ -30,7 +37,8 @@ from jax_flexlink._src import hosts
 from jax_flexlink._src.collective import NotLowerable
 
 _lock = threading.Lock()
-_prepared: dict[tuple[int, ...], str] = {}  # group devices -> segment name (unlinked or not)
+# (platform, group devices) -> segment name (unlinked or not)
+_prepared: dict[tuple[str, tuple[int, ...]], str] = {}
 _created_unlinked: dict[str, bool] = {}  # segments this process created -> unlinked yet
 # (group, tcp link) -> connections its listeners refused for a missing or wrong token
 _refused: dict[tuple, int] = {}
@@ -52,7 +60,7 @@ def prepare(groups, group_sizes, platforms) -> None:
   for size in (int(s) for s in group_sizes):
     group = tuple(int(d) for d in groups[offset:offset + size])
     offset += size
-    if group in _prepared or not spans_processes(group):
+    if not spans_processes(group) or any((p, group) in _prepared for p in platforms):
       continue
     me = jax.process_index()
     if all(device_process(d) != me for d in group):
@@ -61,13 +69,109 @@ def prepare(groups, group_sizes, platforms) -> None:
       raise NotLowerable(
           f"the group of devices {list(group)} spans hosts, and a FlexLink group runs inside one "
           "host (groups across hosts run hierarchically, docs/multihost.md)")
-    if any(p != "cpu" for p in platforms):
-      raise NotLowerable(
-          f"the group of devices {list(group)} spans processes, and FlexLink runs groups across "
-          "processes on CPU only so far (docs/xproc.md)")
+    platform = route(group, platforms)  # raises NotLowerable with the reason where none runs it
     with _lock:
-      if group not in _prepared:
-        _prepared[group] = _set_up(group, me)
+      if (platform, group) not in _prepared:
+        _prepared[(platform, group)] = (_set_up if platform == "cpu" else _set_up_gpu)(group, me)
+
+
+def gpu_reason(module) -> str | None:
+  """Why FlexLink's CUDA module cannot run GPU groups across processes, or None when it can."""
+  if module is None:
+    return ("this build has no CUDA module (FLEXLINK_CUDA=ON builds it: `pip install -e . -C "
+            "cmake.define.FLEXLINK_CUDA=ON`)")
+  if not hasattr(module, "gpu_xproc_create"):
+    return "this build's CUDA module predates GPU groups across processes; rebuild it"
+  links = module.gpu_xproc_links()
+  if not links["links"]:
+    why = "; ".join(f"{name}: {reason}" for name, reason in links["left_out"])
+    return (f"none of the configured GPU links {list(module.links())} can span processes; only nccl "
+            f"does so far ({why})")
+  return None
+
+
+def route(group, platforms) -> str:
+  """The platform whose engine runs a group spanning processes ("cpu", or "cuda" with the CUDA
+  module's cross-process groups); raises NotLowerable with the reason where none can, so lowering
+  keeps lax's collective (replacement) or names the reason (explicit API)."""
+  platforms = tuple(platforms)
+  if platforms == ("cpu",) or (platforms and all(p == "cpu" for p in platforms)):
+    return "cpu"
+  if platforms == ("cuda",):
+    from jax_flexlink._src import native  # noqa: PLC0415
+    reason = gpu_reason(native.cuda_module())
+    if reason is None:
+      return "cuda"
+    raise NotLowerable(f"the group of devices {list(group)} spans processes, and FlexLink cannot run "
+                       f"it on GPU: {reason} (docs/multiprocess.md)")
+  raise NotLowerable(
+      f"the group of devices {list(group)} spans processes, and FlexLink sets such groups up for one "
+      f"platform at a time, cpu or cuda (lowered for {list(platforms)}; docs/multiprocess.md)")
+
+
+def _key(kind: str, group) -> str:
+  return f"flexlink/{kind}/" + hashlib.sha256(",".join(map(str, group)).encode()).hexdigest()[:32]
+
+
+_NCCL_ID_BYTES = 128  # ncclUniqueId (NCCL_UNIQUE_ID_BYTES)
+_ids_set = []         # the CUDA module got this process's ordinal -> global id map
+
+
+def _set_device_ids(module) -> None:
+  """Tells the CUDA module the global id of each local CUDA ordinal: XLA's handlers get the
+  ordinal, groups hold jax's global ids (equal only in a single-process job)."""
+  if _ids_set:
+    return
+  local = [d for d in jax.local_devices() if d.platform == "gpu"]
+  # XLA's DeviceOrdinal is the local device's index in CUDA's order (local_hardware_id); to be
+  # checked on the first GPU run (docs/cuda.md, "Known limits").
+  local.sort(key=lambda d: d.id if getattr(d, "local_hardware_id", None) is None else d.local_hardware_id)
+  module.set_device_ids([d.id for d in local])
+  _ids_set.append(True)
+
+
+def _set_up_gpu(group: tuple[int, ...], me: int) -> str:
+  """A GPU group across processes (xla_ffi/cuda/gpu_xproc.h): the leader process (rank 0's) creates
+  the group's segment and one NCCL unique id per nccl link and publishes both; the others read
+  them (bounded gets) and attach; the last to map the segment unlinks its name, as on CPU. The
+  communicators themselves are made at the group's first call (ncclCommInitRank for every local
+  rank inside one ncclGroupStart/End), where no rank of the group has anything in flight."""
+  from jax_flexlink._src import native  # noqa: PLC0415
+  client = compat.distributed_client()
+  if client is None:
+    raise NotLowerable(
+        f"the group of devices {list(group)} spans processes, and FlexLink sets such groups up "
+        "through jax.distributed's key-value store; call jax.distributed.initialize() first")
+  return exchange_gpu_ids(client, native.cuda_module(), group, me,
+                          [d for d in group if device_process(d) == me], device_process(group[0]))
+
+
+def exchange_gpu_ids(client, module, group, me, local, creator) -> str:
+  """The key-value exchange of a GPU group's segment name and NCCL unique ids (separate from
+  jax so that a test can drive it with a stand-in store and module)."""
+  _set_device_ids(module)
+  key = _key("gpuxproc", group)
+  timeout_ms = hosts.kv_timeout_ms()
+  if me == creator:
+    name, ids = module.gpu_xproc_create(list(group), local)
+    _created_unlinked[name] = False
+    client.key_value_set(f"{key}/name", name)
+    client.key_value_set_bytes(f"{key}/nccl_ids", b"".join(bytes(i) for i in ids))
+  else:
+    name = hosts.kv_get(client, f"{key}/name",
+                        f"process {creator} did not publish the segment of the GPU group of devices "
+                        f"{list(group)}", timeout_ms=timeout_ms)
+    blob = hosts.kv_get(client, f"{key}/nccl_ids",
+                        f"process {creator} did not publish the NCCL unique ids of the GPU group of "
+                        f"devices {list(group)}", as_bytes=True, timeout_ms=timeout_ms)
+    if len(blob) % _NCCL_ID_BYTES:
+      raise RuntimeError(f"jax_flexlink: the NCCL unique ids of the GPU group of devices {list(group)} "
+                         f"are {len(blob)} bytes, not a multiple of {_NCCL_ID_BYTES}")
+    ids = [blob[i:i + _NCCL_ID_BYTES] for i in range(0, len(blob), _NCCL_ID_BYTES)]
+    module.gpu_xproc_attach(name, ids, list(group), local)
+  if client.key_value_increment(f"{key}/mapped", len(local)) == len(group):
+    _unlink(name, module.gpu_xproc_unlink)
+  return name
 
 
 def _set_up(group: tuple[int, ...], me: int) -> str:
@@ -80,7 +184,7 @@ def _set_up(group: tuple[int, ...], me: int) -> str:
   module = native._flexlink
   timeout_ms = hosts.kv_timeout_ms()
   local = [d for d in group if device_process(d) == me]
-  key = "flexlink/xproc/" + hashlib.sha256(",".join(map(str, group)).encode()).hexdigest()[:32]
+  key = _key("xproc", group)
   creator = device_process(group[0])
   if me == creator:
     name = module.xproc_create(list(group), local, 0)
@@ -129,9 +233,9 @@ def _connect_tcp(client, module, key, group, local, me, creator, link, timeout_m
                                                      token, link)
 
 
-def _unlink(name: str) -> None:
+def _unlink(name: str, unlink=None) -> None:
   from jax_flexlink._src import native  # noqa: PLC0415
-  native._flexlink.xproc_unlink(name)
+  (unlink or native._flexlink.xproc_unlink)(name)
   if name in _created_unlinked:
     _created_unlinked[name] = True
 
@@ -149,7 +253,12 @@ def _unlink_unmapped() -> None:
 
 
 def groups() -> list[dict]:
-  """The cross-process groups this process has set up, as the engine reports them."""
+  """The cross-process groups this process has set up, as the engines report them (GPU groups
+  with "platform": "cuda")."""
   from jax_flexlink._src import native  # noqa: PLC0415
   module = native._flexlink
-  return list(module.xproc_groups()) if hasattr(module, "xproc_groups") else []
+  out = list(module.xproc_groups()) if hasattr(module, "xproc_groups") else []
+  cuda = native.cuda_module()
+  if cuda is not None and hasattr(cuda, "gpu_xproc_groups"):
+    out += [dict(g, platform="cuda") for g in cuda.gpu_xproc_groups()]
+  return out

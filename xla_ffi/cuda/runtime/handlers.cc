@@ -20,7 +20,9 @@ ffi::Error Run(Kind kind, cudaStream_t stream, int32_t device, ffi::RunId run_id
                ffi::RemainingRets rets, ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
                std::string_view reduction, int64_t axis, std::string_view label, std::span<const int64_t> pairs = {}) {
   CollectiveArgs a;
-  ffi::Error decoded = DecodeCall(kind, device, run_id, args, rets, groups, group_sizes, reduction, axis, label, pairs, &a);
+  // Groups hold global device ids; XLA gives the CUDA ordinal (process.h, SetDeviceIds).
+  const int32_t id = static_cast<int32_t>(GlobalIdOf(device));
+  ffi::Error decoded = DecodeCall(kind, id, run_id, args, rets, groups, group_sizes, reduction, axis, label, pairs, &a);
   if (decoded.failure()) return decoded;
   return ToFfi(ProcessEngine().Run(a, stream));
 }

@@ -4,12 +4,14 @@
 // no GPU and no NCCL: the CUDA runtime and NCCL are first touched by a handler call or by
 // device_count()/nccl_version().
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -19,6 +21,8 @@
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_faults.h"
+#include "xla_ffi/cuda/gpu_xproc.h"
+#include "xla_ffi/xproc/segment.h"
 #include "xla_ffi/cuda/runtime/handlers.h"
 #include "xla_ffi/cuda/runtime/process.h"
 #include "xla_ffi/ffi/py_values.h"
@@ -81,6 +85,107 @@ void SeedModel(int ranks, const std::map<std::string, std::vector<std::pair<doub
     }
   }
   Check(ProcessEngine().SetSeed(ranks, std::move(seed)));
+}
+
+}  // namespace
+}  // namespace flexlink::gpu
+
+namespace flexlink::gpu {
+namespace {
+
+// GPU groups across processes (xla_ffi/cuda/gpu_xproc.h; Python's processes.py drives these at
+// lowering, the segment name and the NCCL identities travelling through jax.distributed's store).
+void ThrowXproc(const Status& s) {
+  if (s.ok()) return;
+  if (s.code() == StatusCode::kInvalidArgument) throw nb::value_error(s.message().c_str());
+  throw std::runtime_error(s.message());
+}
+
+void DefineGpuXproc(nb::module_& m) {
+  m.def(
+      "set_device_ids",
+      [](std::vector<int64_t> ids) {
+        if (!SetDeviceIds(std::move(ids)))
+          throw nb::value_error("set_device_ids: this process's CUDA ordinals already map to other global ids");
+      },
+      nb::arg("global_of_ordinal"),
+      "The global (jax) device id of each local CUDA ordinal, for multi-process jobs: the handlers get "
+      "the ordinal, groups hold global ids. Set once; identity until set.");
+  m.def(
+      "gpu_xproc_links",
+      [] {
+        const GpuXprocLinks w = GpuXprocLinksOf(*ProcessEngine().CurrentLinks());
+        std::vector<std::string> used;
+        for (size_t i : w.used) used.emplace_back(ProcessEngine().CurrentLinks()->links[i]->name());
+        nb::dict d;
+        d["links"] = used;
+        d["left_out"] = w.left_out;
+        return d;
+      },
+      "{'links': the current GPU links a group across processes uses (nccl ones), 'left_out': [(link, why)]}.");
+  m.def(
+      "gpu_xproc_create",
+      [](std::vector<int64_t> devices, std::vector<int64_t> local_devices) {
+        std::string name;
+        std::vector<CommId> ids;
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = CreateGpuXprocGroup(ProcessEngine(), devices, local_devices, &name, &ids);
+        }
+        ThrowXproc(s);
+        std::vector<nb::bytes> out;
+        for (const CommId& id : ids) out.emplace_back(id.data(), id.size());
+        return std::make_tuple(name, out);
+      },
+      nb::arg("devices"), nb::arg("local_devices"),
+      "Leader process (it runs rank 0): creates the segment of the GPU group `devices` (global ids, rank "
+      "order) and one NCCL unique id per nccl link, claims `local_devices`, registers the group; returns "
+      "(segment name, [128-byte ids]) for the other processes.");
+  m.def(
+      "gpu_xproc_attach",
+      [](const std::string& name, std::vector<nb::bytes> ids, std::vector<int64_t> devices,
+         std::vector<int64_t> local_devices) {
+        std::vector<CommId> comm_ids;
+        for (const nb::bytes& b : ids) {
+          if (b.size() != kCommIdBytes)
+            throw nb::value_error(("gpu_xproc_attach: an NCCL unique id has " + std::to_string(kCommIdBytes) +
+                                   " bytes, got " + std::to_string(b.size())).c_str());
+          CommId id;
+          std::memcpy(id.data(), b.c_str(), kCommIdBytes);
+          comm_ids.push_back(id);
+        }
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = AttachGpuXprocGroup(ProcessEngine(), name, comm_ids, devices, local_devices);
+        }
+        ThrowXproc(s);
+      },
+      nb::arg("name"), nb::arg("ids"), nb::arg("devices"), nb::arg("local_devices"),
+      "Other member processes: maps the leader's segment `name`, keeps its NCCL ids, claims "
+      "`local_devices`, registers the group. The communicators are made at the group's first call.");
+  m.def(
+      "gpu_xproc_unlink", [](const std::string& name) { ThrowXproc(xproc::Segment::Unlink(name)); },
+      nb::arg("name"), "Removes the segment's name once every process mapped it (mappings stay).");
+  m.def(
+      "gpu_xproc_groups",
+      [] {
+        nb::list out;
+        for (const GpuXprocInfo& g : GpuXprocGroups(ProcessEngine())) {
+          nb::dict d;
+          d["name"] = g.name;
+          d["devices"] = g.devices;
+          d["local_devices"] = g.local_devices;
+          d["links"] = g.links;
+          d["left_out"] = g.left_out;
+          d["calls"] = g.calls;
+          d["broken"] = g.broken;
+          out.append(d);
+        }
+        return out;
+      },
+      "Per GPU group across processes: name, devices, local_devices, links, left_out, calls, broken.");
 }
 
 }  // namespace
@@ -165,4 +270,5 @@ NB_MODULE(_flexlink_cuda, m) {
         return std::make_pair(n, why);
       },
       "(CUDA devices visible, why none) through the CUDA runtime.");
+  DefineGpuXproc(m);
 }
