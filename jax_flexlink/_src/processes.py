@@ -56,6 +56,13 @@ def prepare(groups, group_sizes, platforms) -> None:
   for the engine (raises NotLowerable where FlexLink cannot run such a group)."""
   if jax.process_count() == 1:
     return
+  if tuple(platforms) == ("cuda",):
+    from jax_flexlink._src import native  # noqa: PLC0415
+    cuda = native.cuda_module()
+    if cuda is not None and hasattr(cuda, "set_device_ids"):
+      # Every GPU group of a multi-process job, in-process ones too: XLA's handlers get the CUDA
+      # ordinal, groups hold global ids.
+      _set_device_ids(cuda)
   offset = 0
   for size in (int(s) for s in group_sizes):
     group = tuple(int(d) for d in groups[offset:offset + size])
