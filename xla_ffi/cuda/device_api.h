@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -64,7 +65,26 @@ class DeviceApi {
   virtual Poll Query(Event event, std::string* error) = 0;
   // Seconds between two completed timing events of one device.
   virtual Status ElapsedSeconds(Event start, Event stop, double* seconds) = 0;
+
+  // Groups across processes (pcie_xproc.h): host memory another process maps too (the group's
+  // shared segment) made pinned and device-visible in this process (cudaHostRegister, portable
+  // and mapped), and stream memory operations on 32-bit flags in it: WriteValue32 stores `value`
+  // once the stream's earlier work is done; WaitValue32 holds the stream until
+  // (int32_t)(*flag - value) >= 0 (cuStreamWaitValue32 GEQ, wrap-aware). Defaults: unsupported.
+  virtual Status RegisterHost(void* ptr, size_t bytes);
+  virtual Status WriteValue32(uint32_t* flag, uint32_t value, Stream stream);
+  virtual Status WaitValue32(const uint32_t* flag, uint32_t value, Stream stream);
 };
+
+inline Status DeviceApi::RegisterHost(void*, size_t) {
+  return Status::FailedPrecondition("this device cannot register shared host memory");
+}
+inline Status DeviceApi::WriteValue32(uint32_t*, uint32_t, Stream) {
+  return Status::FailedPrecondition("this device has no stream memory operations");
+}
+inline Status DeviceApi::WaitValue32(const uint32_t*, uint32_t, Stream) {
+  return Status::FailedPrecondition("this device has no stream memory operations");
+}
 
 // Restores the calling thread's current device on every way out (XLA's device threads keep their
 // own device current; setup switches between devices).

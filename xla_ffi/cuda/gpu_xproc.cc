@@ -11,6 +11,8 @@
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_executor.h"
 #include "xla_ffi/cuda/nccl_link.h"
+#include "xla_ffi/cuda/pcie_link.h"
+#include "xla_ffi/cuda/pcie_xproc.h"
 #include "xla_ffi/plan/ranges.h"
 #include "xla_ffi/xproc/layout.h"
 #include "xla_ffi/xproc/process_group.h"
@@ -21,16 +23,20 @@ GpuXprocLinks GpuXprocLinksOf(const GpuLinkSet& links) {
   GpuXprocLinks out;
   for (size_t i = 0; i < links.links.size(); ++i) {
     const GpuLink* link = links.links[i].get();
-    if (dynamic_cast<const NcclLink*>(link) && out.used.size() < xproc::kMaxXprocLinks) {
-      out.used.push_back(i);
-    } else if (dynamic_cast<const NcclLink*>(link)) {
+    const bool nccl = dynamic_cast<const NcclLink*>(link) != nullptr;
+    const bool pcie = dynamic_cast<const PcieLink*>(link) != nullptr;
+    if (out.used.size() >= xproc::kMaxXprocLinks) {
       out.left_out.emplace_back(std::string(link->name()), "more than 8 links");
+    } else if (pcie && std::any_of(out.used.begin(), out.used.end(), [&](size_t j) {
+                 return dynamic_cast<const PcieLink*>(links.links[j].get()) != nullptr;
+               })) {
+      out.left_out.emplace_back(std::string(link->name()),
+                                "a second pcie link (one staging segment and one set of flags per group)");
+    } else if (nccl || pcie) {
+      out.used.push_back(i);
+      if (nccl) out.nccl.push_back(i);
     } else {
-      out.left_out.emplace_back(
-          std::string(link->name()),
-          "the pcie link orders the devices of a group with CUDA events, which do not cross processes; "
-          "staging through the group's segment registered as pinned memory is designed, not built "
-          "(docs/multiprocess.md)");
+      out.left_out.emplace_back(std::string(link->name()), "cannot span processes");
     }
   }
   return out;
@@ -55,7 +61,10 @@ GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, Group
   left_out_ = which.left_out;
   for (size_t i : which.used) {
     used_names_.emplace_back(links_->links[i]->name());
-    channels_.push_back(links_->links[i]->Open(group_));
+    if (dynamic_cast<const PcieLink*>(links_->links[i].get()))
+      channels_.push_back(std::make_unique<PcieXprocChannel>(used_names_.back(), api, group_, segment_.get()));
+    else
+      channels_.push_back(links_->links[i]->Open(group_));
   }
   for (int r = 0; r < group_.size(); ++r)
     if (segment_->is_local(r)) local_.push_back(r);
@@ -78,7 +87,7 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   };
   if (links == 0)
     return Status::FailedPrecondition(where() + ": none of the configured GPU links can span processes "
-                                      "(only nccl does so far)");
+                                      "(nccl and pcie can)");
   // 1. The leader's plan, written before its arrival: the barrier's release/acquire makes it
   // visible to every rank after the arrival. Rewritten for call + 2 only after the leader passed
   // call + 1's arrival, by which every rank has read it (layout.h, PlanSlot).
@@ -160,9 +169,11 @@ Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_vi
 Status GpuXprocGroup::SetupLocal() {
   const std::string where = "flexlink: setting up group " + FormatIds(group_.ids) + " across processes: ";
   auto check = [&](Status s) { return s.ok() ? s : Status(s.code(), where + s.message()); };
-  if (comm_ids_.size() != channels_.size())
+  size_t nccl_links = 0;
+  for (const auto& c : channels_) nccl_links += dynamic_cast<NcclChannel*>(c.get()) != nullptr;
+  if (comm_ids_.size() != nccl_links)
     return Status::FailedPrecondition(where + "the leader made " + std::to_string(comm_ids_.size()) +
-                                      " NCCL identities for " + std::to_string(channels_.size()) +
+                                      " NCCL identities for " + std::to_string(nccl_links) +
                                       " nccl links here (processes configured different links)");
   std::vector<int> loaded;
   for (int r : local_) {
@@ -175,10 +186,14 @@ Status GpuXprocGroup::SetupLocal() {
   }
   // NCCL first: every process joins each communicator in the same (link) order, and ncclGroupEnd
   // returns only once all have.
+  size_t next_id = 0;
   for (size_t i = 0; i < channels_.size(); ++i) {
-    auto* nccl = dynamic_cast<NcclChannel*>(channels_[i].get());
-    if (!nccl) return Status::Internal(where + "link " + used_names_[i] + " is not an nccl link");
-    FLEXLINK_RETURN_IF_ERROR(nccl->SetupAcrossProcesses(comm_ids_[i], local_));
+    if (auto* nccl = dynamic_cast<NcclChannel*>(channels_[i].get()))
+      FLEXLINK_RETURN_IF_ERROR(nccl->SetupAcrossProcesses(comm_ids_[next_id++], local_));
+    else if (auto* pcie = dynamic_cast<PcieXprocChannel*>(channels_[i].get()))
+      FLEXLINK_RETURN_IF_ERROR(pcie->SetupLocal(local_));
+    else
+      return Status::Internal(where + "link " + used_names_[i] + " cannot span processes");
   }
   for (int r : local_) {
     const int dev = group_.devices[r];
@@ -281,14 +296,17 @@ Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, 
                                    " across processes: the leader process (the one that creates the group) "
                                    "runs its rank 0");
   const GpuXprocLinks which = GpuXprocLinksOf(*engine.CurrentLinks());
-  std::vector<CommId> ids(which.used.size());
+  std::vector<CommId> ids(which.nccl.size());
   for (CommId& id : ids) {
     Status s = engine.comm().NewId(&id);
     if (!s.ok()) return Status(s.code(), "flexlink: GPU group " + FormatIds(devices) + " across processes: " + s.message());
   }
   std::unique_ptr<xproc::ProcessGroup> segment;
-  // Slots of the minimum size: no data goes through them, only fingerprints and the plan.
-  FLEXLINK_RETURN_IF_ERROR(xproc::ProcessGroup::Create(devices, local_devices, size_t{64} << 10, &segment));
+  // With a pcie link the slots are its staging (the configured slot size, FLEXLINK_XPROC_SLOT_BYTES);
+  // else of the minimum size: only fingerprints go through them.
+  const bool staging = which.nccl.size() < which.used.size();
+  FLEXLINK_RETURN_IF_ERROR(
+      xproc::ProcessGroup::Create(devices, local_devices, staging ? 0 : size_t{64} << 10, &segment));
   const std::string name = segment->name();
   Status s = Register(engine, std::move(segment), ids, devices);
   if (!s.ok()) {

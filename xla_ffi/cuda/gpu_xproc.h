@@ -23,9 +23,9 @@
 //          links, cuts identical ranges (plan::CutRanges) and enqueues each link's range (one link:
 //          on XLA's stream; several: on side streams forked from it and joined back with events).
 //          The host never waits for the device.
-// Links: every nccl link of the link set current at set-up. pcie is left out, with the reason
-// (its channel orders devices with events, which do not cross processes; the design through the
-// segment registered as pinned memory is in docs/multiprocess.md). Not here yet: stage 1 and
+// Links: every nccl link of the link set current at set-up, and one pcie link, which stages through
+// the segment itself (pcie_xproc.h: registered as pinned memory in every process, devices ordered
+// with stream memory operations on flags in it). Not here yet: stage 1 and
 // stage 2 (the leader plans from pinned shares, seeds or its defaults and learns nothing across
 // processes), fault injection and failover.
 #pragma once
@@ -119,9 +119,10 @@ class GpuXprocGroup {
   Status setup_status_;
 };
 
-// The nccl links of a link set (those a group across processes uses) and the rest with the reason.
+// The links of a link set a group across processes uses (nccl, one pcie) and the rest with the reason.
 struct GpuXprocLinks {
-  std::vector<size_t> used;
+  std::vector<size_t> used;  // link indices, in link-set order
+  std::vector<size_t> nccl;  // those of kind nccl (one NCCL identity each)
   std::vector<std::pair<std::string, std::string>> left_out;
 };
 GpuXprocLinks GpuXprocLinksOf(const GpuLinkSet& links);

@@ -62,6 +62,15 @@ class ProcessGroup {
                            std::string_view link);
   Status SyncWithoutData(int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
                          std::string_view link, std::string_view what);
+  // The GPU engine's pcie link across processes (cuda/pcie_xproc.h) stages through the data slots
+  // (after the fingerprint area, which the arrival keeps using) and orders the devices with 32-bit
+  // flags in the results area, which GPU groups do not use otherwise; the whole mapping is what it
+  // registers as pinned memory.
+  char* staging(int buffer, int rank) const { return Slot(buffer, rank) + kFingerprintBytes; }
+  uint32_t* flag_words() const { return reinterpret_cast<uint32_t*>(results_); }
+  size_t flag_bytes() const { return 2 * header_->slot_bytes; }
+  char* mapping() const { return segment_->data(); }
+  size_t mapping_bytes() const { return segment_->size(); }
   // Records `message` as the group's failure (first one wins) and wakes every waiter: another link's
   // error of this rank's call, so that the other processes fail fast with the reason.
   void Abort(int rank, const std::string& message) { Fail(rank, message); }

@@ -188,7 +188,8 @@ bool WaitFor(F ready, const SimXprocComm::Shared& s, int peer, double timeout, c
     if (now >= next_check) {
       next_check = now + std::chrono::milliseconds(20);
       const int32_t pid = s.rank(peer).pid.load(std::memory_order_relaxed);
-      if (ProcessGone(pid)) {
+      // Checked again after the liveness test: a peer may have done its part and exited since.
+      if (ProcessGone(pid) && !ready()) {
         *why = "sim nccl across processes: rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
                ") exited while waiting for " + what;
         return false;

@@ -1,6 +1,9 @@
 #include "xla_ffi/cuda/runtime/cuda_device.h"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
+
+#include <mutex>
 
 #include <string>
 
@@ -118,6 +121,63 @@ Status CudaDevice::ElapsedSeconds(Event start, Event stop, double* seconds) {
   FLEXLINK_RETURN_IF_ERROR(Check(cudaEventElapsedTime(&ms, E(start), E(stop)), "cudaEventElapsedTime"));
   *seconds = ms * 1e-3;
   return Status::Ok();
+}
+
+// Groups across processes (pcie_xproc.h). The stream memory operations are driver API entry
+// points, resolved through the runtime (the module links no libcuda: it loads the driver at its
+// first call, so it still imports without one).
+namespace {
+
+using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+template <class F>
+Status DriverEntry(const char* name, F* out) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (*out) return Status::Ok();
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+  if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn)
+    return Status::FailedPrecondition(std::string("the CUDA driver has no ") + name +
+                                      " (stream memory operations, needed by the pcie link across processes)");
+  *out = reinterpret_cast<F>(fn);
+  return Status::Ok();
+}
+
+WaitValue32Fn g_wait = nullptr;
+WriteValue32Fn g_write = nullptr;
+
+Status DevicePointer(const void* host, CUdeviceptr* out) {
+  void* d = nullptr;
+  FLEXLINK_RETURN_IF_ERROR(Check(cudaHostGetDevicePointer(&d, const_cast<void*>(host), 0), "cudaHostGetDevicePointer"));
+  *out = reinterpret_cast<CUdeviceptr>(d);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status CudaDevice::RegisterHost(void* ptr, size_t bytes) {
+  // Portable: every local GPU's copy engines use it as pinned memory; mapped: the flags in it have
+  // a device address for the stream memory operations.
+  return Check(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped), "cudaHostRegister");
+}
+
+Status CudaDevice::WriteValue32(uint32_t* flag, uint32_t value, Stream stream) {
+  FLEXLINK_RETURN_IF_ERROR(DriverEntry("cuStreamWriteValue32", &g_write));
+  CUdeviceptr d = 0;
+  FLEXLINK_RETURN_IF_ERROR(DevicePointer(flag, &d));
+  const CUresult r = g_write(static_cast<CUstream>(stream), d, value, CU_STREAM_WRITE_VALUE_DEFAULT);
+  return r == CUDA_SUCCESS ? Status::Ok() : Status::Internal("cuStreamWriteValue32 failed (" + std::to_string(r) + ")");
+}
+
+Status CudaDevice::WaitValue32(const uint32_t* flag, uint32_t value, Stream stream) {
+  FLEXLINK_RETURN_IF_ERROR(DriverEntry("cuStreamWaitValue32", &g_wait));
+  CUdeviceptr d = 0;
+  FLEXLINK_RETURN_IF_ERROR(DevicePointer(flag, &d));
+  const CUresult r = g_wait(static_cast<CUstream>(stream), d, value, CU_STREAM_WAIT_VALUE_GEQ);
+  return r == CUDA_SUCCESS ? Status::Ok() : Status::Internal("cuStreamWaitValue32 failed (" + std::to_string(r) + ")");
 }
 
 }  // namespace flexlink::gpu

@@ -30,6 +30,9 @@ class CudaDevice : public DeviceApi {
   Status FreeAsync(void* ptr, Stream stream) override;
   Poll Query(Event event, std::string* error) override;
   Status ElapsedSeconds(Event start, Event stop, double* seconds) override;
+  Status RegisterHost(void* ptr, size_t bytes) override;
+  Status WriteValue32(uint32_t* flag, uint32_t value, Stream stream) override;
+  Status WaitValue32(const uint32_t* flag, uint32_t value, Stream stream) override;
 };
 
 }  // namespace flexlink::gpu

@@ -122,7 +122,7 @@ void DefineGpuXproc(nb::module_& m) {
         d["left_out"] = w.left_out;
         return d;
       },
-      "{'links': the current GPU links a group across processes uses (nccl ones), 'left_out': [(link, why)]}.");
+      "{'links': the current GPU links a group across processes uses (nccl, one pcie), 'left_out': [(link, why)]}.");
   m.def(
       "gpu_xproc_create",
       [](std::vector<int64_t> devices, std::vector<int64_t> local_devices) {
