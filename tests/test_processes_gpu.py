@@ -67,8 +67,8 @@ class Module:
     return self._links
 
   def gpu_xproc_links(self):
-    return {"links": [l for l in self._links if l.startswith("nccl")],
-            "left_out": [(l, "orders devices with CUDA events") for l in self._links if l.startswith("pcie")]}
+    return {"links": [l for l in self._links if l in ("nccl", "pcie")],
+            "left_out": [(l, "cannot span processes") for l in self._links if l not in ("nccl", "pcie")]}
 
   def gpu_xproc_create(self, devices, local):
     self.calls.append(("create", devices, local))
@@ -90,8 +90,8 @@ def test_gpu_reason():
   assert "FLEXLINK_CUDA=ON" in processes.gpu_reason(None)
   assert "predates" in processes.gpu_reason(object())
   assert processes.gpu_reason(Module()) is None
-  reason = processes.gpu_reason(Module(links=("pcie",)))
-  assert "only nccl" in reason and "pcie: orders devices with CUDA events" in reason, reason
+  reason = processes.gpu_reason(Module(links=("rdma",)))
+  assert "nccl and one pcie link can" in reason and "rdma: cannot span processes" in reason, reason
 
 
 def test_route(monkeypatch):
@@ -102,8 +102,8 @@ def test_route(monkeypatch):
     processes.route(group, ("cuda",))
   monkeypatch.setattr(native, "cuda_module", lambda: Module())
   assert processes.route(group, ("cuda",)) == "cuda"
-  monkeypatch.setattr(native, "cuda_module", lambda: Module(links=("pcie",)))
-  with pytest.raises(NotLowerable, match="only nccl does so far"):
+  monkeypatch.setattr(native, "cuda_module", lambda: Module(links=("rdma",)))
+  with pytest.raises(NotLowerable, match="nccl and one pcie link can"):
     processes.route(group, ("cuda",))
   with pytest.raises(NotLowerable, match="one platform at a time"):
     processes.route(group, ("cpu", "cuda"))
@@ -202,7 +202,7 @@ def test_one_device_map():
 
 def test_cuda_module_functions():
   """With a FLEXLINK_CUDA=ON build: the module reports which GPU links a group across processes
-  uses, refuses malformed ids, and a create on this GPU-less machine fails cleanly, leaving
+  uses (nccl and one pcie link; a second pcie is left out with the reason), refuses malformed ids, and a create on this GPU-less machine fails cleanly, leaving
   nothing in /dev/shm."""
   path = _cuda_module_path()
   if not path or not os.path.exists(path):
@@ -219,8 +219,12 @@ def test_cuda_module_functions():
       before = shm()
       flx.configure(links="nccl;pcie")
       links = module.gpu_xproc_links()
-      assert links["links"] == ["nccl"], links
-      assert links["left_out"][0][0] == "pcie" and "CUDA events" in links["left_out"][0][1], links
+      assert links == {{"links": ["nccl", "pcie"], "left_out": []}}, links
+      assert processes.gpu_reason(module) is None
+      flx.configure(links="pcie:a;pcie:b")
+      links = module.gpu_xproc_links()
+      assert links["links"] == ["a"] and links["left_out"][0][0] == "b", links
+      assert "second pcie" in links["left_out"][0][1], links
       assert processes.gpu_reason(module) is None
       try:
           module.gpu_xproc_attach("/flexlink-" + "ab" * 16, [b"x" * 5], [0, 1], [1])
@@ -235,8 +239,6 @@ def test_cuda_module_functions():
       else:
           raise AssertionError("created a GPU group on a machine without GPUs")
       assert shm() == before, (before, shm())
-      flx.configure(links="pcie")
-      assert "only nccl" in processes.gpu_reason(module)
       print("ok")
   """)
   assert result.returncode == 0, result.stdout + result.stderr

@@ -92,8 +92,8 @@ def gpu_reason(module) -> str | None:
   links = module.gpu_xproc_links()
   if not links["links"]:
     why = "; ".join(f"{name}: {reason}" for name, reason in links["left_out"])
-    return (f"none of the configured GPU links {list(module.links())} can span processes; only nccl "
-            f"does so far ({why})")
+    return (f"none of the configured GPU links {list(module.links())} can span processes (nccl and "
+            f"one pcie link can: {why})")
   return None
 
 
