@@ -140,14 +140,14 @@ bool GroupHealth::Unhealthy(size_t link) {
   return entries_[link].s.state == LinkState::kUnhealthy;
 }
 
-void GroupHealth::Failed(size_t link, uint64_t call, const std::string& reason) {
+void GroupHealth::Failed(size_t link, uint64_t call, const std::string& reason, std::string_view what) {
   const HealthOptions o = GetHealthOptions();
   std::lock_guard<std::mutex> lock(mu_);
   Entry& e = entries_[link];
   e.ran = true;
   ++e.s.errors;
   if (e.s.state != LinkState::kUnhealthy) e.probe_interval = o.probe_calls;
-  Change(e, LinkState::kUnhealthy, call, "error at call " + std::to_string(call) + ": " + reason);
+  Change(e, LinkState::kUnhealthy, call, std::string(what) + " at call " + std::to_string(call) + ": " + reason);
   e.next_probe_call = call + e.probe_interval;
   e.next_probe_time = UnixNow() + o.probe_seconds;
 }

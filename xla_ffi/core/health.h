@@ -65,7 +65,8 @@ class GroupHealth {
   std::vector<double> Effective(const std::vector<double>& shares, uint64_t call, uint64_t virtual_bytes,
                                 bool* masked, int* probe);
   bool Unhealthy(size_t link);
-  void Failed(size_t link, uint64_t call, const std::string& reason);  // error or missed deadline
+  // An error or a missed deadline; `what` starts the reason ("error at call N: ...").
+  void Failed(size_t link, uint64_t call, const std::string& reason, std::string_view what = "error");
   void FailedOver(size_t link);
   void Probed(size_t link, uint64_t call, bool ok, const std::string& reason);
   // A successful range of `bytes` (nccl-tests bytes of the range): the fit's rate (<= 0: unknown) and
