@@ -5,11 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "xla_ffi/core/status.h"
 
 namespace flexlink {
 
@@ -38,6 +41,11 @@ struct HealthOptions {
 };
 HealthOptions GetHealthOptions();
 void SetHealthOptions(const HealthOptions& options);
+// set_health_option / health_options of both native modules (each holds its own options): one
+// option by name; an unknown name or a bad value is InvalidArgument (Python's ValueError) and
+// changes nothing.
+Status SetHealthOption(std::string_view key, double value);
+std::map<std::string, double> HealthOptionValues();
 // The rule above for one range.
 double LinkBudgetSeconds(double predicted_s);
 
