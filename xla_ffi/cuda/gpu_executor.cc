@@ -63,11 +63,6 @@ double GpuExecutor::Predict(const CallState& state, size_t link, double message_
   return message_bytes / kUnfittedBytesPerSecond;
 }
 
-std::string GpuExecutor::broken() const {
-  std::lock_guard<std::mutex> lock(broken_mu_);
-  return broken_;
-}
-
 Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream stream) {
   const auto start = Clock::now();
   const int n = group_.size();
@@ -132,9 +127,6 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
     for (const std::string& e : state->errors) moved |= !e.empty();
   }
   if (!status.ok() || state->masked || moved) timings_.Lose(state->record);
-  if (rank == 0)
-    for (size_t i = 0; i < links; ++i)
-      if (effects[i].slow > 1) timings_.MarkSlowed(state->record, i);
   if (state->left.fetch_add(1) + 1 == n) {
     std::lock_guard<std::mutex> lock(broken_mu_);
     --host_calls_;
@@ -276,7 +268,11 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
     // An injected slow link: (K - 1) x the ranges' predicted time after them, on the device, so
     // that the link's stop event (stage 2, health) shows a K x slower range. Its deadline allows it.
     const double delay = effects[i].slow > 1 ? (effects[i].slow - 1) * predicted : 0;
-    if (delay > 0) FLEXLINK_RETURN_IF_ERROR(check(api_.Delay(delay, on)));
+    if (delay > 0) {
+      FLEXLINK_RETURN_IF_ERROR(check(api_.Delay(delay, on)));
+      // Before this rank's slot is busy, so before the record can be complete (and reported).
+      timings_.MarkSlowed(state.record, i);
+    }
     slot.budget[i] = LinkBudgetSeconds(predicted) + delay;
     FLEXLINK_RETURN_IF_ERROR(check(api_.Record(slot.stop[i], on)));
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, slot.stop[i])));
@@ -370,7 +366,6 @@ void GpuExecutor::Hung(const Slot& slot, size_t link, double waited) {
               " and of every call enqueued after it cannot be trusted, and the group runs nothing more "
               "(its link " + names_[link] + " is unhealthy, its streams released; configure the links again "
               "for new groups)";
-    hung_link_ = static_cast<int>(link);
     broken_at_ = Clock::now();
     if (names_.size() > 1) health_->Failed(link, slot.call, reason, "missed its deadline");
     LogInfo("group " + FormatIds(group_.ids) + ": " + broken_);

@@ -78,8 +78,6 @@ class GpuExecutor {
   // release of a broken group's communicators once no rank is inside one of its calls. Never blocks
   // on the device, nor on a host wait longer than a lock.
   void Watch();
-  // Non-empty once a range hung: what every later call's error says.
-  std::string broken() const;
 
   // Timing ring per rank: how many calls may be in flight on the device, per rank, before the
   // oldest one's times are given up.
@@ -187,8 +185,7 @@ class GpuExecutor {
   std::vector<double> clean_rate_;
   // The hang detector's verdict and the release of the group's communicators.
   mutable std::mutex broken_mu_;
-  std::string broken_;            // set once
-  int hung_link_ = -1;
+  std::string broken_;            // set once: what every later call's error says
   Clock::time_point broken_at_;
   bool released_ = false;        // communicators aborted (Watch)
   int host_calls_ = 0;           // calls begun before the break whose ranks have not all left Run

@@ -239,7 +239,7 @@ Status SimDevice::WaitFlag(const uint32_t* flag, double max_seconds, gpu::Stream
   Enqueue(stream, [this, flag, max_seconds] {
     // Polls as the CUDA kernel does (a host write has no way to wake a device), in 100 us naps.
     const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(max_seconds);
-    std::atomic_ref<const uint32_t> word(*flag);
+    std::atomic_ref<uint32_t> word(*const_cast<uint32_t*>(flag));  // the host writes it with atomic_ref too
     while (word.load(std::memory_order_acquire) == 0) {
       if (std::chrono::steady_clock::now() >= end) {
         Error("sim: a flag wait ran out its " + std::to_string(max_seconds) + " s without the host releasing it");
