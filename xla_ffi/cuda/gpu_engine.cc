@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <new>
 #include <tuple>
 
@@ -29,18 +30,27 @@ uint8_t* Bytes(const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p
 GpuEngine::GpuEngine(DeviceApi* api, CommApi* comm, GpuEngineOptions options)
     : serial_(NextSerial()), api_(*api), comm_(*comm), options_(std::move(options)) {}
 
-GpuEngine::~GpuEngine() {
+GpuEngine::~GpuEngine() { StopWatchdog(); }
+
+void GpuEngine::StopWatchdog() {
   {
     std::lock_guard<std::mutex> lock(watch_mu_);
     watch_stop_ = true;
   }
   watch_cv_.notify_all();
-  if (watchdog_.joinable()) watchdog_.join();
+  if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
 }
+
+namespace {
+std::atomic<GpuEngine*> g_stop_at_exit{nullptr};
+}  // namespace
 
 void GpuEngine::StartWatchdog() {
   std::lock_guard<std::mutex> lock(watch_mu_);
-  if (!watchdog_.joinable() && !watch_stop_) watchdog_ = std::thread([this] { WatchLoop(); });
+  if (watchdog_.joinable() || watch_stop_) return;
+  watchdog_ = std::thread([this] { WatchLoop(); });
+  if (options_.stop_watchdog_at_exit && g_stop_at_exit.exchange(this) == nullptr)
+    std::atexit([] { g_stop_at_exit.load()->StopWatchdog(); });
 }
 
 void GpuEngine::WatchLoop() {

@@ -34,6 +34,10 @@ struct GpuEngineOptions {
   // The CUDA device of a group member (its id in `groups`). Under XLA the ids are the handlers'
   // DeviceOrdinal, i.e. CUDA ordinals: identity. Tests put several ranks on one device.
   std::function<int(int64_t)> device_of = [](int64_t id) { return static_cast<int>(id); };
+  // The process's engine is never destroyed (device threads may outlive exit handlers): its
+  // watchdog is stopped by an exit handler instead, registered when it starts, i.e. after the CUDA
+  // runtime's own (which then runs later), so it never polls a runtime that is going away.
+  bool stop_watchdog_at_exit = false;
 };
 
 class GpuEngine {
@@ -80,6 +84,7 @@ class GpuEngine {
   // polls every group's pending events every kWatchTick, so that a hang is found even when no
   // later call comes; stopped and joined by the destructor.
   void StartWatchdog();
+  void StopWatchdog();
   void WatchLoop();
   static constexpr double kWatchTick = 0.02;
 
