@@ -681,7 +681,7 @@ void TestSlowBecomesDegraded() {
   Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "slow: configure");
   s.engine->SetAutotune(256 << 10);
   s.engine->SetTuneMax(1 << 20);
-  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{1 << 18}}, 0, {}, false};  // 1 MiB per rank
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{1 << 17}}, 0, {}, false};  // 512 KiB per rank
   const std::vector<int64_t> ids{0, 1, 2, 3};
   int calls = 0;
   while (!s.engine->GroupModel(ids).value_or(plan::CostModel()).Has(Kind::kAllReduce) && calls < 50)
