@@ -41,12 +41,19 @@ __global__ void DelayKernel(unsigned long long nanos) {
   while (GlobalNanos() - t0 < nanos) __nanosleep(10000);
 }
 
+// A system-scope acquire load (sm_70+): sees the host's latest write to mapped pinned memory, with
+// no stale copy in the GPU's caches.
+__device__ __forceinline__ unsigned int LoadAcquireSystem(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // One thread that polls a host-written word in pinned (mapped) memory until it is non-zero or
-// `max_nanos` passed: an injected hang, released by the host's hang detector. volatile: every read
-// goes to host memory over PCIe instead of a cached copy.
-__global__ void WaitFlagKernel(const volatile unsigned int* flag, unsigned long long max_nanos) {
+// `max_nanos` passed: an injected hang, released by the host's hang detector.
+__global__ void WaitFlagKernel(const unsigned int* flag, unsigned long long max_nanos) {
   const unsigned long long t0 = GlobalNanos();
-  while (*flag == 0 && GlobalNanos() - t0 < max_nanos) __nanosleep(20000);
+  while (LoadAcquireSystem(flag) == 0 && GlobalNanos() - t0 < max_nanos) __nanosleep(20000);
 }
 
 unsigned Blocks(size_t n) { return static_cast<unsigned>(std::max<size_t>(1, std::min(kMaxBlocks, (n + kThreads - 1) / kThreads))); }
@@ -88,7 +95,7 @@ cudaError_t LaunchWaitFlag(const unsigned int* flag, double max_seconds, cudaStr
   void* device_flag = nullptr;
   const cudaError_t err = cudaHostGetDevicePointer(&device_flag, const_cast<unsigned int*>(flag), 0);
   if (err != cudaSuccess) return err;
-  WaitFlagKernel<<<1, 1, 0, stream>>>(static_cast<const volatile unsigned int*>(device_flag),
+  WaitFlagKernel<<<1, 1, 0, stream>>>(static_cast<const unsigned int*>(device_flag),
                                       static_cast<unsigned long long>(std::max(0.0, max_seconds) * 1e9));
   return cudaGetLastError();
 }
