@@ -51,6 +51,7 @@ class NcclChannel : public GpuChannel {
   std::string_view link_name() const override { return name_; }
   Status Setup() override;
   Status Enqueue(const GpuWork& work) override;
+  Status Abort() override;
 
  private:
   struct Rank {
@@ -83,6 +84,7 @@ class NcclChannel : public GpuChannel {
   const NcclOptions options_;
   std::vector<Rank> ranks_;
   Breaker breaker_;
+  bool aborted_ = false;  // Abort's thread only
 };
 
 }  // namespace flexlink::gpu

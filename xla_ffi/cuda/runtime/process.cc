@@ -14,7 +14,11 @@ NcclComm& ProcessNccl() {
 
 GpuEngine& ProcessEngine() {
   // Group members are XLA's DeviceOrdinal, the CUDA ordinal: GpuEngineOptions' identity default.
-  static GpuEngine* engine = new GpuEngine(&ProcessDevice(), &ProcessNccl());
+  static GpuEngine* engine = [] {
+    GpuEngineOptions options;
+    options.stop_watchdog_at_exit = true;
+    return new GpuEngine(&ProcessDevice(), &ProcessNccl(), options);
+  }();
   return *engine;
 }
 
