@@ -47,7 +47,7 @@ size_t Streams::bytes_expected() const {
 }
 
 bool Streams::SendSome(Result* r) {
-  if (send_item_ == send_.size()) return false;
+  if (send_item_ == send_.size() || hold_sends_) return false;
   iovec iov[kMaxIov];
   msghdr msg{};
   msg.msg_iov = iov;
@@ -100,7 +100,8 @@ Streams::Result Streams::Pump(const std::function<void(size_t)>& on_recv) {
     if (progress) continue;
     pollfd fds[3];
     nfds_t k = 0;
-    if (sending) fds[k++] = {send_fd_, POLLOUT, 0};
+    // Held sends are not polled for (the socket is writable: that would spin).
+    if (sending && !hold_sends_) fds[k++] = {send_fd_, POLLOUT, 0};
     if (receiving) fds[k++] = {recv_fd_, POLLIN, 0};
     if (abort_fd_ >= 0) fds[k++] = {abort_fd_, POLLIN, 0};
     const int p = poll(fds, k, PollMillis(deadline_));

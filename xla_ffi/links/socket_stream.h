@@ -38,6 +38,10 @@ class Streams {
   // complete (it may queue sends). Returns kOk, or why it stopped (errno in error_number()).
   Result Pump(const std::function<void(size_t)>& on_recv);
 
+  // Test hook (TcpChannel::StallSendsForTest): queued sends never go out, as if the socket's writes
+  // had stopped; the pump still receives and ends at its deadline or abort.
+  void HoldSends() { hold_sends_ = true; }
+
   size_t bytes_received() const { return received_; }
   size_t bytes_expected() const;
   int error_number() const { return errno_; }
@@ -52,6 +56,7 @@ class Streams {
   size_t send_item_ = 0, send_off_ = 0, recv_item_ = 0, recv_off_ = 0;
   size_t received_ = 0;
   int errno_ = 0;
+  bool hold_sends_ = false;
 };
 
 }  // namespace flexlink::net
