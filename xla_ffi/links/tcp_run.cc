@@ -29,8 +29,13 @@ TcpRun::TcpRun(TcpChannel& ch, const CallDesc& call, int n, int rank, const Piec
     : ch_(ch), limits_(limits), call_(call), d_(call.parts[piece.part]), n_(n), k_(rank), piece_(piece), range_(piece.units),
       st_(ch.ranks_[rank]), wire_(d_.dtype, call.op),
       io_(st_.send_fd, st_.recv_fd, ch.abort_fd_, RunDeadline(limits, &lane_first_)) {
-  // A real stall for tests: this rank's writes stop (the peers see a silent socket).
-  if (ch.stall_rank_.load() == rank && ch.stall_runs_.fetch_sub(1) > 0) io_.HoldSends();
+  // A real stall for tests: this rank's writes stop (the peers see a silent socket), and like a stuck
+  // process it does not give up at the lane's deadline: its peers do, and their hang-up releases it.
+  if (ch.stall_rank_.load() == rank && ch.stall_runs_.fetch_sub(1) > 0) {
+    io_.HoldSends();
+    io_.SetDeadline(net::DeadlineIn(TimeoutSeconds()));
+    lane_first_ = false;
+  }
   cu_ = std::max<size_t>(1, kChunkBytes / wire_.ww);
   m_ = (range_.size() + cu_ - 1) / cu_;
   out_ = static_cast<char*>(d_.out);
