@@ -720,13 +720,14 @@ void MultiLinkTwoRounds(Proc& p) {
 // same evidence, one call after the call that decided it. Then unpinned: stage 2 moves load off it.
 void MultiLinkDegraded(Proc& p) {
   Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  const int64_t count = 1 << 18;  // 1 MiB f32: tcp's half is above health's 256 KiB of evidence
+  Expect(SetShares(Kind::kAllReduce, count * 4, {0.5, 0.5}, true).ok(), "pinned split");
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 24};
+  CheckCase(p, c);  // the group's executor (and the leader's balancer) exist before the fits come
   plan::CostModel model({"shm", "tcp"});
   model.Set(Kind::kAllReduce, 0, plan::AlphaBeta{50e-6, 1 / 2e9});
   model.Set(Kind::kAllReduce, 1, plan::AlphaBeta{50e-6, 1 / 0.2e9});
   Expect(InstallModel(model).ok(), "install fits");
-  const int64_t count = 1 << 18;  // 1 MiB f32: tcp's half is above health's 256 KiB of evidence
-  Expect(SetShares(Kind::kAllReduce, count * 4, {0.5, 0.5}, true).ok(), "pinned split");
-  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 24};
   for (int i = 0; i < 10; ++i) CheckCase(p, c);
   LinkHealthSnapshot h = HealthOf(p, "tcp");
   Expect(h.state == LinkState::kHealthy && h.expected_bps > 0 && h.observed_bps > 0,
