@@ -253,8 +253,8 @@ def test_fault_env_is_checked_at_import():
 
 def test_gpu_link_faults_go_to_the_cuda_module():
   """GPU links' faults (docs/faults.md, "GPU links"; their failover is gpu_sim_test's): a spec naming
-  GPU links goes to the CUDA module and clears the CPU module's, the kinds a stream-ordered engine
-  cannot honour are refused with the reason, and the CUDA module reports health and failovers.
+  GPU links goes to the CUDA module and clears the CPU module's, what the GPU engine cannot honour
+  (rank:absent) is refused with the reason, and the CUDA module reports health and failovers.
   Needs the CUDA module (FLEXLINK_CUDA=ON), not a GPU."""
   from jax_flexlink._src import native  # noqa: PLC0415
   cuda = native.cuda_module()
@@ -267,8 +267,7 @@ def test_gpu_link_faults_go_to_the_cuda_module():
     flx.inject_faults("nccl:error@at_call=2,sticky=1")
     assert flx.faults() == "nccl:error@at_call=2,sticky=1"
     assert cuda.faults() == "nccl:error@at_call=2,sticky=1" and _flexlink.faults() == ""
-    for spec, why in (("nccl:hang@at_call=1", "hang is not supported on GPU links"),
-                      ("pcie:slow@factor=2", "slow is not supported on GPU links"),
+    for spec, why in (("nccl:error@at_call=2;rank:absent@rank=1,at_call=2", "rank:absent is not supported by the GPU engine"),
                       ("nccl:error@at_call=x", "is not an integer")):
       with pytest.raises(ValueError, match=why):
         flx.inject_faults(spec)

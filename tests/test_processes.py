@@ -137,6 +137,20 @@ def test_link_fault_fails_over_across_processes(fault, failed, to):
     assert report["health"][failed] == "unhealthy" and report["health"][to] == "healthy", report
 
 
+def test_no_carrier_across_processes_names_every_link():
+  """tcp's range fails (call 2) and so does its re-run on the segment (shm's 3rd call): with two links
+  no carrier is left, so every process fails the call with each link's report (docs/faults.md,
+  "Across processes"), and the group stays usable: call 3 is exact."""
+  outs = _run(2, 1, "nocarrier", FLEXLINK_LINKS="shm;tcp", FLEXLINK_FAULTS="tcp:error@at_call=2;shm:error@at_call=3")
+  for out in outs:
+    m = re.search(r"^NOCARRIER (.*)$", out, re.M)
+    assert m, out[-3000:]
+    err = m.group(1)
+    assert "no link could carry the bytes of call 2" in err and "across processes" in err, err
+    assert "shm: " in err and "injected error at its call 3" in err, err
+    assert "tcp: " in err and "injected error at its call 2" in err, err
+
+
 @pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
 def test_several_links_split_agreed_across_processes(n, k):
   """FLEXLINK_LINKS="shm;tcp": cross-process calls split across the segment and the tcp ring by the

@@ -141,6 +141,19 @@ def set_faults(spec: str) -> None:
       module.inject_faults("")
 
 
+def set_health_option(key: str, value: float) -> None:
+  """Sets a health option (docs/faults.md, "Health"; _flexlink.set_health_option's keys) in every
+  native module: the CPU and GPU engines each keep their own copy, so one setting reaches both. A
+  bad key or value raises the engine's ValueError from the CPU module before anything changes."""
+  for module in modules():
+    module.set_health_option(key, value)
+
+
+def health_options() -> dict:
+  """The health options (the CPU module's; set_health_option keeps the modules' alike)."""
+  return dict(_flexlink.health_options())
+
+
 def current_faults() -> str:
   for module in modules():
     if module.faults():
@@ -201,7 +214,7 @@ def register_targets() -> None:
     from jax_flexlink._src import gpu_seed  # noqa: PLC0415 - topology only where GPU links are chosen
     gpu_seed.seed_from_topology(target)
   if ENV.link_timeout_s is not None:
-    _flexlink.set_health_option("link_timeout_s", ENV.link_timeout_s)
+    set_health_option("link_timeout_s", ENV.link_timeout_s)  # both engines: the GPU hang detector's floor too
   if ENV.faults:  # after the links: a fault must name a configured link
     try:
       set_faults(ENV.faults)

@@ -50,6 +50,8 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
       module.set_autotune_min_bytes(min_bytes)
     if max_bytes is not None:
       module.set_tune_max_bytes(max_bytes)
+  if link_seconds is not None:
+    native.set_health_option("link_timeout_s", link_seconds)
   if target is not None:
     if target is _flexlink:
       load_cached_model()
@@ -64,7 +66,7 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
 def inject_faults(spec: str) -> None:
   """Injects link and rank faults into the engine's calls from now on (tests and drills;
   docs/faults.md): the CPU engine's, or the GPU engine's when the spec names GPU links (which take
-  only `error` faults; hang, slow and rank:absent are refused there, docs/faults.md says why). `spec`, as FLEXLINK_FAULTS, is faults separated by `;`:
+  error, slow and hang faults; rank:absent is refused there, docs/faults.md says why). `spec`, as FLEXLINK_FAULTS, is faults separated by `;`:
 
     NAME:slow@factor=K[,from_call=N]   link NAME K times slower from its N-th call (default 1)
     NAME:error@at_call=N[,sticky=1]    link NAME fails its N-th call (sticky: and every later one)

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -23,6 +24,7 @@
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/links/faulty.h"
 #include "xla_ffi/links/shm.h"
+#include "xla_ffi/links/tcp.h"
 #include "xla_ffi/plan/balancer.h"
 
 namespace flexlink {
@@ -99,14 +101,16 @@ struct Rig {
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<plan::Balancer> balancer;
   std::unique_ptr<Executor> executor;
-  Rig(int ranks, std::unique_ptr<Channel> second, std::vector<double> shares, uint64_t bucket) : n(ranks) {
+  Rig(int ranks, std::unique_ptr<Channel> second, std::vector<double> shares, uint64_t bucket,
+      const std::string& second_name = "scribble")
+      : n(ranks) {
     for (int i = 0; i < n; ++i) devices.push_back(100 + i);
     comm = std::make_unique<Communicator>(devices);
     comm->AddChannel(std::make_unique<FaultyChannel>(ShmLink().Open(devices), n));
     comm->AddChannel(std::make_unique<FaultyChannel>(std::move(second), n));
-    balancer = std::make_unique<plan::Balancer>(std::vector<std::string>{"shm", "scribble"});
+    balancer = std::make_unique<plan::Balancer>(std::vector<std::string>{"shm", second_name});
     (void)balancer->SetShares(Kind::kAllReduce, bucket, shares, true);
-    executor = std::make_unique<Executor>(comm.get(), std::vector<std::string>{"shm", "scribble"}, "test",
+    executor = std::make_unique<Executor>(comm.get(), std::vector<std::string>{"shm", second_name}, "test",
                                           balancer.get());
   }
   // One int32 sum all_reduce of `count` elements per rank; in place when asked. Checks exactness.
@@ -233,6 +237,44 @@ void TestInjectedFaultsInPlace() {
   Expect(ConfigureLinks("shm").ok(), "back to shm");
 }
 
+// A real tcp ring that stops mid-range (one rank's socket writes stop: a test hook, no injected fault)
+// ends at the lane's own deadline, not at the global socket deadline, and its range fails over to
+// shm in the same call, exactly; the error names the collective, the group, the link and the peer
+// that was waited for.
+void TestRealTcpStallFailsOverAtTheLinksDeadline() {
+  const size_t count = 1 << 16;  // 256 KiB per rank: several pipeline chunks on the ring
+  const std::vector<int64_t> devices = {100, 101, 102, 103};
+  auto tcp = std::make_unique<TcpChannel>("tcp", devices);
+  TcpChannel* ring = tcp.get();
+  Expect(ring->health().ok(), "the ring connects: " + ring->health().message());
+  Rig rig(4, std::move(tcp), {0.5, 0.5}, 1 << 18, "tcp");
+  HealthOptions o = GetHealthOptions();
+  o.link_timeout_s = 0.3;
+  SetHealthOptions(o);
+  bool exact = false;
+  auto st = rig.AllReduce(count, false, &exact);
+  Expect(exact, "a clean split call over shm and the real ring is exact: " + Messages(st));
+  ring->StallSendsForTest(2, 1);
+  const uint64_t before = FailoverCount();
+  const auto t0 = std::chrono::steady_clock::now();
+  st = rig.AllReduce(count, false, &exact);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("  real tcp stall: failed over after %.3f s (link deadline 0.3 s, global %g s)\n", secs,
+              TimeoutSeconds());
+  // The global timeout is 10 s here: failing over well before it is the link's deadline at work.
+  Expect(exact && secs < 0.3 + 3, "a stalled ring's range fails over at the link's deadline: " +
+                                      std::to_string(secs) + " s " + Messages(st));
+  Expect(FailoverCount() == before + 1, "one failover counted");
+  const LinkHealthSnapshot h = HealthOf(rig, "tcp");
+  Expect(h.state == LinkState::kUnhealthy && Contains(h.reason, "missed its deadline of 0.3 s") &&
+             Contains(h.reason, "all_reduce") && Contains(h.reason, "group [100, 101, 102, 103]") &&
+             Contains(h.reason, "link tcp") && Contains(h.reason, "waiting for rank"),
+         "the ring is unhealthy, its reason names collective, group, link and peer: " + h.reason);
+  st = rig.AllReduce(count, false, &exact);
+  Expect(exact, "the next call runs on shm: " + Messages(st));
+  SetHealthOptions(HealthOptions{});
+}
+
 }  // namespace
 }  // namespace flexlink
 
@@ -241,5 +283,6 @@ int main() {
   flexlink::TestParser();
   flexlink::TestFailoverOfATouchedRange();
   flexlink::TestInjectedFaultsInPlace();
+  flexlink::TestRealTcpStallFailsOverAtTheLinksDeadline();
   return flexlink::testing::Summary();
 }

@@ -628,6 +628,61 @@ void TestSilentPeer() {
   RunScenario(sc);
 }
 
+// A real stall across processes: process 1 of 3 is SIGSTOPped mid-call (a grandchild SIGCONTs it 2 s
+// later). The others run the range with a lane deadline of 0.5 s (TcpLimits, what the cross-process
+// executor passes; the global deadline is 30 s): they fail at that deadline, not the global one, and
+// rank 2, which waits for the stopped rank's bytes, names it and the link's deadline.
+void TestStoppedPeer() {
+  Scenario sc{"stopped peer: the lane's deadline", {{0}, {1}, {2}}};
+  sc.timeout = 30;
+  sc.body = [](Child& ch) {
+    const size_t units = size_t{64} << 18;  // 64 MiB of float32 per rank: the call is long enough to stop inside
+    std::vector<float> in(units, 1.f), out(units);
+    const CallDesc d = AllReduceDesc(in, out);
+    const Piece piece{0, {0, units}};
+    const int r = ch.ranks[0];
+    const Status first = ch.channel->RunPieces(d, ch.n, r, {&piece, 1});
+    Expect(first.ok(), "[rank " + std::to_string(r) + "] the call before the stall: " + first.message());
+    const TcpLimits limits{net::DeadlineIn(0.5), 0.5, "tcp_xproc_test"};
+    if (ch.proc == 1) {
+      const pid_t self = getpid();
+      const pid_t waker = fork();
+      if (waker == 0) {
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+        kill(self, SIGCONT);
+        _exit(0);
+      }
+      std::atomic<bool> started{false};
+      std::thread stopper([&] {
+        while (!started.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        std::this_thread::sleep_for(std::chrono::milliseconds(40));
+        raise(SIGSTOP);  // every thread of this process stops: its sockets go silent mid-call
+      });
+      started.store(true);
+      const Status s = ch.channel->RunPieces(d, ch.n, r, {&piece, 1}, limits);
+      stopper.join();
+      int status = 0;
+      waitpid(waker, &status, 0);
+      Expect(!s.ok(), "[rank 1] the stopped rank's own run fails after it resumes: " + s.message());
+      return std::vector<double>{};
+    }
+    const auto t0 = Clock::now();
+    const Status s = ch.channel->RunPieces(d, ch.n, r, {&piece, 1}, limits);
+    const double took = Since(t0);
+    const std::string& m = s.message();
+    const std::string tag = "[rank " + std::to_string(r) + "] ";
+    std::printf("stopped peer, rank %d after %.2f s: %s\n", r, took, m.c_str());
+    Expect(!s.ok() && took < 0.5 + 1.5, tag + "fails at the lane's deadline, not the 30 s one: " + std::to_string(took));
+    if (r == 2)
+      Expect(s.code() == StatusCode::kDeadlineExceeded && m.find("tcp_xproc_test: all_reduce") != std::string::npos &&
+                 m.find("[2048, 2049, 2050]") != std::string::npos && m.find("link tcp missed its deadline of 0.5 s") != std::string::npos &&
+                 m.find("waiting for rank 1 (device 2049, another process) to send") != std::string::npos,
+             tag + "names the collective, group, link, deadline and the stopped rank: " + m);
+    return std::vector<double>{took};
+  };
+  RunScenario(sc);
+}
+
 // Arguments the engine or the glue could get wrong are errors, never crashes (in this process).
 void TestBadArguments() {
   std::vector<uint16_t> ports;
@@ -767,6 +822,7 @@ int main(int argc, char** argv) {
   TestWrongToken();
   TestSilentPeer();
   TestKilledPeer();
+  TestStoppedPeer();
   std::printf("(%.1f s)\n", Since(t0));
   return Summary();
 }

@@ -36,8 +36,12 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/faults.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/link_set.h"
+#include "xla_ffi/links/tcp.h"
 #include "xla_ffi/links/tcp_xproc.h"
+#include "xla_ffi/plan/cost_model.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/core/stragglers.h"
 #include "xla_ffi/xproc/process_group.h"
@@ -609,6 +613,155 @@ void MultiLinkPeerDies(Proc& p, int victim) {
     Expect(!st[r].ok() && secs[r] < 0.5, "a later call fails at once: " + st[r].message());
 }
 
+// ---- failover, per-link deadlines and health across processes (docs/faults.md) -----------------
+
+LinkHealthSnapshot HealthOf(const Proc& p, const std::string& link) {
+  for (const auto& h : SnapshotHealth())
+    if (h.link == link && h.group == FormatIds(p.devices)) return h;
+  return {};
+}
+
+bool Has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// A real stall (no injected fault): process 1's rank stops writing to its tcp socket mid-call
+// (TcpChannel::StallSendsForTest). Its peers wait on real sockets until the lane's own deadline
+// (0.3 s here, the global one is 30 s), the ring breaks, and the range fails over to the segment in
+// the same call: exact everywhere, well before the global deadline; the error names the collective,
+// the group, the link and the rank waited for.
+void MultiLinkRealStall(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  const int64_t count = 300000;
+  Expect(SetShares(Kind::kAllReduce, count * 4, {0.5, 0.5}, true).ok(), "pinned split");
+  HealthOptions o = GetHealthOptions();
+  o.link_timeout_s = 0.3;
+  SetHealthOptions(o);
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 21};
+  CheckCase(p, c);
+  if (p.index == 1)
+    if (TcpChannel* ring = CrossProcessTcp(p.devices, "tcp")) ring->StallSendsForTest(p.ranks[0], 1);
+  const uint64_t before = FailoverCount();
+  const auto t0 = Clock::now();
+  CheckCase(p, c);
+  const double secs = Since(t0);
+  if (p.index == 0) std::printf("    real tcp stall across processes: failed over after %.3f s\n", secs);
+  Expect(secs < 0.3 + 3, "the stalled ring's range failed over at the link's deadline (" + std::to_string(secs) +
+                             " s; global " + std::to_string(TimeoutSeconds()) + " s)");
+  Expect(FailoverCount() == before + 1, "one failover recorded in this process");
+  const LinkHealthSnapshot h = HealthOf(p, "tcp");
+  Expect(h.state == LinkState::kUnhealthy, "tcp unhealthy in every process: " + h.reason);
+  Expect(Has(h.reason, "xproc_test: all_reduce") && Has(h.reason, FormatIds(p.devices)) && Has(h.reason, "link tcp"),
+         "the reason names the collective, group and link: " + h.reason);
+  // With one rank per process, rank 0 is the one waiting for the stalled rank 1's bytes (with more,
+  // which rank's error a process records first depends on the ring's order of failure).
+  if (p.index == 0 && p.per_proc == 1)
+    Expect(Has(h.reason, "missed its deadline of 0.3 s") &&
+               Has(h.reason, "waiting for rank 1 (device " + std::to_string(p.devices[1]) + ", another process)"),
+           "the reason names the link's deadline and the peer waited for: " + h.reason);
+  CheckCase(p, c);  // the next call: the segment alone (the broken ring is out until its probe)
+  SetHealthOptions(HealthOptions{});
+}
+
+// Two links: tcp fails (injected error), its range goes to the segment, whose re-run fails too
+// (injected at its next call): no link is left, every rank fails alike with each link's report, and
+// the group stays usable (the next call, both links back after their probe-by-plan, is exact).
+void MultiLinkNoCarrier(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  const int64_t count = 300000;
+  Expect(SetShares(Kind::kAllReduce, count * 4, {0.5, 0.5}, true).ok(), "pinned split");
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 22};
+  CheckCase(p, c);
+  // Counted from the faults' setting on: tcp's own range is its call 1, shm's own range its call 1,
+  // the re-run on shm its call 2.
+  Expect(SetFaults("tcp:error@at_call=1;shm:error@at_call=2").ok(), "inject tcp then shm");
+  std::vector<Status> st(p.n());
+  OnRanks(p, [&](int r) {
+    std::vector<std::vector<uint8_t>> in = {Input(c, 0, r)}, out = {in[0]};
+    st[r] = Call(p, r, c, in, out);
+  });
+  for (int r : p.ranks) {
+    const std::string& m = st[r].message();
+    Expect(!st[r].ok() && Has(m, "no link could carry the bytes of call 2") && Has(m, "all_reduce on group " + FormatIds(p.devices)) &&
+               Has(m, "shm: ") && Has(m, "link shm of cross-process group " + FormatIds(p.devices) + ": injected error at its call 2") &&
+               Has(m, "tcp: ") && Has(m, "link tcp of cross-process group " + FormatIds(p.devices) + ": injected error at its call 1"),
+           "no carrier: the error names each link's report: " + m);
+    p.token = m;
+  }
+  Expect(SetFaults("").ok(), "clear faults");
+  CheckCase(p, c);
+}
+
+// Three links (shm;tcp;tcp:tcp2, pinned 0.2/0.3/0.5): tcp fails, its carrier tcp2 (the largest
+// share) fails the re-run, and the second round's carrier, the segment, carries it: exact, two rounds.
+void MultiLinkTwoRounds(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp;tcp:tcp2").ok(), "configure shm;tcp;tcp:tcp2");
+  const xproc::XprocLinks links = xproc::XprocLinksOf(xproc::FindProcessGroup(p.devices));
+  Expect(links.links == std::vector<std::string>{"shm", "tcp", "tcp2"}, "three cross-process links");
+  const int64_t count = 300000;
+  Expect(SetShares(Kind::kAllReduce, count * 4, {0.2, 0.3, 0.5}, true).ok(), "pinned split");
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 23};
+  CheckCase(p, c);
+  Expect(SetFaults("tcp:error@at_call=1;tcp2:error@at_call=2").ok(), "inject tcp, then tcp2's re-run");
+  const uint64_t before = FailoverCount();
+  CheckCase(p, c);
+  Expect(FailoverCount() == before + 1, "one range moved");
+  const auto recent = RecentFailovers();
+  Expect(!recent.empty() && recent.back().link == "tcp" && recent.back().to == "shm",
+         "tcp's range ended on shm after tcp2 failed it: " + (recent.empty() ? "" : recent.back().to));
+  Expect(HealthOf(p, "tcp").state == LinkState::kUnhealthy && HealthOf(p, "tcp2").state == LinkState::kUnhealthy &&
+             HealthOf(p, "shm").state == LinkState::kHealthy,
+         "tcp and tcp2 unhealthy, shm healthy");
+  Expect(SetFaults("").ok(), "clear faults");
+  CheckCase(p, c);
+}
+
+// Degraded across processes: fits installed (the leader's model: shm 2 GB/s, tcp 0.2 GB/s), shares
+// pinned 0.5/0.5; clean calls leave tcp healthy; tcp:slow@factor=50 makes its observed rate a
+// fraction of the fit's, and after degrade_calls (8) calls every process marks it degraded with the
+// same evidence, one call after the call that decided it. Then unpinned: stage 2 moves load off it.
+void MultiLinkDegraded(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  const int64_t count = 1 << 18;  // 1 MiB f32: tcp's half is above health's 256 KiB of evidence
+  Expect(SetShares(Kind::kAllReduce, count * 4, {0.5, 0.5}, true).ok(), "pinned split");
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 24};
+  CheckCase(p, c);  // the group's executor (and the leader's balancer) exist before the fits come
+  plan::CostModel model({"shm", "tcp"});
+  model.Set(Kind::kAllReduce, 0, plan::AlphaBeta{50e-6, 1 / 2e9});
+  model.Set(Kind::kAllReduce, 1, plan::AlphaBeta{50e-6, 1 / 0.2e9});
+  Expect(InstallModel(model).ok(), "install fits");
+  for (int i = 0; i < 10; ++i) CheckCase(p, c);
+  LinkHealthSnapshot h = HealthOf(p, "tcp");
+  Expect(h.state == LinkState::kHealthy && h.expected_bps > 0 && h.observed_bps > 0,
+         "clean calls: tcp healthy, with the fit's and the observed rate (" + std::to_string(h.observed_bps) + " of " +
+             std::to_string(h.expected_bps) + " B/s)");
+  Expect(SetFaults("tcp:slow@factor=50").ok(), "slow tcp 50x");
+  int calls = 0;
+  for (; calls < 14 && HealthOf(p, "tcp").state != LinkState::kDegraded; ++calls) CheckCase(p, c);
+  h = HealthOf(p, "tcp");
+  if (p.index == 0) std::printf("    degraded after %d slowed calls: %s\n", calls, h.reason.c_str());
+  Expect(h.state == LinkState::kDegraded && Has(h.reason, "over the last 8 calls") && Has(h.reason, "% of the profiled"),
+         "tcp degraded with evidence after " + std::to_string(calls) + " calls: " + h.reason);
+  p.token = std::string(Name(h.state)) + " since call " + std::to_string(h.since_call) + ": " +
+            h.reason.substr(0, h.reason.find(" GB/s"));
+  // Stage 2 moves load away once the shares are the balancer's again (the fits' split first).
+  Expect(ConfigureLinks("shm;tcp").ok(), "reconfigure: a new executor, unpinned");
+  Expect(InstallModel(model).ok(), "install fits again");
+  Expect(SetFaults("tcp:slow@factor=50").ok(), "slow tcp 50x");
+  auto tcp_share = [&] {
+    for (const auto& snap : SnapshotPlans())
+      if (snap.group == p.devices && snap.plan.shares.size() == 2) return snap.plan.shares[1];
+    return -1.0;
+  };
+  CheckCase(p, c);
+  const double first = tcp_share();
+  for (int i = 0; i < 16; ++i) CheckCase(p, c);
+  const double last = tcp_share();
+  if (p.index == 0) {
+    std::printf("    stage 2 under tcp slow x50: tcp share %.3f -> %.3f\n", first, last);
+    Expect(first > 0 && last >= 0 && last < first * 0.7, "stage 2 moved load off the slow link: tcp share " +
+                                                           std::to_string(first) + " -> " + std::to_string(last));
+  }
+  Expect(SetFaults("").ok(), "clear faults");
+}
 
 // --bench-multilink: all_reduce f32 at 16 and 64 MiB per process, the segment alone against shm+tcp
 // after stage 2 converged (40 calls), median of the next 15; the leader prints the final split.
@@ -667,7 +820,10 @@ struct Scenario {
   bool same_token = false;
   std::function<void(Proc&)> body;
   bool tcp = false;  // also connect a cross-process tcp ring "tcp" (ports and token through the pipes)
+  int rings = 1;     // with tcp: rings "tcp", then "tcp2", ...
 };
+
+std::string RingName(int i) { return i == 0 ? "tcp" : "tcp" + std::to_string(i + 1); }
 
 struct Report {
   int32_t passed = 0, failed = 0;
@@ -702,9 +858,9 @@ struct Report {
     if (!WriteFull(self.up, "A", 1)) _exit(3);
   }
   p.name = name;
-  if (s.tcp) {
+  for (int ring = 0; s.tcp && ring < s.rings; ++ring) {
     std::vector<uint16_t> ports;
-    Status st = ListenCrossProcessTcp(p.devices, local, "tcp", &ports);
+    Status st = ListenCrossProcessTcp(p.devices, local, RingName(ring), &ports);
     if (!st.ok()) std::printf("FAIL: listen: %s\n", st.message().c_str());
     ports.resize(s.per_proc);
     if (!WriteFull(self.up, ports.data(), ports.size() * sizeof(uint16_t))) _exit(3);
@@ -714,7 +870,7 @@ struct Report {
         !ReadFull(self.down, token, sizeof token, 20000))
       _exit(4);
     int refused = 0;
-    st = ConnectCrossProcessTcp(p.devices, local, all, token, "tcp", &refused);
+    st = ConnectCrossProcessTcp(p.devices, local, all, token, RingName(ring), &refused);
     Expect(st.ok(), "cross-process tcp ring connects: " + st.message());
   }
   char go;
@@ -782,7 +938,7 @@ void RunScenario(const Scenario& s) {
     Expect(xproc::UnlinkProcessSegment(name).ok(), s.what + ": unlink");
     Expect(stat(path.c_str(), &st) != 0, s.what + ": nothing left in /dev/shm");
   }
-  if (ok && s.tcp) {
+  for (int ring = 0; ok && s.tcp && ring < s.rings; ++ring) {
     std::vector<uint16_t> ports(s.procs * s.per_proc);
     for (int i = 0; i < s.procs && ok; ++i)
       ok &= ReadFull(kids[i].up, ports.data() + i * s.per_proc, s.per_proc * sizeof(uint16_t), 20000);
@@ -1028,6 +1184,16 @@ int main(int argc, char** argv) {
   multi("shm+tcp: plan agreement, 2 processes x 2 ranks", 2, 2, 30, {}, true, MultiLinkAgreement);
   multi("shm+tcp: a process SIGKILLed inside a split call", 3, 1, 20, {2}, false,
         [](Proc& p) { MultiLinkPeerDies(p, 2); });
+  multi("shm+tcp: a real tcp stall fails over at the link's deadline", 2, 1, 30, {}, false, MultiLinkRealStall);
+  multi("shm+tcp: a real tcp stall, 2 processes x 2 ranks", 2, 2, 30, {}, false, MultiLinkRealStall);
+  multi("shm+tcp: the re-run fails too, no carrier", 2, 1, 30, {}, true, MultiLinkNoCarrier);
+  {
+    Scenario s{"shm+tcp+tcp2: failover in two rounds", 2, 1, 64 << 10, 30, {}, false, MultiLinkTwoRounds};
+    s.tcp = true;
+    s.rings = 2;
+    RunScenario(s);
+  }
+  multi("shm+tcp: tcp slowed with fits installed: degraded, load moved", 2, 1, 30, {}, true, MultiLinkDegraded);
   RunScenario({"stragglers: the last process sleeps 5 ms before each call", 3, 1, 64 << 10, 30, {}, false, Stragglers});
   AttachChecks();
   const auto after = ShmEntries();

@@ -255,5 +255,27 @@ def linkfault():
   say("ALL OK linkfault: 5 exact calls")
 
 
+def nocarrier():
+  """FLEXLINK_LINKS="shm;tcp", FLEXLINK_FAULTS failing tcp's range and then its re-run on shm: the
+  second call fails in every process with 'no link could carry', naming each link's report; the
+  third (faults spent) is exact again: the group stays usable."""
+  from jax_flexlink import _flexlink  # noqa: PLC0415
+  mesh = Mesh(np.array(DEVICES), ("x",))
+  host = data((N * 256, 1024), np.int32, 5)
+  x = global_array(mesh, P("x"), host)
+  f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  want = host.reshape(N, 256, 1024).sum(0, dtype=np.int32)
+  _flexlink.set_shares("all_reduce", 1 << 20, [0.5, 0.5], True)
+  assert all(np.array_equal(g, want) for g in local_values(f(x))), "call 1: not the exact sum"
+  try:
+    f(x).block_until_ready()
+    say("UNEXPECTED: call 2 completed with no link left")
+    os._exit(4)
+  except Exception as e:  # noqa: BLE001 - the error is what this mode checks
+    say(f"NOCARRIER {e}")
+  assert all(np.array_equal(g, want) for g in local_values(f(x))), "call 3: not the exact sum"
+  say("ALL OK nocarrier: the failed call named every link, the next one exact")
+
+
 if __name__ == "__main__":
-  {"collectives": collectives, "kill": kill, "absent": absent, "linkfault": linkfault, "plan": plan, "multilink": multilink}[sys.argv[1]]()
+  {"collectives": collectives, "kill": kill, "absent": absent, "linkfault": linkfault, "nocarrier": nocarrier, "plan": plan, "multilink": multilink}[sys.argv[1]]()

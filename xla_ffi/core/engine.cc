@@ -128,7 +128,11 @@ Status InstallModel(plan::CostModel model) {
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups)
     if (key.first == set->version) FLEXLINK_RETURN_IF_ERROR(group->balancer->SetModel(model));
-  return Status::Ok();
+  // The leaders of cross-process groups made already (later ones read CurrentModel) whose links are
+  // the model's: their fits feed per-link deadlines and degraded detection there (docs/faults.md).
+  return xproc::ForEachXprocBalancer([&](plan::Balancer& b) {
+    return b.links() == model.links() ? b.SetModel(model) : Status::Ok();
+  });
 }
 
 void ForgetModel(Kind kind) {

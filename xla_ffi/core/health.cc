@@ -60,6 +60,37 @@ void SetHealthOptions(const HealthOptions& options) {
   g_options = options;
 }
 
+Status SetHealthOption(std::string_view key, double value) {
+  HealthOptions o = GetHealthOptions();
+  const std::string k(key);
+  if (k != "min_bytes" && !(value > 0))
+    return Status::InvalidArgument("set_health_option: " + k + " must be > 0");
+  if (k == "degrade_fraction") o.degrade_fraction = value;
+  else if (k == "recover_fraction") o.recover_fraction = value;
+  else if (k == "degrade_calls") o.degrade_calls = static_cast<int>(value);
+  else if (k == "min_bytes") o.min_bytes = static_cast<uint64_t>(std::max(0.0, value));
+  else if (k == "probe_calls") o.probe_calls = static_cast<int>(value);
+  else if (k == "probe_seconds") o.probe_seconds = value;
+  else if (k == "probe_bytes") o.probe_bytes = static_cast<uint64_t>(value);
+  else if (k == "link_timeout_factor") o.link_timeout_factor = value;
+  else if (k == "link_timeout_s") o.link_timeout_s = value;
+  else
+    return Status::InvalidArgument("set_health_option: unknown option '" + k +
+                                   "' (degrade_fraction, recover_fraction, degrade_calls, min_bytes, probe_calls, "
+                                   "probe_seconds, probe_bytes, link_timeout_factor, link_timeout_s)");
+  SetHealthOptions(o);
+  return Status::Ok();
+}
+
+std::map<std::string, double> HealthOptionValues() {
+  const HealthOptions o = GetHealthOptions();
+  return {{"degrade_fraction", o.degrade_fraction}, {"recover_fraction", o.recover_fraction},
+          {"degrade_calls", o.degrade_calls}, {"min_bytes", static_cast<double>(o.min_bytes)},
+          {"probe_calls", o.probe_calls}, {"probe_seconds", o.probe_seconds},
+          {"probe_bytes", static_cast<double>(o.probe_bytes)}, {"link_timeout_factor", o.link_timeout_factor},
+          {"link_timeout_s", o.link_timeout_s}};
+}
+
 double LinkBudgetSeconds(double predicted_s) {
   const HealthOptions o = GetHealthOptions();
   const double half = TimeoutSeconds() / 2;
@@ -140,14 +171,14 @@ bool GroupHealth::Unhealthy(size_t link) {
   return entries_[link].s.state == LinkState::kUnhealthy;
 }
 
-void GroupHealth::Failed(size_t link, uint64_t call, const std::string& reason) {
+void GroupHealth::Failed(size_t link, uint64_t call, const std::string& reason, std::string_view what) {
   const HealthOptions o = GetHealthOptions();
   std::lock_guard<std::mutex> lock(mu_);
   Entry& e = entries_[link];
   e.ran = true;
   ++e.s.errors;
   if (e.s.state != LinkState::kUnhealthy) e.probe_interval = o.probe_calls;
-  Change(e, LinkState::kUnhealthy, call, "error at call " + std::to_string(call) + ": " + reason);
+  Change(e, LinkState::kUnhealthy, call, std::string(what) + " at call " + std::to_string(call) + ": " + reason);
   e.next_probe_call = call + e.probe_interval;
   e.next_probe_time = UnixNow() + o.probe_seconds;
 }

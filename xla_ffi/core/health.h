@@ -5,11 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "xla_ffi/core/status.h"
 
 namespace flexlink {
 
@@ -38,6 +41,11 @@ struct HealthOptions {
 };
 HealthOptions GetHealthOptions();
 void SetHealthOptions(const HealthOptions& options);
+// set_health_option / health_options of both native modules (each holds its own options): one
+// option by name; an unknown name or a bad value is InvalidArgument (Python's ValueError) and
+// changes nothing.
+Status SetHealthOption(std::string_view key, double value);
+std::map<std::string, double> HealthOptionValues();
 // The rule above for one range.
 double LinkBudgetSeconds(double predicted_s);
 
@@ -65,7 +73,8 @@ class GroupHealth {
   std::vector<double> Effective(const std::vector<double>& shares, uint64_t call, uint64_t virtual_bytes,
                                 bool* masked, int* probe);
   bool Unhealthy(size_t link);
-  void Failed(size_t link, uint64_t call, const std::string& reason);  // error or missed deadline
+  // An error or a missed deadline; `what` starts the reason ("error at call N: ...").
+  void Failed(size_t link, uint64_t call, const std::string& reason, std::string_view what = "error");
   void FailedOver(size_t link);
   void Probed(size_t link, uint64_t call, bool ok, const std::string& reason);
   // A successful range of `bytes` (nccl-tests bytes of the range): the fit's rate (<= 0: unknown) and

@@ -128,6 +128,12 @@ void CallContext::AbortLane(int lane, std::string why) {
   WakeAll();
 }
 
+CallContext::TimePoint CallContext::LaneDeadlineFor(int lane, double* budget_s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (budget_s) *budget_s = lanes_[lane].budget_s;
+  return LaneDeadline(lanes_[lane]);
+}
+
 bool CallContext::LaneAborted(int lane) {
   std::lock_guard<std::mutex> lock(mu_);
   return lanes_[lane].aborted;

@@ -64,6 +64,9 @@ class CallContext {
   void StartLaneClock(int lane);
   void AbortLane(int lane, std::string why);
   bool LaneAborted(int lane);
+  // The lane's own deadline (TimePoint::max() without a budget, or before the call's arrival) and,
+  // in *budget_s, its budget: for links whose waits are not this context's (tcp's sockets poll).
+  std::chrono::steady_clock::time_point LaneDeadlineFor(int lane, double* budget_s);
   // Blocks until `lane` is aborted or past its deadline (a link that never completes: fault
   // injection's hang), or the call is abandoned; returns that error. Touches nothing else.
   Status WaitLane(int rank, int lane, std::string_view link);

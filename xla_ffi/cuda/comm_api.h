@@ -53,6 +53,10 @@ class CommApi {
                                Comm comm, Stream stream) = 0;
   virtual Status Send(const void* send, size_t count, CommType type, int peer, Comm comm, Stream stream) = 0;
   virtual Status Recv(void* recv, size_t count, CommType type, int peer, Comm comm, Stream stream) = 0;
+  // Ends the communicator now (ncclCommAbort): its operations still in flight on the device stop
+  // and its resources are freed; it is never used again. What the hang detector does to a group
+  // whose nccl range missed its deadline, as PyTorch's NCCL watchdog does.
+  virtual Status Abort(Comm comm) = 0;
 };
 
 // How the nccl link runs a reduction of (dtype, op): natively (NCCL's type and op, `lanes`

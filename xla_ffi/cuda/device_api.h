@@ -61,6 +61,17 @@ class DeviceApi {
   virtual Status MallocAsync(size_t bytes, Stream stream, void** ptr) = 0;
   virtual Status FreeAsync(void* ptr, Stream stream) = 0;
 
+  // Injected faults (gpu_faults.h), enqueued like any work; neither blocks the calling thread.
+  // Delay: the stream does nothing for `seconds` (a slow link's extra time, so that its completion
+  // event shows it). A device-side spin, not cudaLaunchHostFunc: a host callback would hold a
+  // CUDA-internal thread and may not call CUDA, and XLA's streams share that thread.
+  virtual Status Delay(double seconds, Stream stream) = 0;
+  // WaitFlag: the stream waits until the 32-bit word at `flag` (pinned host memory from
+  // AllocPinnedHost, written by the host) is non-zero, or `max_seconds` have passed on the device: a
+  // fail-safe, so a stream is never held forever even if the host never writes (the hang detector
+  // releases it long before).
+  virtual Status WaitFlag(const uint32_t* flag, double max_seconds, Stream stream) = 0;
+
   // Never blocks: whether the work captured by the event's last Record has completed.
   virtual Poll Query(Event event, std::string* error) = 0;
   // Seconds between two completed timing events of one device.

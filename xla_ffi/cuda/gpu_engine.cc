@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <new>
 #include <tuple>
 
@@ -28,6 +30,44 @@ uint8_t* Bytes(const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p
 
 GpuEngine::GpuEngine(DeviceApi* api, CommApi* comm, GpuEngineOptions options)
     : serial_(NextSerial()), api_(*api), comm_(*comm), options_(std::move(options)) {}
+
+GpuEngine::~GpuEngine() { StopWatchdog(); }
+
+void GpuEngine::StopWatchdog() {
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    watch_stop_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
+}
+
+namespace {
+std::atomic<GpuEngine*> g_stop_at_exit{nullptr};
+}  // namespace
+
+void GpuEngine::StartWatchdog() {
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  if (watchdog_.joinable() || watch_stop_) return;
+  watchdog_ = std::thread([this] { WatchLoop(); });
+  if (options_.stop_watchdog_at_exit && g_stop_at_exit.exchange(this) == nullptr)
+    std::atexit([] { g_stop_at_exit.load()->StopWatchdog(); });
+}
+
+void GpuEngine::WatchLoop() {
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  while (!watch_cv_.wait_for(lock, std::chrono::duration<double>(kWatchTick), [&] { return watch_stop_; })) {
+    lock.unlock();
+    std::vector<GpuExecutor*> groups;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (auto& [key, ex] : groups_) groups.push_back(ex.get());  // never erased while the engine lives
+    }
+    // Old link sets' groups too: a hang there still needs its streams released.
+    for (GpuExecutor* ex : groups) ex->Watch();
+    lock.lock();
+  }
+}
 
 uint64_t GpuEngine::NextSerial() {
   static std::atomic<uint64_t> next{1};
@@ -104,6 +144,7 @@ Status GpuEngine::GetGroup(std::span<const int64_t> devices, std::string_view la
     }
     *out = it->second.get();
   }
+  StartWatchdog();
   cache.emplace_back(serial_, links->version, std::move(key), *out);
   return Status::Ok();
 }

@@ -5,6 +5,7 @@
 // the CUDA runtime and NCCL; the tests make theirs over the simulated device.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -14,6 +15,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -32,11 +34,16 @@ struct GpuEngineOptions {
   // The CUDA device of a group member (its id in `groups`). Under XLA the ids are the handlers'
   // DeviceOrdinal, i.e. CUDA ordinals: identity. Tests put several ranks on one device.
   std::function<int(int64_t)> device_of = [](int64_t id) { return static_cast<int>(id); };
+  // The process's engine is never destroyed (device threads may outlive exit handlers): its
+  // watchdog is stopped by an exit handler instead, registered when it starts, i.e. after the CUDA
+  // runtime's own (which then runs later), so it never polls a runtime that is going away.
+  bool stop_watchdog_at_exit = false;
 };
 
 class GpuEngine {
  public:
   GpuEngine(DeviceApi* api, CommApi* comm, GpuEngineOptions options = {});
+  ~GpuEngine();
   GpuEngine(const GpuEngine&) = delete;
   GpuEngine& operator=(const GpuEngine&) = delete;
 
@@ -78,6 +85,13 @@ class GpuEngine {
   void ForEachCurrent(F&& f);
 
   static uint64_t NextSerial();
+  // The hang detector's thread (gpu_executor.h Watch): started with the engine's first group, it
+  // polls every group's pending events every kWatchTick, so that a hang is found even when no
+  // later call comes; stopped and joined by the destructor.
+  void StartWatchdog();
+  void StopWatchdog();
+  void WatchLoop();
+  static constexpr double kWatchTick = 0.02;
 
   const uint64_t serial_;  // this engine among all made in the process (device threads' cache key)
   DeviceApi& api_;
@@ -91,6 +105,10 @@ class GpuEngine {
   std::map<int, plan::CostModel> seeds_;  // by group size, for the current links
   // Never erased: device threads cache raw pointers; reconfigured links make new groups.
   std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<GpuExecutor>> groups_;
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;
+  std::thread watchdog_;  // last: joined before anything it reads goes
 };
 
 }  // namespace flexlink::gpu

@@ -1,6 +1,8 @@
 #include "xla_ffi/cuda/gpu_executor.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor_state.h"
@@ -32,13 +34,33 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
       balancer_(names_, options),
       ranks_(group_.size()),
       timings_(group_.size()),
-      profiler_(this) {
+      profiler_(this),
+      clean_rate_(names_.size(), 0.0) {
   for (const auto& link : links_->links)
     channels_.push_back(std::make_unique<FaultyGpuChannel>(link->Open(group_), group_.size()));
   // Health, as on CPU, is reported for groups with a link to fail over to; a one-link group keeps
   // only its call numbers (for error messages).
   health_ = std::make_shared<GroupHealth>(FormatIds(group_.ids), names_);
   if (names_.size() > 1) RegisterGroupHealth(health_, links_->version);
+}
+
+namespace {
+// nccl-tests bytes of a range of the call's virtual bytes (the share of the call's message bytes).
+uint64_t RangeMessageBytes(uint64_t message_bytes, plan::UnitRange r, uint64_t virtual_bytes) {
+  return virtual_bytes ? static_cast<uint64_t>(static_cast<double>(message_bytes) * r.size() / virtual_bytes) : 0;
+}
+}  // namespace
+
+double GpuExecutor::Predict(const CallState& state, size_t link, double message_bytes) {
+  if (!state.fits.empty()) return state.fits[link].Predict(message_bytes);
+  {
+    std::lock_guard<std::mutex> lock(rate_mu_);
+    if (clean_rate_[link] > 0) return clean_rate_[link] * message_bytes;
+  }
+  // As the CPU executor: pessimistic, so that a large call without fits is not declared hung at
+  // the floor of its deadline.
+  constexpr double kUnfittedBytesPerSecond = 100e6;
+  return message_bytes / kUnfittedBytesPerSecond;
 }
 
 Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream stream) {
@@ -52,6 +74,13 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
   }
   CallState* state = ctx.ExecutorState<CallState>([&] {
     auto s = std::make_shared<CallState>();
+    {
+      // A call begun after the break enqueues nothing; one begun before is counted until all its
+      // ranks have left, so that the communicators are aborted only once no rank can touch them.
+      std::lock_guard<std::mutex> lock(broken_mu_);
+      s->broken = broken_;
+      if (s->broken.empty()) ++host_calls_;
+    }
     s->plan = balancer_.PlanFor(desc.kind, bytes);
     s->profile = profiler_.Decide(desc.kind, bytes, &s->plan);
     s->shares = s->plan->shares;
@@ -64,20 +93,32 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
     s->faults = CurrentFaults();
     s->failed.assign(links, std::vector<char>(links, 0));
     s->errors.assign(links, "");
+    (void)balancer_.FitsFor(desc.kind, &s->fits);
     // Every rank's parts have the shapes of this one's, or the arrival fails them all.
     s->ranges = plan::CutRanges(desc.virtual_bytes(), 1, s->shares);
-    std::vector<uint64_t> link_bytes;
-    for (const auto& r : s->ranges) link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, n));
-    s->record = timings_.Open(s->plan, bytes, std::move(link_bytes));
+    std::vector<uint64_t> link_bytes, link_message;
+    for (const auto& r : s->ranges) {
+      link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, n));
+      link_message.push_back(RangeMessageBytes(bytes, r, desc.virtual_bytes()));
+    }
+    s->record = timings_.Open(s->plan, bytes, std::move(link_bytes), s->call, std::move(link_message));
     return s;
   });
+  Status status;
+  if (!state->broken.empty()) {
+    status = Status::Unavailable(ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
+                                 FormatIds(group_.ids) + ": " + state->broken);
+    timings_.Lose(state->record);
+    return status;
+  }
   Assignment work(links);
   for (size_t i = 0; i < links; ++i)
     if (!state->ranges[i].empty()) work[i].push_back(state->ranges[i]);
-  Status status = ctx.Arrive(rank, desc, names_[0]);
+  Effects effects(links);
+  status = ctx.Arrive(rank, desc, names_[0]);
   if (status.ok()) status = EnsureSetup(rank, ctx.label());
-  if (status.ok() && state->faults) status = Agree(ctx, rank, desc, *state, &work);
-  if (status.ok()) status = Enqueue(ctx, rank, desc, stream, *state, work);
+  if (status.ok() && state->faults) status = Agree(ctx, rank, desc, *state, &work, &effects);
+  if (status.ok()) status = Enqueue(ctx, rank, desc, stream, *state, work, effects);
   if (rank == 0) RecordHealth(*state, desc, status.ok(), Since(start));
   // A call whose shares are not the plan's teaches stage 2 nothing (as on CPU), so its times go.
   bool moved = false;
@@ -86,10 +127,15 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
     for (const std::string& e : state->errors) moved |= !e.empty();
   }
   if (!status.ok() || state->masked || moved) timings_.Lose(state->record);
+  if (state->left.fetch_add(1) + 1 == n) {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    --host_calls_;
+  }
   return status;
 }
 
-Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, CallState& state, Assignment* work) {
+Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, CallState& state, Assignment* work,
+                          Effects* effects) {
   const size_t links = names_.size();
   auto publish = [&](size_t round, size_t source, size_t link, const Status& s) {
     std::lock_guard<std::mutex> lock(state.mu);
@@ -99,8 +145,10 @@ Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, Call
   // Round 0: each link's own range; round r: the ranges still without a link, on their carriers.
   for (size_t i = 0; i < links; ++i) {
     if (state.ranges[i].empty()) continue;
-    Status s = channels_[i]->Admit(rank, *state.faults, ctx.label());
+    FaultyGpuChannel::Effect effect;
+    Status s = channels_[i]->Admit(rank, *state.faults, ctx.label(), &effect);
     if (!s.ok()) publish(0, i, i, s);
+    else (*effects)[i] = effect;
   }
   FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "agree on refused links", "executor"));
   std::vector<size_t> pending;
@@ -110,6 +158,7 @@ Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, Call
     for (size_t i = 0; i < links; ++i)
       if (state.failed[0][i]) pending.push_back(i), bad[i] = 1;
   }
+  for (size_t i : pending) (*effects)[i] = {};  // a refused range runs nothing on its link
   for (size_t round = 1; round < links && !pending.empty(); ++round) {
     // From the call's shared state only, so every rank chooses the same carriers: the healthy link
     // not failed in this call with the largest share (ties: the lower index), as on CPU.
@@ -117,8 +166,9 @@ Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, Call
     for (size_t i : pending)
       carrier[i] = FailoverCarrier(bad, state.shares, [&](size_t j) { return state.unhealthy[j] != 0; });
     if (std::any_of(pending.begin(), pending.end(), [&](size_t i) { return carrier[i] == links; })) break;
+    std::vector<FaultyGpuChannel::Effect> carried(links);
     for (size_t i : pending) {
-      Status s = channels_[carrier[i]]->Admit(rank, *state.faults, ctx.label());
+      Status s = channels_[carrier[i]]->Admit(rank, *state.faults, ctx.label(), &carried[i]);
       if (!s.ok()) publish(round, i, carrier[i], s);
     }
     FLEXLINK_RETURN_IF_ERROR(ctx.Barrier(rank, 0, "agree on refused links", "executor"));
@@ -131,6 +181,10 @@ Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, Call
       } else {
         (*work)[carrier[i]].push_back(state.ranges[i]);
         (*work)[i].clear();
+        // A carrier slowed or hung at this call of its own is so for the ranges it carries too.
+        auto& e = (*effects)[carrier[i]];
+        e.slow = std::max(e.slow, carried[i].slow);
+        e.hang = e.hang || carried[i].hang;
         if (rank == 0) state.moves.emplace_back(i, carrier[i]);
       }
     }
@@ -170,7 +224,7 @@ void GpuExecutor::RecordHealth(CallState& state, const CallDesc& desc, bool enqu
 }
 
 Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state,
-                            const Assignment& work) {
+                            const Assignment& work, const Effects& effects) {
   Rank& k = ranks_[rank];
   if (state.profile.session) FLEXLINK_RETURN_IF_ERROR(profiler_.Enqueue(state.profile, rank, stream, ctx.label()));
 
@@ -185,6 +239,12 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   slot.used.clear();
   for (size_t i = 0; i < work.size(); ++i)
     if (!work[i].empty()) slot.used.push_back(i);
+  const int n = group_.size();
+  const uint64_t message = MessageBytes(desc, n);
+  slot.call = state.call;
+  slot.kind = desc.kind;
+  slot.started = false;
+  slot.budget.assign(work.size(), 0.0);
 
   const std::string where = ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
                             FormatIds(group_.ids) + ": ";
@@ -195,11 +255,25 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   for (size_t i : slot.used) {
     const Stream on = alone ? stream : k.side[i];
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, slot.start)));
+    // An injected hang: the stream waits on this rank's flag, which only the hang detector sets;
+    // the device-side bound is the global timeout, far past the link's deadline.
+    if (effects[i].hang) FLEXLINK_RETURN_IF_ERROR(check(api_.WaitFlag(k.hang_flag, TimeoutSeconds(), on)));
     // Its own range, then the ranges it carries for failed links, in the same order on every rank.
+    double predicted = 0;
     for (const plan::UnitRange& r : work[i]) {
       desc.PiecesOf(UnitRange{r.begin, r.end}, &pieces);
       FLEXLINK_RETURN_IF_ERROR(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, ctx.label()}));
+      predicted += Predict(state, i, static_cast<double>(RangeMessageBytes(message, r, desc.virtual_bytes())));
     }
+    // An injected slow link: (K - 1) x the ranges' predicted time after them, on the device, so
+    // that the link's stop event (stage 2, health) shows a K x slower range. Its deadline allows it.
+    const double delay = effects[i].slow > 1 ? (effects[i].slow - 1) * predicted : 0;
+    if (delay > 0) {
+      FLEXLINK_RETURN_IF_ERROR(check(api_.Delay(delay, on)));
+      // Before this rank's slot is busy, so before the record can be complete (and reported).
+      timings_.MarkSlowed(state.record, i);
+    }
+    slot.budget[i] = LinkBudgetSeconds(predicted) + delay;
     FLEXLINK_RETURN_IF_ERROR(check(api_.Record(slot.stop[i], on)));
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, slot.stop[i])));
   }
@@ -215,11 +289,17 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
 
 bool GpuExecutor::ReadSlot(int rank, Slot& slot) {
   std::string error;
+  const bool broken = [&] {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    return !broken_.empty();
+  }();
   for (size_t i : slot.used) {
     const Poll p = api_.Query(slot.stop[i], &error);
     if (p == Poll::kPending) return false;
-    if (p == Poll::kError) {
-      LogInfo("group " + FormatIds(group_.ids) + " rank " + std::to_string(rank) + ": timing of a call lost: " + error);
+    if (p == Poll::kError || broken) {
+      // After a hang every later time is the hang's or an aborted communicator's: none is evidence.
+      if (!broken)
+        LogInfo("group " + FormatIds(group_.ids) + " rank " + std::to_string(rank) + ": timing of a call lost: " + error);
       timings_.Lose(slot.record);
       slot.busy = false;
       return true;
@@ -253,7 +333,62 @@ void GpuExecutor::PollTimings(int rank) {
   const size_t m = k.slots.size();
   for (size_t j = 0; j < m; ++j) {
     Slot& slot = k.slots[(k.next_slot + j) % m];
-    if (slot.busy && !ReadSlot(rank, slot)) break;
+    if (!slot.busy || ReadSlot(rank, slot)) continue;
+    // The oldest call not done on this rank: its ranges' clocks start once its start event is seen
+    // complete (they could run from then on; a host far ahead of the device does not count).
+    std::string error;
+    if (!slot.started) {
+      if (api_.Query(slot.start, &error) != Poll::kDone) break;
+      slot.started = true;
+      slot.started_at = Clock::now();
+    }
+    const double waited = Since(slot.started_at);
+    for (size_t i : slot.used)
+      if (slot.budget[i] > 0 && waited > slot.budget[i] && api_.Query(slot.stop[i], &error) == Poll::kPending) {
+        Hung(slot, i, waited);
+        break;
+      }
+    break;
+  }
+}
+
+void GpuExecutor::Hung(const Slot& slot, size_t link, double waited) {
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (!broken_.empty()) return;
+    char budget[64];
+    std::snprintf(budget, sizeof budget, "%.3g s (waited %.3g s)", slot.budget[link], waited);
+    const std::string reason = "call " + std::to_string(slot.call) + "'s " + names_[link] + " range on group " +
+                               FormatIds(group_.ids) + " (" + std::string(Name(slot.kind)) +
+                               ") did not complete on the device within its deadline of " + budget;
+    broken_ = "the group is broken: " + reason +
+              " (the hang detector); the results of call " + std::to_string(slot.call) +
+              " and of every call enqueued after it cannot be trusted, and the group runs nothing more "
+              "(its link " + names_[link] + " is unhealthy, its streams released; configure the links again "
+              "for new groups)";
+    broken_at_ = Clock::now();
+    if (names_.size() > 1) health_->Failed(link, slot.call, reason, "missed its deadline");
+    LogInfo("group " + FormatIds(group_.ids) + ": " + broken_);
+  }
+  // Release what an injected hang waits on, now (a host write; WaitFlag's device-side poll sees it).
+  for (Rank& k : ranks_)
+    if (k.hang_flag) std::atomic_ref<uint32_t>(*k.hang_flag).store(1, std::memory_order_release);
+}
+
+void GpuExecutor::Watch() {
+  PollAll();
+  std::unique_lock<std::mutex> lock(broken_mu_);
+  if (broken_.empty() || released_) return;
+  // The communicators are aborted only when no rank can be enqueuing on them: every call begun
+  // before the break has left Run on all its ranks. A rank that never comes back is waited for as
+  // long as the rendezvous would (1.5 x the global timeout), then the abort goes ahead anyway.
+  if (host_calls_ > 0 && Since(broken_at_) < 1.5 * TimeoutSeconds()) return;
+  released_ = true;
+  lock.unlock();
+  for (auto& channel : channels_) {
+    Status s = channel->Abort();
+    if (!s.ok()) LogInfo("group " + FormatIds(group_.ids) + ": releasing link " + std::string(channel->link_name()) +
+                         " after the hang: " + s.message());
   }
 }
 
@@ -261,6 +396,22 @@ void GpuExecutor::Report(const TimingRecord& r) {
   const plan::Balancer::Outcome outcome = balancer_.Report(*r.plan, r.message_bytes, r.link_seconds, r.call_seconds);
   for (size_t i = 0; i < names_.size(); ++i)
     if (r.link_seconds[i] > 0) RecordLinkCall(names_[i], r.link_bytes[i], r.link_seconds[i]);
+  // Health from the device's own times, as the CPU executor's Finish does from its host times: the
+  // slowest rank's event time of the link's range against stage 1's fit at the range's size.
+  std::vector<plan::AlphaBeta> fits;
+  const bool fitted = balancer_.FitsFor(r.plan->kind, &fits);
+  for (size_t i = 0; i < names_.size() && i < r.link_message_bytes.size(); ++i) {
+    const uint64_t b = r.link_message_bytes[i];
+    const double t = r.link_seconds[i];
+    if (b == 0 || !(t > 0)) continue;
+    if (!r.slowed[i]) {
+      std::lock_guard<std::mutex> lock(rate_mu_);
+      clean_rate_[i] = t / static_cast<double>(b);
+    }
+    if (names_.size() < 2) continue;
+    const double expected = fitted ? b / fits[i].Predict(static_cast<double>(b)) : -1;
+    health_->Observed(i, r.call, b, expected, b / t);
+  }
   if (outcome.changed) LogInfo("group " + FormatIds(group_.ids) + ": " + outcome.reason);
 }
 

@@ -16,7 +16,16 @@
 // Faults and health (docs/faults.md, "GPU links"): the call's shares leave out unhealthy links (and
 // give one due for a probe a small range); with faults injected, every rank asks each link whether
 // its range may be enqueued and the ranks agree at a host barrier before anything is enqueued, so a
-// refused range is enqueued on another link of the same call (Agree).
+// refused range is enqueued on another link of the same call (Agree). Injected slow and hang faults
+// go onto the link's stream as device work (a delay after the range, a wait on a host flag before it).
+//
+// Health from the device (docs/faults.md, "GPU links"): the event times read a call or more later
+// feed GroupHealth against stage 1's fits, as the CPU executor's do (degraded), and a hang detector
+// gives every link's range a deadline (LinkBudgetSeconds, from the moment its call's start event was
+// seen complete). Polling (PollTimings) runs at every call and on the engine's watchdog thread
+// (Watch); a range past its deadline marks the link unhealthy, breaks the group (every later call
+// fails at once, naming the hung call) and releases the stream: the rank's hang flags are set, and
+// the watchdog aborts the group's NCCL communicators once no rank is inside a call.
 #pragma once
 
 #include <atomic>
@@ -30,6 +39,7 @@
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/executor.h"
+#include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/rendezvous.h"
@@ -64,6 +74,10 @@ class GpuExecutor {
   // Reads every rank's completed timing events now (stats() from Python, so that the counters do
   // not wait for the group's next call); never blocks on the device.
   void PollAll();
+  // The watchdog's tick (GpuEngine): PollAll, which also finds ranges past their deadline, and the
+  // release of a broken group's communicators once no rank is inside one of its calls. Never blocks
+  // on the device, nor on a host wait longer than a lock.
+  void Watch();
 
   // Timing ring per rank: how many calls may be in flight on the device, per rank, before the
   // oldest one's times are given up.
@@ -77,6 +91,13 @@ class GpuExecutor {
     std::vector<size_t> used;
     uint64_t record = 0;
     bool busy = false;
+    // The hang detector's: the call, its kind, each used link's deadline (seconds from the moment
+    // a poll first saw the start event complete, i.e. the ranges could run).
+    uint64_t call = 0;
+    Kind kind = Kind::kAllReduce;
+    std::vector<double> budget;
+    bool started = false;
+    Clock::time_point started_at;
   };
   struct Rank {
     // The rank's timing slots are read by its device thread and by PollAll (another thread).
@@ -87,6 +108,9 @@ class GpuExecutor {
     std::vector<Event> profile_events;  // stage 1's timing events, made when a profile first needs them
     std::vector<Slot> slots;
     size_t next_slot = 0;
+    // Pinned host word an injected hang's stream waits on (DeviceApi::WaitFlag); 0 until the hang
+    // detector releases it, then 1 for good (the group is broken, nothing waits on it again).
+    uint32_t* hang_flag = nullptr;
   };
   struct CallState {
     std::shared_ptr<const plan::Plan> plan;
@@ -99,6 +123,9 @@ class GpuExecutor {
     int probe = -1;                       // the link probed in this call
     std::vector<char> unhealthy;          // per link, at the call's start (the same for every rank)
     std::shared_ptr<const FaultSet> faults;  // the faults of this call, the same for every rank
+    std::vector<plan::AlphaBeta> fits;       // stage 1's for the kind, empty without (predictions)
+    std::string broken;                      // the group was broken when the call began: its error
+    std::atomic<int> left{0};                // ranks that left Run (the last one ends the host part)
     // The agreement (Agree), written by every rank under mu.
     std::mutex mu;
     std::vector<std::vector<char>> failed;  // [round][source link]: its range was refused there
@@ -109,14 +136,23 @@ class GpuExecutor {
   // Per link, the ranges of the call's virtual bytes this rank enqueues on it (its own and those it
   // carries for failed links).
   using Assignment = std::vector<std::vector<plan::UnitRange>>;
+  using Effects = std::vector<FaultyGpuChannel::Effect>;  // per link, this rank's injected device work
 
   Status EnsureSetup(int rank, std::string_view label);
   Status SetupAll();
   Status Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state,
-                 const Assignment& work);
+                 const Assignment& work, const Effects& effects);
   // With faults injected: asks each link for this rank's ranges, agrees with the other ranks on
   // the refused ones and moves each to a carrier; an error when a range is left with no link.
-  Status Agree(CallContext& ctx, int rank, const CallDesc& desc, CallState& state, Assignment* work);
+  // *effects: the slow and hang faults that fired on the links that carry ranges.
+  Status Agree(CallContext& ctx, int rank, const CallDesc& desc, CallState& state, Assignment* work,
+               Effects* effects);
+  // Predicted seconds of `message_bytes` (nccl-tests bytes) on link i: stage 1's fit, else the
+  // link's rate measured in calls without injected delays, else a pessimistic 100 MB/s.
+  double Predict(const CallState& state, size_t link, double message_bytes);
+  // A range past its deadline (PollTimings, under the rank's slots_mu): health, the group broken,
+  // the streams' hang flags released.
+  void Hung(const Slot& slot, size_t link, double waited);
   // Rank 0, once per call, after the agreement or a clean enqueue: health and the failover log.
   void RecordHealth(CallState& state, const CallDesc& desc, bool enqueued, double seconds);
   void PollTimings(int rank);
@@ -143,6 +179,16 @@ class GpuExecutor {
   std::atomic<bool> ready_{false};
   bool setup_done_ = false;
   Status setup_status_;
+
+  // Rates measured without injected delays, per link: seconds per nccl-tests byte (0: none yet).
+  std::mutex rate_mu_;
+  std::vector<double> clean_rate_;
+  // The hang detector's verdict and the release of the group's communicators.
+  mutable std::mutex broken_mu_;
+  std::string broken_;            // set once: what every later call's error says
+  Clock::time_point broken_at_;
+  bool released_ = false;        // communicators aborted (Watch)
+  int host_calls_ = 0;           // calls begun before the break whose ranks have not all left Run
 };
 
 // Per-rank ranges of recent calls (tests of "one split per call"); off unless enabled.

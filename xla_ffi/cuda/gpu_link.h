@@ -48,6 +48,11 @@ class GpuChannel {
   virtual Status Setup() = 0;
   // Called by every rank with the same pieces, each rank on its own thread.
   virtual Status Enqueue(const GpuWork& work) = 0;
+  // After a hang (gpu_executor.h): ends what may keep the link's work in flight on the device
+  // forever (nccl: ncclCommAbort of every rank's communicator). Called once, from one thread, when
+  // no rank is enqueuing; the channel is never used again. Links whose waits are all CUDA events on
+  // their own work (pcie) have nothing of their own to release.
+  virtual Status Abort() { return Status::Ok(); }
 };
 
 class GpuLink {

@@ -62,6 +62,10 @@ Status GpuExecutor::SetupAll() {
     FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &k.profile)));
     FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile_fork)));
     FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile_join)));
+    void* flag = nullptr;
+    FLEXLINK_RETURN_IF_ERROR(check(api_.AllocPinnedHost(sizeof(uint32_t), &flag)));
+    k.hang_flag = static_cast<uint32_t*>(flag);
+    *k.hang_flag = 0;  // nothing waits on it yet
     k.slots.resize(kTimingSlots);
     for (Slot& slot : k.slots) {
       FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &slot.start)));

@@ -10,14 +10,18 @@ constexpr size_t kMaxOpen = 1024;
 }  // namespace
 
 uint64_t TimingBook::Open(std::shared_ptr<const plan::Plan> plan, uint64_t message_bytes,
-                          std::vector<uint64_t> link_bytes) {
+                          std::vector<uint64_t> link_bytes, uint64_t call,
+                          std::vector<uint64_t> link_message_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t id = next_++;
   TimingRecord& r = records_[id];
   r.plan = std::move(plan);
   r.message_bytes = message_bytes;
   r.link_seconds.assign(link_bytes.size(), 0.0);
+  r.slowed.assign(link_bytes.size(), 0);
   r.link_bytes = std::move(link_bytes);
+  r.call = call;
+  r.link_message_bytes = std::move(link_message_bytes);
   r.pending = n_;
   while (records_.size() > kMaxOpen) records_.erase(records_.begin());
   return id;
@@ -40,6 +44,12 @@ std::optional<TimingRecord> TimingBook::Add(uint64_t id, const std::vector<doubl
     r.link_seconds[i] = std::max(r.link_seconds[i], link_seconds[i]);
   r.call_seconds = std::max(r.call_seconds, call_seconds);
   return Retire(it);
+}
+
+void TimingBook::MarkSlowed(uint64_t id, size_t link) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = records_.find(id);
+  if (it != records_.end() && link < it->second.slowed.size()) it->second.slowed[link] = 1;
 }
 
 void TimingBook::Lose(uint64_t id) {

@@ -23,6 +23,9 @@ struct TimingRecord {
   std::vector<uint64_t> link_bytes;        // per link: the input bytes of its range (statistics)
   std::vector<double> link_seconds;        // per link: the slowest rank's time so far
   double call_seconds = 0;
+  uint64_t call = 0;                       // the group's call number (health)
+  std::vector<uint64_t> link_message_bytes;  // per link: nccl-tests bytes of its range (health)
+  std::vector<char> slowed;                // per link: an injected delay ran after its range
   int pending = 0;                         // ranks that have not read (or given up on) their times
   bool lost = false;                       // some rank gave up: nothing is reported
 };
@@ -31,7 +34,10 @@ class TimingBook {
  public:
   explicit TimingBook(int ranks) : n_(ranks) {}
   // A new call's record (its first rank, while making the call's state).
-  uint64_t Open(std::shared_ptr<const plan::Plan> plan, uint64_t message_bytes, std::vector<uint64_t> link_bytes);
+  uint64_t Open(std::shared_ptr<const plan::Plan> plan, uint64_t message_bytes, std::vector<uint64_t> link_bytes,
+                uint64_t call = 0, std::vector<uint64_t> link_message_bytes = {});
+  // Link `link` of the call ran an injected delay (its time says nothing of the link's rate).
+  void MarkSlowed(uint64_t id, size_t link);
   // This rank's times; returns the record once every rank has given its times (report it).
   std::optional<TimingRecord> Add(uint64_t id, const std::vector<double>& link_seconds, double call_seconds);
   // This rank cannot time the call (its events were reused, or an error): no report for it.

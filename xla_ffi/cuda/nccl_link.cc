@@ -98,6 +98,21 @@ Status NcclChannel::SetupAcrossProcesses(const CommId& id, std::span<const int> 
   return Status::Ok();
 }
 
+Status NcclChannel::Abort() {
+  if (aborted_) return Status::Ok();
+  aborted_ = true;
+  // Later enqueues (there should be none: the group is broken) are refused, not run on freed comms.
+  (void)breaker_.Break(Status::Internal("its communicators were aborted after a hang"));
+  Status first;
+  for (Rank& k : ranks_) {
+    if (!k.comm) continue;
+    Status s = comm_.Abort(k.comm);
+    if (!s.ok() && first.ok()) first = s;
+    k.comm = nullptr;
+  }
+  return first;
+}
+
 bool NcclChannel::Direct(const CallDesc& d, const Piece& piece) const {
   const Part& p = d.parts[piece.part];
   const bool whole = piece.units.begin == 0 && piece.units.end == p.units && p.outer == 1;

@@ -57,6 +57,7 @@ class NcclChannel : public GpuChannel {
   // its first call's cross-process arrival.
   Status SetupAcrossProcesses(const CommId& id, std::span<const int> local);
   Status Enqueue(const GpuWork& work) override;
+  Status Abort() override;
 
  private:
   Status SetupRank(int r, Comm comm, const std::string& where);
@@ -90,6 +91,7 @@ class NcclChannel : public GpuChannel {
   const NcclOptions options_;
   std::vector<Rank> ranks_;
   Breaker breaker_;
+  bool aborted_ = false;  // Abort's thread only
 };
 
 }  // namespace flexlink::gpu

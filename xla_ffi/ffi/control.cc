@@ -61,37 +61,6 @@ nb::dict InstallCached(const std::string& path, int ranks) {
   return out;
 }
 
-// Health thresholds and link deadlines by name (docs/faults.md); unknown keys are a ValueError.
-void SetHealthOption(const std::string& key, double value) {
-  HealthOptions o = GetHealthOptions();
-  auto positive = [&] {
-    if (!(value > 0)) throw nb::value_error(("set_health_option: " + key + " must be > 0").c_str());
-  };
-  if (key == "degrade_fraction") positive(), o.degrade_fraction = value;
-  else if (key == "recover_fraction") positive(), o.recover_fraction = value;
-  else if (key == "degrade_calls") positive(), o.degrade_calls = static_cast<int>(value);
-  else if (key == "min_bytes") o.min_bytes = static_cast<uint64_t>(std::max(0.0, value));
-  else if (key == "probe_calls") positive(), o.probe_calls = static_cast<int>(value);
-  else if (key == "probe_seconds") positive(), o.probe_seconds = value;
-  else if (key == "probe_bytes") positive(), o.probe_bytes = static_cast<uint64_t>(value);
-  else if (key == "link_timeout_factor") positive(), o.link_timeout_factor = value;
-  else if (key == "link_timeout_s") positive(), o.link_timeout_s = value;
-  else
-    throw nb::value_error(("set_health_option: unknown option '" + key +
-                           "' (degrade_fraction, recover_fraction, degrade_calls, min_bytes, probe_calls, "
-                           "probe_seconds, probe_bytes, link_timeout_factor, link_timeout_s)").c_str());
-  SetHealthOptions(o);
-}
-
-std::map<std::string, double> HealthOptionsDict() {
-  const HealthOptions o = GetHealthOptions();
-  return {{"degrade_fraction", o.degrade_fraction}, {"recover_fraction", o.recover_fraction},
-          {"degrade_calls", o.degrade_calls}, {"min_bytes", static_cast<double>(o.min_bytes)},
-          {"probe_calls", o.probe_calls}, {"probe_seconds", o.probe_seconds},
-          {"probe_bytes", static_cast<double>(o.probe_bytes)}, {"link_timeout_factor", o.link_timeout_factor},
-          {"link_timeout_s", o.link_timeout_s}};
-}
-
 // stats()["stragglers"] (docs/diagnose.md): one entry per rank of every group that completed a
 // call (or lost one to an absent rank).
 nb::list Stragglers() {
@@ -179,8 +148,11 @@ void DefineControl(nb::module_& m) {
     auto f = CurrentFaults();
     return f ? f->text : std::string();
   }, "The injected faults' text (\"\" when none).");
-  m.def("set_health_option", &SetHealthOption, nb::arg("key"), nb::arg("value"));
-  m.def("health_options", &HealthOptionsDict);
+  // Health thresholds and link deadlines by name (docs/faults.md; core/health.h, shared with the
+  // CUDA module); unknown keys and bad values are a ValueError.
+  m.def("set_health_option", [](const std::string& key, double value) { Check(SetHealthOption(key, value)); },
+        nb::arg("key"), nb::arg("value"));
+  m.def("health_options", &HealthOptionValues);
   m.def("stragglers", &Stragglers,
         "Per group and rank: calls, how often it arrived last, its lateness (p50/p90/max s), flagged, "
         "significant, p_value, absent (docs/diagnose.md).");

@@ -47,7 +47,7 @@ size_t Streams::bytes_expected() const {
 }
 
 bool Streams::SendSome(Result* r) {
-  if (send_item_ == send_.size()) return false;
+  if (send_item_ == send_.size() || hold_sends_) return false;
   iovec iov[kMaxIov];
   msghdr msg{};
   msg.msg_iov = iov;
@@ -100,8 +100,14 @@ Streams::Result Streams::Pump(const std::function<void(size_t)>& on_recv) {
     if (progress) continue;
     pollfd fds[3];
     nfds_t k = 0;
-    if (sending) fds[k++] = {send_fd_, POLLOUT, 0};
+    // Held sends are not polled for (the socket is writable: that would spin); a held rank that has
+    // nothing left to receive still notices its predecessor hanging up (POLLRDHUP), as a stuck
+    // process would be released when its peers give up.
+    if (sending && !hold_sends_) fds[k++] = {send_fd_, POLLOUT, 0};
+    const bool watch_hangup = hold_sends_ && !receiving;
     if (receiving) fds[k++] = {recv_fd_, POLLIN, 0};
+    const nfds_t hangup = k;
+    if (watch_hangup) fds[k++] = {recv_fd_, POLLRDHUP, 0};
     if (abort_fd_ >= 0) fds[k++] = {abort_fd_, POLLIN, 0};
     const int p = poll(fds, k, PollMillis(deadline_));
     if (p < 0 && errno != EINTR) {
@@ -110,6 +116,7 @@ Streams::Result Streams::Pump(const std::function<void(size_t)>& on_recv) {
     }
     if (p == 0) return receiving ? Result::kRecvTimeout : Result::kSendTimeout;
     if (abort_fd_ >= 0 && (fds[k - 1].revents & POLLIN)) return Result::kAborted;
+    if (watch_hangup && (fds[hangup].revents & (POLLRDHUP | POLLHUP | POLLERR))) return Result::kClosed;
   }
 }
 

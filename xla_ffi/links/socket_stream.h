@@ -38,6 +38,11 @@ class Streams {
   // complete (it may queue sends). Returns kOk, or why it stopped (errno in error_number()).
   Result Pump(const std::function<void(size_t)>& on_recv);
 
+  // Test hook (TcpChannel::StallSendsForTest): queued sends never go out, as if the socket's writes
+  // had stopped; the pump still receives and ends at its deadline or abort.
+  void HoldSends() { hold_sends_ = true; }
+  void SetDeadline(Clock::time_point deadline) { deadline_ = deadline; }
+
   size_t bytes_received() const { return received_; }
   size_t bytes_expected() const;
   int error_number() const { return errno_; }
@@ -47,11 +52,12 @@ class Streams {
   bool RecvSome(Result* r, const std::function<void(size_t)>& on_recv);
 
   const int send_fd_, recv_fd_, abort_fd_;
-  const Clock::time_point deadline_;
+  Clock::time_point deadline_;
   std::vector<iovec> send_, recv_;
   size_t send_item_ = 0, send_off_ = 0, recv_item_ = 0, recv_off_ = 0;
   size_t received_ = 0;
   int errno_ = 0;
+  bool hold_sends_ = false;
 };
 
 }  // namespace flexlink::net

@@ -117,17 +117,24 @@ std::string TcpChannel::RankName(int rank) const {
          (local_[rank] ? ")" : ", another process)");
 }
 
-std::string TcpChannel::Where(const CallDesc& d, const Piece& piece) const {
-  std::string s = "flexlink: " + d.Describe() + " on group " + FormatIds(devices_) + " (link " + name_;
+std::string TcpChannel::Where(const CallDesc& d, const Piece& piece, std::string_view label) const {
+  std::string s = ErrorPrefix(label) + d.Describe() + " on group " + FormatIds(devices_) + " (link " + name_;
   if (d.parts.size() > 1) s += ", operand " + std::to_string(piece.part);
   return s + ", units [" + std::to_string(piece.units.begin) + ", " + std::to_string(piece.units.end) + "))";
 }
 
-Status TcpChannel::Run(CallContext& ctx, int rank, int /*lane*/, std::span<const Piece> pieces) {
-  return RunPieces(ctx.desc(rank), ctx.size(), rank, pieces);
+Status TcpChannel::Run(CallContext& ctx, int rank, int lane, std::span<const Piece> pieces) {
+  // The lane's own deadline bounds the sockets' waits (a stall fails over like a hung shm range). An
+  // abort of the lane needs nothing here: a tcp lane is aborted only after one of its ranks failed,
+  // which broke the channel, and that wakes every rank's poll() (abort eventfd).
+  TcpLimits limits;
+  limits.deadline = ctx.LaneDeadlineFor(lane, &limits.budget_s);
+  limits.label = ctx.label();
+  return RunPieces(ctx.desc(rank), ctx.size(), rank, pieces, limits);
 }
 
-Status TcpChannel::RunPieces(const CallDesc& d, int n, int rank, std::span<const Piece> pieces) {
+Status TcpChannel::RunPieces(const CallDesc& d, int n, int rank, std::span<const Piece> pieces,
+                             const TcpLimits& limits) {
   // Checked here because across processes nothing else stands between a caller and the ring: a bad
   // rank or piece must be an error, never an out-of-range index.
   if (n != static_cast<int>(devices_.size()) || rank < 0 || rank >= n || !local_[rank])
@@ -157,7 +164,7 @@ Status TcpChannel::RunPieces(const CallDesc& d, int n, int rank, std::span<const
       continue;
     }
     try {
-      TcpRun run(*this, d, n, rank, piece);
+      TcpRun run(*this, d, n, rank, piece, limits);
       FLEXLINK_RETURN_IF_ERROR(run.Go());
     } catch (const std::bad_alloc&) {
       // Scratch for forwarded blocks can be large (all_to_all: ~n²/2 blocks of the range). Breaking

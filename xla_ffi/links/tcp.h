@@ -36,6 +36,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -46,6 +47,16 @@
 #include "xla_ffi/plan/link_spec.h"
 
 namespace flexlink {
+
+// What bounds one range on a tcp channel besides the global deadline (FLEXLINK_TIMEOUT_S): the lane's
+// own deadline (docs/faults.md, "Per-link deadlines"), so that a ring that stalls mid-range fails at
+// the link's deadline and its range is failed over in the same call, while the other links' waits
+// still have time. `label` is the collective's, for messages.
+struct TcpLimits {
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  double budget_s = 0;  // the lane's budget (its length), for messages; 0: no deadline of its own
+  std::string_view label;
+};
 
 class TcpChannel final : public Channel {
  public:
@@ -66,12 +77,23 @@ class TcpChannel final : public Channel {
   ~TcpChannel() override;
 
   std::string_view link_name() const override { return name_; }
-  // RunPieces with the call's description of `rank` and the group size from `ctx`.
+  // RunPieces with the call's description of `rank`, the group size from `ctx` and the deadline of
+  // `lane` in `ctx` (its budget from the arrival or its clock's start; docs/faults.md).
   Status Run(CallContext& ctx, int rank, int lane, std::span<const Piece> pieces) override;
   // The work of Run without an in-process CallContext: `rank` (local to this process) runs `pieces`
   // of `desc` (its own buffers) in a group of `n` ranks. Bytes move only through the sockets, so this
   // is all a rank needs when its peers live in other processes.
-  Status RunPieces(const CallDesc& desc, int n, int rank, std::span<const Piece> pieces);
+  // `limits`: the lane's deadline (a stalled ring fails there, the channel broken for every rank).
+  Status RunPieces(const CallDesc& desc, int n, int rank, std::span<const Piece> pieces,
+                   const TcpLimits& limits = {});
+
+  // Test hook (a real stall, not an injected fault): from now on `rank`'s runs send nothing for its
+  // next `runs` pieces (it still receives), as a peer whose socket writes stopped; -1 clears. The
+  // ring's other ranks then wait on real sockets until their deadline.
+  void StallSendsForTest(int rank, int runs = 1 << 30) {
+    stall_runs_.store(runs);
+    stall_rank_.store(rank);
+  }
 
   // OK, or why the channel cannot be used (connection failure, or the first failure of a run).
   Status health() const;
@@ -92,7 +114,7 @@ class TcpChannel final : public Channel {
   // process's sockets down, so the neighbours in other processes see the ring end at once instead of
   // waiting for their deadline (the abort eventfd reaches only this process).
   void Break(Status why);
-  std::string Where(const CallDesc& d, const Piece& piece) const;
+  std::string Where(const CallDesc& d, const Piece& piece, std::string_view label = {}) const;
   // "rank 3 (device 2049)", or "rank 3 (device 2049, another process)" for a rank not local here.
   std::string RankName(int rank) const;
   friend class TcpRun;
@@ -104,6 +126,7 @@ class TcpChannel final : public Channel {
   bool all_local_ = true;
   int abort_fd_ = -1;             // eventfd, readable once the channel is broken
   std::atomic<bool> broken_{false};
+  std::atomic<int> stall_rank_{-1}, stall_runs_{0};  // StallSendsForTest
   mutable std::mutex mu_;
   Status first_error_;
 };

@@ -14,10 +14,28 @@ using tcp::Header;
 using tcp::kChunkBytes;
 using tcp::kMagic;
 
-TcpRun::TcpRun(TcpChannel& ch, const CallDesc& call, int n, int rank, const Piece& piece)
-    : ch_(ch), call_(call), d_(call.parts[piece.part]), n_(n), k_(rank), piece_(piece), range_(piece.units),
+namespace {
+
+// The run's deadline: the global one from now, or the lane's if that comes first.
+net::Clock::time_point RunDeadline(const TcpLimits& limits, bool* lane_first) {
+  const net::Clock::time_point global = net::DeadlineIn(TimeoutSeconds());
+  *lane_first = limits.deadline < global;
+  return *lane_first ? limits.deadline : global;
+}
+
+}  // namespace
+
+TcpRun::TcpRun(TcpChannel& ch, const CallDesc& call, int n, int rank, const Piece& piece, const TcpLimits& limits)
+    : ch_(ch), limits_(limits), call_(call), d_(call.parts[piece.part]), n_(n), k_(rank), piece_(piece), range_(piece.units),
       st_(ch.ranks_[rank]), wire_(d_.dtype, call.op),
-      io_(st_.send_fd, st_.recv_fd, ch.abort_fd_, net::DeadlineIn(TimeoutSeconds())) {
+      io_(st_.send_fd, st_.recv_fd, ch.abort_fd_, RunDeadline(limits, &lane_first_)) {
+  // A real stall for tests: this rank's writes stop (the peers see a silent socket), and like a stuck
+  // process it does not give up at the lane's deadline: its peers do, and their hang-up releases it.
+  if (ch.stall_rank_.load() == rank && ch.stall_runs_.fetch_sub(1) > 0) {
+    io_.HoldSends();
+    io_.SetDeadline(net::DeadlineIn(TimeoutSeconds()));
+    lane_first_ = false;
+  }
   cu_ = std::max<size_t>(1, kChunkBytes / wire_.ww);
   m_ = (range_.size() + cu_ - 1) / cu_;
   out_ = static_cast<char*>(d_.out);
@@ -67,19 +85,24 @@ std::string TcpRun::BadHeader() const {
 Status TcpRun::Finish(net::Streams::Result r) {
   using R = net::Streams::Result;
   const int prev = (k_ + n_ - 1) % n_, next = (k_ + 1) % n_;
+  // At the lane's deadline the link missed its own deadline (the call goes on: its range fails
+  // over); at the global one the whole call timed out.
   char secs[32];
-  std::snprintf(secs, sizeof secs, "%g", TimeoutSeconds());
+  std::snprintf(secs, sizeof secs, "%g", lane_first_ ? limits_.budget_s : TimeoutSeconds());
+  const std::string timed_out = lane_first_ ? std::string(": link ") + ch_.name_ + " missed its deadline of " + secs +
+                                                  " s (the link's own deadline: docs/faults.md, FLEXLINK_LINK_TIMEOUT_S)"
+                                            : std::string(": timed out after ") + secs + " s";
   const std::string got = " (received " + std::to_string(io_.bytes_received()) + " of " +
                           std::to_string(io_.bytes_expected()) + " bytes)";
   switch (r) {
     case R::kOk: return Status::Ok();
     case R::kAborted: return ch_.health();
     case R::kRecvTimeout:
-      return Fail(Status::DeadlineExceeded(Where() + ": timed out after " + secs + " s" +
-                                           Absent() + " waiting for " + ch_.RankName(prev) + " to send" + got));
+      return Fail(Status::DeadlineExceeded(Where() + timed_out + Absent() + " waiting for " + ch_.RankName(prev) +
+                                           " to send" + got));
     case R::kSendTimeout:
-      return Fail(Status::DeadlineExceeded(Where() + ": timed out after " + secs + " s" +
-                                           Absent() + " waiting for " + ch_.RankName(next) + " to receive"));
+      return Fail(Status::DeadlineExceeded(Where() + timed_out + Absent() + " waiting for " + ch_.RankName(next) +
+                                           " to receive"));
     case R::kClosed:
     case R::kError: {
       // Which side ended: a receive that read EOF leaves errno 0, a send that hit a closed peer

@@ -96,7 +96,7 @@ struct Wire {
 
 class TcpRun {
  public:
-  TcpRun(TcpChannel& ch, const CallDesc& call, int n, int rank, const Piece& piece);
+  TcpRun(TcpChannel& ch, const CallDesc& call, int n, int rank, const Piece& piece, const TcpLimits& limits);
   Status Go();
 
  private:
@@ -125,9 +125,13 @@ class TcpRun {
   Status Finish(net::Streams::Result r);
   std::string Absent() const;
   Status Fail(Status s);
-  std::string Where() const { return ch_.Where(call_, piece_); }
+  std::string Where() const { return ch_.Where(call_, piece_, limits_.label); }
+  // Whether the lane's own deadline, not the global one, bounds this run.
+  bool LaneFirst() const { return lane_first_; }
 
   TcpChannel& ch_;
+  const TcpLimits& limits_;
+  bool lane_first_ = false;
   const CallDesc& call_;
   const Part& d_;
   const int n_, k_;

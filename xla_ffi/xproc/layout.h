@@ -17,8 +17,9 @@ namespace flexlink::xproc {
 
 inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-endian
 // 2: plan slots in the header, times slots per rank; 3: failover masks in the times slots;
-// 4: arrival times in the rank blocks (straggler detection)
-inline constexpr uint32_t kLayoutVersion = 4;
+// 4: arrival times in the rank blocks (straggler detection); 5: the leader's unhealthy links and
+// stage-1 fits in the plan slot, failover masks per round parity (several failover rounds)
+inline constexpr uint32_t kLayoutVersion = 5;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -38,6 +39,13 @@ struct PlanSlot {
   uint32_t mode;   // plan::PlanMode
   uint32_t links;  // how many links the leader's group has (processes must agree)
   double shares[kMaxXprocLinks];
+  // Health and fits as the leader sees them, so that every process decides the same from the same
+  // bytes (docs/faults.md, "Across processes"): bit i of `unhealthy`: link i is unhealthy (never a
+  // failover carrier, even while probed); `has_fits`: alpha/beta are the leader's stage-1 fits for
+  // the call's kind (per-link deadlines and degraded detection predict from them), else none.
+  uint32_t unhealthy;
+  uint32_t has_fits;
+  double alpha[kMaxXprocLinks], beta[kMaxXprocLinks];
 };
 
 // One rank's times of call `call` (slot call & 1), written at the end of the call, before the rank
@@ -47,11 +55,12 @@ struct alignas(64) TimesSlot {
   uint64_t call;
   uint32_t links;
   uint32_t ok;  // 1: the call succeeded on this rank
-  // Failover (docs/faults.md): bit i set when link i's range failed on this rank in `call` (written
-  // before the call's agreement barrier, read by every rank after it); `touched`: it may have
-  // written buffers first.
-  uint32_t failed;
-  uint32_t touched;
+  // Failover (docs/faults.md): bit i set when link i's range (in round r: its re-run) failed on this
+  // rank in `call`, in [r & 1] (written before round r's agreement barrier, read by every rank
+  // between it and the next, rewritten for round r + 2 only after the next, which every reader has
+  // reached); `touched`: it may have written buffers first.
+  uint32_t failed[2];
+  uint32_t touched[2];
   double call_seconds;
   double seconds[kMaxXprocLinks];
 };

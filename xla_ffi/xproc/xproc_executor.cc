@@ -12,6 +12,7 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/failover.h"
 #include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/link_set.h"
@@ -143,6 +144,17 @@ class XprocExecutor {
       int probe = -1;
       const std::vector<double> shares = health_->Effective(planned, c, desc.virtual_bytes(), &masked, &probe);
       for (size_t i = 0; i < kMaxXprocLinks; ++i) slot.shares[i] = i < L ? shares[i] : 0.0;
+      // The leader's view of health and its fits: every process chooses carriers, sets deadlines and
+      // judges bandwidth from these, so all decide alike (other processes have no fits of their own).
+      slot.unhealthy = 0;
+      for (size_t i = 0; i < L; ++i)
+        if (health_->Unhealthy(i)) slot.unhealthy |= 1u << i;
+      std::vector<plan::AlphaBeta> fits;
+      slot.has_fits = balancer_->FitsFor(desc.kind, &fits) && fits.size() == L ? 1 : 0;
+      for (size_t i = 0; i < kMaxXprocLinks; ++i) {
+        slot.alpha[i] = slot.has_fits && i < L ? fits[i].alpha : 0.0;
+        slot.beta[i] = slot.has_fits && i < L ? fits[i].beta : 0.0;
+      }
       // A masked call is not the plan's: stage 2 learns nothing from it.
       held_[c & 1] = Held{masked ? nullptr : plan, bytes, std::vector<uint64_t>(L, 0), c};
     }
@@ -163,7 +175,20 @@ class XprocExecutor {
       if (!std::isfinite(shares[i]) || shares[i] < 0)
         return fail(where() + ": the leader's plan has an invalid share for link " + r_.info.links[i]);
     }
+    // Copied now: the slot is rewritten for call c + 2 once the leader passed c + 1's arrival.
+    const uint32_t unhealthy = slot.unhealthy;
+    std::vector<plan::AlphaBeta> fits;
+    if (slot.has_fits)
+      for (size_t i = 0; i < L; ++i) {
+        const plan::AlphaBeta f{slot.alpha[i], slot.beta[i]};
+        if (!std::isfinite(f.alpha) || !std::isfinite(f.beta) || f.alpha < 0 || f.beta <= 0) {
+          fits.clear();  // not a fit the leader's balancer would have: predict without
+          break;
+        }
+        fits.push_back(f);
+      }
     if (rank == 0 && c > 1) ReportCall(c - 1);
+    if (rank == FirstLocalRank() && c > 1) ObserveCall(c - 1);
 
     const std::vector<plan::UnitRange> ranges = plan::CutRanges(desc.virtual_bytes(), 1, shares);
     if (rank == 0)
@@ -182,6 +207,11 @@ class XprocExecutor {
       if (!ranges[i].empty()) desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
       return pieces;
     };
+    // Each link's own deadline for its range (docs/faults.md: min(T/2, max(8 x predicted, floor))),
+    // from the call's arrival, predicted from the leader's fits.
+    std::vector<double> budget(L, 0.0);
+    for (size_t i = 0; i < L; ++i)
+      if (!ranges[i].empty()) budget[i] = LinkBudgetSeconds(Predicted(fits, i, RangeBytes(desc, bytes, ranges[i])));
     // Injected faults (core/faults.h), decided per link before it runs: the same on every rank.
     std::shared_ptr<const FaultSet> faults = CurrentFaults();
     std::vector<const Fault*> fault(L, nullptr);
@@ -191,22 +221,6 @@ class XprocExecutor {
         fault_call[i] = counters_[i]->Next(rank, *faults);
         fault[i] = faults->ForLink(r_.info.links[i], fault_call[i]);
       }
-    const double range_budget = LinkBudgetSeconds(static_cast<double>(bytes) / 100e6);
-    auto injected = [&, label = std::string(label)](size_t i) {
-      const Fault& f = *fault[i];
-      std::string m = ErrorPrefix(label) + "link " + r_.info.links[i] + ": injected ";
-      if (f.kind == Fault::Kind::kHang) {
-        // Never completes: until the link's deadline, touching nothing.
-        std::this_thread::sleep_for(std::chrono::duration<double>(range_budget));
-        char secs[32];
-        std::snprintf(secs, sizeof secs, "%g", range_budget);
-        m += "hang at its call " + std::to_string(fault_call[i]) + ": it did not complete within its deadline of " +
-             secs + " s";
-      } else {
-        m += "error at its call " + std::to_string(fault_call[i]);
-      }
-      return Status::Unavailable(m + " (FLEXLINK_FAULTS \"" + faults->text + "\")");
-    };
     auto slow = [&](size_t i, Clock::time_point start) {
       if (fault[i] && fault[i]->kind == Fault::Kind::kSlow)
         std::this_thread::sleep_for((Clock::now() - start) * (fault[i]->factor - 1));
@@ -215,16 +229,17 @@ class XprocExecutor {
     std::vector<size_t> posted;
     for (size_t i = 0; i < L; ++i) {
       if (!r_.tcp[i] || ranges[i].empty()) continue;
-      if (fault[i] && fault[i]->kind != Fault::Kind::kSlow && fault[i]->kind != Fault::Kind::kHang) {
-        link_status[i] = injected(i);
+      if (fault[i] && fault[i]->kind == Fault::Kind::kError) {
+        link_status[i] = Injected(label, i, *fault[i], fault_call[i], *faults, budget[i]);
         continue;
       }
       TcpChannel* ch = r_.tcp[i];
       const Fault* f = fault[i];
-      workers_[i][rank]->Post([&, ch, n, rank, i, f, pieces = pieces_of(i), t0, seconds] {
-        if (f && f->kind == Fault::Kind::kHang) return injected(i);
+      TcpLimits limits{t0 + Seconds(budget[i]), budget[i], label};
+      workers_[i][rank]->Post([&, ch, n, rank, i, f, limits, pieces = pieces_of(i), t0, seconds] {
+        if (f && f->kind == Fault::Kind::kHang) return Injected(limits.label, i, *f, fault_call[i], *faults, budget[i]);
         const auto start = Clock::now();
-        Status s = ch->RunPieces(desc, n, rank, pieces);
+        Status s = ch->RunPieces(desc, n, rank, pieces, limits);
         slow(i, start);
         (*seconds)[i] = Since(t0);
         return s;
@@ -234,7 +249,7 @@ class XprocExecutor {
     {
       const size_t i = r_.segment;
       if (fault[i] && fault[i]->kind != Fault::Kind::kSlow) {
-        link_status[i] = injected(i);
+        link_status[i] = Injected(label, i, *fault[i], fault_call[i], *faults, budget[i]);
       } else {
         const auto start = Clock::now();
         link_status[i] = g_->RunPieces(rank, desc, pieces_of(i), label, run_id);
@@ -247,15 +262,24 @@ class XprocExecutor {
     // The segment failing for real failed the group (its steps' abort word): nothing can carry on.
     if (!link_status[r_.segment].ok() && link_status[r_.segment].code() != StatusCode::kUnavailable)
       return link_status[r_.segment];
-    FLEXLINK_RETURN_IF_ERROR(Recover(rank, desc, label, run_id, c, ranges, shares, link_status, where));
+    uint32_t bad = 0;
+    FLEXLINK_RETURN_IF_ERROR(
+        Recover(rank, desc, label, run_id, c, ranges, shares, unhealthy, fits, link_status, where, &bad));
     const double call_seconds = Since(t0);
-    if (rank == FirstLocalRank())  // health lists the links that ran (no stage-1 fits across processes)
+    if (rank == FirstLocalRank()) {
+      // A link that carried its range everywhere while unhealthy (a probe, or the plan's only links
+      // all unhealthy) is re-admitted, from the same union every process read: the same decision.
       for (size_t i = 0; i < L; ++i)
-        if (!ranges[i].empty() && link_status[i].ok()) {
-          const double b = static_cast<double>(bytes) * ranges[i].size() / std::max<uint64_t>(1, desc.virtual_bytes());
-          health_->Observed(i, c, static_cast<uint64_t>(b), -1, (*seconds)[i] > 0 ? b / (*seconds)[i] : -1);
-          if (health_->Unhealthy(i)) health_->Probed(i, c, true, "");
-        }
+        if (!ranges[i].empty() && !((bad >> i) & 1) && health_->Unhealthy(i)) health_->Probed(i, c, true, "");
+      // What the next call's ObserveCall needs to judge this one's bandwidth (the same everywhere).
+      Observation& o = observed_[c & 1];
+      o.call = c;
+      o.bad = bad;
+      o.fits = fits;
+      o.bytes.assign(L, 0);
+      for (size_t i = 0; i < L; ++i)
+        if (!ranges[i].empty()) o.bytes[i] = RangeBytes(desc, bytes, ranges[i]);
+    }
     TimesSlot& t = g_->times_slot(rank, c);
     t.call = c;
     t.links = static_cast<uint32_t>(L);
@@ -266,77 +290,198 @@ class XprocExecutor {
   }
 
  private:
-  // Failover across processes (docs/faults.md): every rank writes which of its links failed into its
-  // times slot, one barrier step of the segment makes them visible, and all re-run the union's
-  // ranges on the healthy link with the largest share (the same choice everywhere, from the leader's
-  // plan slot). One round: a re-run that fails fails the group.
+  static Clock::time_point Deadline(double seconds) { return Clock::now() + Seconds(seconds); }
+  static Clock::duration Seconds(double s) {
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
+  }
+  // A link's predicted time for `bytes` (nccl-tests bytes): the leader's fit, else a pessimistic
+  // 100 MB/s (the in-process rule, core/executor.cc).
+  static double Predicted(const std::vector<plan::AlphaBeta>& fits, size_t link, double bytes) {
+    return fits.empty() ? bytes / 100e6 : fits[link].Predict(bytes);
+  }
+  static uint64_t RangeBytes(const CallDesc& desc, uint64_t bytes, plan::UnitRange r) {
+    return static_cast<uint64_t>(static_cast<double>(bytes) * r.size() / std::max<uint64_t>(1, desc.virtual_bytes()));
+  }
+
+  // An injected error, or a hang: that waits the link's deadline touching nothing (a cross-process
+  // lane has no shared context to abort; the hang's peers hang alike, at the same call).
+  Status Injected(std::string_view label, size_t i, const Fault& f, uint64_t call, const FaultSet& faults,
+                  double budget_s) const {
+    std::string m = ErrorPrefix(label) + "link " + r_.info.links[i] + " of cross-process group " +
+                    FormatIds(g_->devices()) + ": injected ";
+    if (f.kind == Fault::Kind::kHang) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(budget_s));
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", budget_s);
+      m += "hang at its call " + std::to_string(call) + ": it did not complete within its deadline of " + secs + " s";
+    } else {
+      m += "error at its call " + std::to_string(call);
+    }
+    return Status::Unavailable(m + " (FLEXLINK_FAULTS \"" + faults.text + "\")");
+  }
+
+  // Failover across processes (docs/faults.md, "Across processes"), the rules of the in-process
+  // Executor::Recover: every rank writes which of its links failed into its times slot, one barrier
+  // step of the segment (ProcessGroup::Sync) makes them visible, and every rank re-runs the union's
+  // ranges on FailoverCarrier's choice from the leader's plan slot (shares, unhealthy links): the
+  // same choice everywhere. A re-run that fails marks its carrier failed and the range goes to the
+  // next link, for at most L - 1 rounds, one Sync each; when no link is left the call fails on every
+  // rank alike with every link's report, and the group stays usable (all ranks consumed the same
+  // steps). *bad: the links that failed in this call, on any rank.
   Status Recover(int rank, const CallDesc& desc, std::string_view label, int64_t run_id, uint64_t c,
-                 const std::vector<plan::UnitRange>& ranges, const std::vector<double>& shares,
-                 const std::vector<Status>& status, const std::function<std::string()>& where) {
+                 const std::vector<plan::UnitRange>& ranges, const std::vector<double>& shares, uint32_t unhealthy,
+                 const std::vector<plan::AlphaBeta>& fits, const std::vector<Status>& status,
+                 const std::function<std::string()>& where, uint32_t* bad_out) {
     const size_t L = r_.info.links.size();
     const int n = g_->size();
+    const uint64_t bytes = MessageBytes(desc, n);
     auto fail = [&](const std::string& message) {
       if (!g_->aborted()) g_->Abort(rank, message);
       return Status::Internal(message);
     };
+    std::vector<std::string> errors(L);  // this rank's reports (another rank's are in its own message)
     uint32_t failed = 0, touched = 0;
     for (size_t i = 0; i < L; ++i)
       if (!status[i].ok()) {
         failed |= 1u << i;
         if (status[i].code() != StatusCode::kUnavailable) touched |= 1u << i;
+        errors[i] = status[i].message();
       }
-    TimesSlot& mine = g_->times_slot(rank, c);
-    mine.call = c;
-    mine.ok = 0;
-    mine.failed = failed;
-    mine.touched = touched;
-    FLEXLINK_RETURN_IF_ERROR(g_->Sync(rank, desc, label, run_id));
+    // Round r's bits of every rank after its barrier (Sync); false if a rank did not publish them.
+    auto agree = [&](size_t round, uint32_t mine_failed, uint32_t mine_touched, uint32_t* all_failed,
+                     uint32_t* all_touched) -> Status {
+      TimesSlot& mine = g_->times_slot(rank, c);
+      mine.call = c;
+      mine.ok = 0;
+      mine.failed[round & 1] = mine_failed;
+      mine.touched[round & 1] = mine_touched;
+      FLEXLINK_RETURN_IF_ERROR(g_->Sync(rank, desc, label, run_id));
+      *all_failed = *all_touched = 0;
+      for (int r = 0; r < n; ++r) {
+        const TimesSlot& t = g_->times_slot(r, c);
+        if (t.call != c) return fail(where() + ": rank " + std::to_string(r) + " did not publish its links' status");
+        *all_failed |= t.failed[round & 1];
+        *all_touched |= t.touched[round & 1];
+      }
+      return Status::Ok();
+    };
     uint32_t all_failed = 0, all_touched = 0;
-    for (int r = 0; r < n; ++r) {
-      const TimesSlot& t = g_->times_slot(r, c);
-      if (t.call != c) return fail(where() + ": rank " + std::to_string(r) + " did not publish its links' status");
-      all_failed |= t.failed;
-      all_touched |= t.touched;
-    }
+    FLEXLINK_RETURN_IF_ERROR(agree(0, failed, touched, &all_failed, &all_touched));
+    *bad_out = all_failed;
     if (all_failed == 0) return Status::Ok();
-    std::string report;  // what this rank's links reported (another rank's errors are in its own message)
-    for (size_t j = 0; j < L; ++j)
-      report += (j ? "; " : "") + r_.info.links[j] + ": " +
-                (!status[j].ok() ? status[j].message()
-                 : (all_failed >> j) & 1 ? std::string("failed on another rank")
-                 : health_->Unhealthy(j) ? std::string("unhealthy (excluded until its next probe)")
-                                         : std::string("ok"));
-    for (size_t i = 0; i < L; ++i) {
-      if (!((all_failed >> i) & 1)) continue;
-      const std::string reason = !status[i].ok() ? status[i].message() : "failed on another rank";
-      bool aliased = false;
-      for (const Part& p : desc.parts)
-        aliased |= p.in == p.out && p.offset < ranges[i].end && ranges[i].begin < p.offset + p.bytes();
-      if (((all_touched >> i) & 1) && aliased)
-        return fail(where() + ": link " + r_.info.links[i] + " failed after it may have written part of its range of "
-                    "an in-place (aliased) call, so its input bytes cannot be recovered: " + reason);
-      size_t to = L;
+    std::vector<char> bad(L, 0), range_touched(L, 0);
+    std::vector<size_t> pending;
+    for (size_t i = 0; i < L; ++i)
+      if ((all_failed >> i) & 1) {
+        pending.push_back(i);
+        bad[i] = 1;
+        range_touched[i] = (all_touched >> i) & 1;
+        if (errors[i].empty()) errors[i] = "failed on another rank";
+      }
+    auto is_unhealthy = [&](size_t j) { return ((unhealthy >> j) & 1) != 0; };
+    std::shared_ptr<const FaultSet> faults = CurrentFaults();
+    std::vector<size_t> carrier(L, L);
+    std::vector<std::pair<size_t, size_t>> moves;  // (failed link, its carrier)
+    for (size_t round = 1; round < L && !pending.empty(); ++round) {
+      for (size_t i : pending) {
+        bool aliased = false;  // this rank's own parts only: another rank may decide otherwise, so abort
+        for (const Part& p : desc.parts)
+          aliased |= p.in == p.out && p.offset < ranges[i].end && ranges[i].begin < p.offset + p.bytes();
+        if (range_touched[i] && aliased)
+          return fail(where() + ": link " + r_.info.links[i] + " failed after it may have written part of its range of "
+                      "an in-place (aliased) call, so its input bytes cannot be recovered: " + errors[i]);
+        carrier[i] = FailoverCarrier(bad, shares, is_unhealthy);
+      }
+      if (std::any_of(pending.begin(), pending.end(), [&](size_t i) { return carrier[i] == L; })) break;
+      uint32_t round_failed = 0, round_touched = 0;
+      for (size_t i : pending) {
+        const size_t to = carrier[i];
+        std::vector<Piece> pieces;
+        desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
+        // The re-run has a deadline of its own, from its start, for the carrier's time for the bytes;
+        // it counts as the carrier's call for injected faults (as in one process).
+        const double budget = LinkBudgetSeconds(Predicted(fits, to, RangeBytes(desc, bytes, ranges[i])));
+        const Fault* f = nullptr;
+        uint64_t fault_call = 0;
+        if (faults) {
+          fault_call = counters_[to]->Next(rank, *faults);
+          f = faults->ForLink(r_.info.links[to], fault_call);
+        }
+        Status s;
+        if (f && f->kind != Fault::Kind::kSlow) {
+          s = Injected(label, to, *f, fault_call, *faults, budget);
+        } else if (to == r_.segment) {
+          s = g_->RunPieces(rank, desc, pieces, label, run_id);
+          // The segment failing for real failed the group already (its abort word).
+          if (!s.ok()) return s;
+        } else {
+          s = r_.tcp[to]->RunPieces(desc, n, rank, pieces, TcpLimits{Deadline(budget), budget, label});
+        }
+        if (!s.ok()) {
+          round_failed |= 1u << i;
+          if (s.code() != StatusCode::kUnavailable) round_touched |= 1u << i;
+          if (errors[to].empty()) errors[to] = s.message();
+        }
+      }
+      FLEXLINK_RETURN_IF_ERROR(agree(round, round_failed, round_touched, &all_failed, &all_touched));
+      std::vector<size_t> still;
+      for (size_t i : pending) {
+        if ((all_failed >> i) & 1) {
+          still.push_back(i);
+          bad[carrier[i]] = 1;
+          *bad_out |= 1u << carrier[i];
+          range_touched[i] |= (all_touched >> i) & 1;
+          if (errors[carrier[i]].empty()) errors[carrier[i]] = "failed on another rank";
+        } else {
+          moves.emplace_back(i, carrier[i]);
+        }
+      }
+      pending = std::move(still);
+    }
+    // Every process records the same decisions (its own stats); the leader's mask the next plans.
+    if (rank == FirstLocalRank()) {
       for (size_t j = 0; j < L; ++j)
-        if (!((all_failed >> j) & 1) && !health_->Unhealthy(j) && (to == L || shares[j] > shares[to])) to = j;
-      if (to == L) return fail(where() + ": no link could carry the bytes (links: " + report + ")");
-      std::vector<Piece> pieces;
-      desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
-      Status s = to == r_.segment ? g_->RunPieces(rank, desc, pieces, label, run_id)
-                                  : r_.tcp[to]->RunPieces(desc, n, rank, pieces);
-      if (!s.ok()) return fail(where() + ": the failover of link " + r_.info.links[i] + "'s range to " +
-                               r_.info.links[to] + " failed too: " + s.message() + " (links: " + report + ")");
-      // Every process records the same decisions (its own stats); the leader's masks the next plans.
-      if (rank == FirstLocalRank()) {
-        health_->Failed(i, c, reason);
-        health_->FailedOver(i);
-        RecordFailover(FailoverRecord{FormatIds(g_->devices()), std::string(Name(desc.kind)), r_.info.links[i],
-                                      r_.info.links[to], reason, c,
-                                      static_cast<uint64_t>(static_cast<double>(MessageBytes(desc, n)) *
-                                                            ranges[i].size() / std::max<uint64_t>(1, desc.virtual_bytes())),
-                                      0.0, UnixNow()});
+        if ((*bad_out >> j) & 1) {
+          if (is_unhealthy(j)) health_->Probed(j, c, false, errors[j]);  // a probe that failed
+          else health_->Failed(j, c, errors[j]);
+        }
+      for (const auto& [from, to] : moves) {
+        health_->FailedOver(from);
+        RecordFailover(FailoverRecord{FormatIds(g_->devices()), std::string(Name(desc.kind)), r_.info.links[from],
+                                      r_.info.links[to], errors[from], c, RangeBytes(desc, bytes, ranges[from]), 0.0,
+                                      UnixNow()});
       }
     }
-    return Status::Ok();
+    if (pending.empty()) return Status::Ok();
+    return Status::Internal(NoCarrierMessage(label, desc.kind, FormatIds(g_->devices()) + " across processes", c,
+                                             r_.info.links, errors, is_unhealthy));
+  }
+
+  // Degraded detection (core/health.h), in every process alike: after call p + 1's arrival every
+  // rank's times of p are visible (the leader's stage-2 report reads the same), so each process's
+  // first local rank takes the slowest rank's time per link and compares the link's rate with the
+  // leader's fit that p's plan slot carried. Same bytes, same fits, same rule: the same verdict in
+  // every process, one call later than in one process.
+  void ObserveCall(uint64_t p) {
+    const Observation& o = observed_[p & 1];
+    const size_t L = r_.info.links.size();
+    if (o.call != p || o.bytes.size() != L) return;
+    std::vector<double> secs(L, 0.0);
+    for (int r = 0; r < g_->size(); ++r) {
+      const TimesSlot& t = g_->times_slot(r, p);
+      if (t.call != p || t.links != L || t.ok != 1) return;  // failed somewhere: no evidence
+      for (size_t i = 0; i < L; ++i) {
+        const double v = t.seconds[i];
+        if (!std::isfinite(v) || v < 0 || v > 1e6) return;
+        secs[i] = std::max(secs[i], v);
+      }
+    }
+    for (size_t i = 0; i < L; ++i) {
+      if (!o.bytes[i] || ((o.bad >> i) & 1) || !(secs[i] > 0)) continue;
+      const double b = static_cast<double>(o.bytes[i]);
+      const double expected = o.fits.empty() ? -1 : b / o.fits[i].Predict(b);
+      health_->Observed(i, p, o.bytes[i], expected, b / secs[i]);
+    }
   }
 
   int FirstLocalRank() const {
@@ -383,6 +528,13 @@ class XprocExecutor {
   std::unique_ptr<plan::Balancer> balancer_;  // the leader's process only
   std::vector<std::vector<std::unique_ptr<LinkWorker>>> workers_;  // [link][rank]: tcp links, local ranks
   Held held_[2];                 // leader (rank 0's thread) only: the plans of the last two calls
+  struct Observation {           // a call's facts for ObserveCall (the first local rank's thread only)
+    uint64_t call = 0;
+    uint32_t bad = 0;                   // links that failed somewhere: no evidence
+    std::vector<plan::AlphaBeta> fits;  // the leader's, from the call's plan slot (empty: none)
+    std::vector<uint64_t> bytes;        // per link: nccl-tests bytes of its range
+  };
+  Observation observed_[2];
   std::vector<std::unique_ptr<FaultCounter>> counters_;  // per link: its calls per local rank
   std::shared_ptr<GroupHealth> health_;
 };

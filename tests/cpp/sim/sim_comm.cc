@@ -40,6 +40,9 @@ struct SimComm::Clique {
   };
   std::map<std::tuple<int, int, uint64_t>, Message> messages;
   size_t operations = 0;
+  // Abort: every operation still waiting wakes and returns without touching its buffers (what
+  // ncclCommAbort does to kernels in flight), later ones are skipped, issuing more is an error.
+  bool aborted = false;
 };
 
 struct SimComm::Rank {
@@ -161,6 +164,10 @@ Status SimComm::GroupEnd() {
 Status SimComm::Issue(Op op, gpu::Comm comm, gpu::Stream stream) {
   Rank* rank = static_cast<Rank*>(comm);
   if (!rank) return Status::Internal("sim nccl: no communicator");
+  {
+    std::lock_guard<std::mutex> lock(rank->clique->mu);
+    if (rank->clique->aborted) return Status::Internal("sim nccl: operation on an aborted communicator");
+  }
   if (t_group.depth == 0) {
     Submit(rank, stream, {op});
     return Status::Ok();
@@ -189,9 +196,12 @@ void SimComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
   }
   device_.Enqueue(stream, [c, me, dev, timeout, ops = std::move(ops), seqs = std::move(seqs)] {
     std::unique_lock<std::mutex> lock(c->mu);
+    if (c->aborted) return;
+    // false: the clique was aborted meanwhile (stop here, as an aborted NCCL kernel does).
     auto wait = [&](auto pred, const std::string& what) {
-      if (!c->cv.wait_for(lock, std::chrono::duration<double>(timeout), pred))
+      if (!c->cv.wait_for(lock, std::chrono::duration<double>(timeout), [&] { return c->aborted || pred(); }))
         dev->Error("sim nccl: rank " + std::to_string(me) + " waited too long for " + what);
+      return !c->aborted;
     };
     // Point to point: post every send of the group, complete every receive, then wait until the
     // sends were taken (all operations of a group progress together, as in NCCL).
@@ -206,7 +216,7 @@ void SimComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
     for (size_t i = 0; i < ops.size(); ++i)
       if (ops[i].type == Op::kRecv) {
         const auto key = std::make_tuple(ops[i].peer, me, seqs[i]);
-        wait([&] { return c->messages[key].posted; }, "a send from rank " + std::to_string(ops[i].peer));
+        if (!wait([&] { return c->messages[key].posted; }, "a send from rank " + std::to_string(ops[i].peer))) return;
         auto& m = c->messages[key];
         const size_t bytes = ops[i].count * Width(ops[i].ctype);
         if (m.bytes != bytes) dev->Error("sim nccl: send and receive sizes differ");
@@ -218,7 +228,8 @@ void SimComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
     for (size_t i = 0; i < ops.size(); ++i)
       if (ops[i].type == Op::kSend) {
         const auto key = std::make_tuple(me, ops[i].peer, seqs[i]);
-        wait([&] { return c->messages[key].consumed; }, "rank " + std::to_string(ops[i].peer) + " to receive");
+        if (!wait([&] { return c->messages[key].consumed; }, "rank " + std::to_string(ops[i].peer) + " to receive"))
+          return;
         c->messages.erase(key);
       }
     // Collectives, one after another: each waits for every rank's operation of its sequence number.
@@ -259,7 +270,7 @@ void SimComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
         slot.done = true;
         c->cv.notify_all();
       } else {
-        wait([&] { return slot.done; }, "collective " + std::to_string(seqs[i]));
+        if (!wait([&] { return slot.done; }, "collective " + std::to_string(seqs[i]))) return;
       }
       if (--slot.count == 0) c->slots.erase(seqs[i]);
     }
@@ -283,6 +294,25 @@ Status SimComm::Send(const void* send, size_t count, gpu::CommType type, int pee
 }
 Status SimComm::Recv(void* recv, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) {
   return Issue({Op::kRecv, nullptr, recv, count, type, gpu::CommOp::kSum, peer}, comm, stream);
+}
+
+Status SimComm::Abort(gpu::Comm comm) {
+  Rank* rank = static_cast<Rank*>(comm);
+  if (!rank) return Status::Internal("sim nccl: no communicator");
+  Clique* c = rank->clique;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    c->aborted = true;
+  }
+  c->cv.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  ++aborts_;
+  return Status::Ok();
+}
+
+int SimComm::aborts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return aborts_;
 }
 
 }  // namespace flexlink::sim

@@ -4,7 +4,8 @@
 // arrived; the last one to arrive runs them all. Reductions use the engine's element code in rank
 // order (so results are comparable bitwise with the reference); every rank must issue the same
 // sequence of collectives and matching sends and receives, or the simulation records an error.
-// Like NCCL, two ranks of one communicator on one device are refused.
+// Like NCCL, two ranks of one communicator on one device are refused. Abort stops a clique's
+// operations in flight without touching their buffers (ncclCommAbort).
 #pragma once
 
 #include <memory>
@@ -33,8 +34,10 @@ class SimComm : public gpu::CommApi {
                        gpu::Comm comm, gpu::Stream stream) override;
   Status Send(const void* send, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) override;
   Status Recv(void* recv, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) override;
+  Status Abort(gpu::Comm comm) override;
 
   int inits() const { return inits_; }
+  int aborts() const;  // Abort calls so far (one per communicator)
   // Collectives and send/recv operations run so far (all ranks together).
   size_t operations() const;
 
@@ -51,6 +54,7 @@ class SimComm : public gpu::CommApi {
   std::vector<std::unique_ptr<Clique>> cliques_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   int inits_ = 0;
+  int aborts_ = 0;
 };
 
 }  // namespace flexlink::sim

@@ -1,5 +1,6 @@
 #include "tests/cpp/sim/sim_device.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -224,6 +225,30 @@ Status SimDevice::MallocAsync(size_t bytes, gpu::Stream, void** ptr) {
 
 Status SimDevice::FreeAsync(void* ptr, gpu::Stream stream) {
   Enqueue(stream, [ptr] { std::free(ptr); });
+  return Status::Ok();
+}
+
+Status SimDevice::Delay(double seconds, gpu::Stream stream) {
+  if (!(seconds > 0)) return Status::Ok();
+  Enqueue(stream, [seconds] { std::this_thread::sleep_for(std::chrono::duration<double>(seconds)); });
+  return Status::Ok();
+}
+
+Status SimDevice::WaitFlag(const uint32_t* flag, double max_seconds, gpu::Stream stream) {
+  if (!flag) return Status::Internal("sim: wait on a null flag");
+  Enqueue(stream, [this, flag, max_seconds] {
+    // Polls as the CUDA kernel does (a host write has no way to wake a device), in 100 us naps.
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(max_seconds);
+    std::atomic_ref<uint32_t> word(*const_cast<uint32_t*>(flag));  // the host writes it with atomic_ref too
+    while (word.load(std::memory_order_acquire) == 0) {
+      if (std::chrono::steady_clock::now() >= end) {
+        Error("sim: a flag wait ran out its " + std::to_string(max_seconds) + " s without the host releasing it");
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    flag_waits_.fetch_add(1);
+  });
   return Status::Ok();
 }
 

@@ -57,6 +57,8 @@ class SimDevice : public gpu::DeviceApi {
   Status Layout(const gpu::LayoutArgs& args, gpu::Stream stream) override;
   Status MallocAsync(size_t bytes, gpu::Stream stream, void** ptr) override;
   Status FreeAsync(void* ptr, gpu::Stream stream) override;
+  Status Delay(double seconds, gpu::Stream stream) override;
+  Status WaitFlag(const uint32_t* flag, double max_seconds, gpu::Stream stream) override;
   gpu::Poll Query(gpu::Event event, std::string* error) override;
   Status ElapsedSeconds(gpu::Event start, gpu::Event stop, double* seconds) override;
 
@@ -65,6 +67,7 @@ class SimDevice : public gpu::DeviceApi {
   void SynchronizeAll();
   std::vector<std::string> TakeErrors();
   int preloads() const { return preloads_.load(); }
+  int flag_waits() const { return flag_waits_.load(); }  // WaitFlags that ended by the host's release
   // Makes a stream's worker sleep before each operation (a slow link).
   void SetStreamDelay(gpu::Stream stream, int delay_us);
   // Adds an operation that runs `f` on the stream (the simulated NCCL's collectives).
@@ -85,6 +88,7 @@ class SimDevice : public gpu::DeviceApi {
   std::vector<void*> allocations_;
   std::vector<std::string> errors_;
   std::atomic<int> preloads_{0};
+  std::atomic<int> flag_waits_{0};
 };
 
 }  // namespace flexlink::sim

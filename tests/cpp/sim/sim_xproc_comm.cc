@@ -144,6 +144,7 @@ struct SimXprocComm::Shared {
   size_t slot = 0;
   Offsets off{};
   std::atomic<size_t> operations{0};
+  std::atomic<bool> aborted{false};  // this process's side (Abort)
   ~Shared() {
     if (base) munmap(base, bytes);
   }
@@ -180,6 +181,10 @@ bool WaitFor(F ready, const SimXprocComm::Shared& s, int peer, double timeout, c
   const auto start = Clock::now();
   auto next_check = start;
   for (int spins = 0; !ready(); ++spins) {
+    if (s.aborted.load(std::memory_order_acquire)) {
+      *why = "";  // aborted: return without touching buffers, and without an error of its own
+      return false;
+    }
     if (spins < 16) {
       sched_yield();
       continue;
@@ -328,6 +333,7 @@ Status SimXprocComm::GroupEnd() {
 Status SimXprocComm::Issue(Op op, gpu::Comm comm, gpu::Stream stream) {
   Rank* rank = static_cast<Rank*>(comm);
   if (!rank) return Status::Internal("sim nccl: no communicator");
+  if (rank->shared->aborted.load()) return Status::Internal("sim nccl across processes: the communicator was aborted");
   const size_t bytes = op.count * Width(op.ctype) * (op.type == Op::kReduceScatter ? rank->shared->n : 1);
   if (bytes > rank->shared->slot)
     return Status::Internal("sim nccl across processes: an operation of " + std::to_string(bytes) +
@@ -371,7 +377,7 @@ void SimXprocComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
                    "rank " + std::to_string(ops[i].peer) + " to receive message " + std::to_string(m - 1) +
                        " from rank " + std::to_string(me),
                    &why))
-        return dev->Error(why);
+        return why.empty() ? void() : dev->Error(why);
       const size_t bytes = ops[i].count * Width(ops[i].ctype);
       std::memcpy(s->mail(me, ops[i].peer, m & 1), ops[i].send, bytes);
       pc.bytes[m & 1] = bytes;
@@ -383,7 +389,7 @@ void SimXprocComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
       PairCtl& pc = s->pair(ops[i].peer, me);
       if (!WaitFor([&] { return pc.posted.load(std::memory_order_acquire) >= m + 1; }, *s, ops[i].peer, timeout,
                    "a send from rank " + std::to_string(ops[i].peer), &why))
-        return dev->Error(why);
+        return why.empty() ? void() : dev->Error(why);
       const size_t bytes = ops[i].count * Width(ops[i].ctype);
       if (pc.bytes[m & 1] != bytes) return dev->Error("sim nccl: send and receive sizes differ");
       std::memcpy(ops[i].recv, s->mail(ops[i].peer, me, m & 1), bytes);
@@ -407,7 +413,7 @@ void SimXprocComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
         RankCtl& peer = s->rank(j);
         if (!WaitFor([&] { return peer.posted.load(std::memory_order_acquire) >= k + 1; }, *s, j, timeout,
                      "rank " + std::to_string(j) + " at collective " + std::to_string(k), &why))
-          return dev->Error(why);
+          return why.empty() ? void() : dev->Error(why);
       }
       for (int j = 0; j < n; ++j) {
         const OpDesc& d = s->rank(j).desc[buffer];
@@ -430,6 +436,13 @@ void SimXprocComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
       s->operations.fetch_add(1);
     }
   });
+}
+
+Status SimXprocComm::Abort(gpu::Comm comm) {
+  Rank* rank = static_cast<Rank*>(comm);
+  if (!rank) return Status::Internal("sim nccl: no communicator");
+  rank->shared->aborted.store(true, std::memory_order_release);
+  return Status::Ok();
 }
 
 Status SimXprocComm::AllReduce(const void* send, void* recv, size_t count, gpu::CommType type, gpu::CommOp op,

@@ -54,6 +54,10 @@ class SimXprocComm : public gpu::CommApi {
                        gpu::Comm comm, gpu::Stream stream) override;
   Status Send(const void* send, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) override;
   Status Recv(void* recv, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) override;
+  // This process's side of the communicator ends (ncclCommAbort): its waiting operations return
+  // without touching their buffers, issuing more is an error. Other processes' ranks are theirs to
+  // abort (as with NCCL, each process aborts its own communicators).
+  Status Abort(gpu::Comm comm) override;
 
   int inits() const;              // InitRanks calls that succeeded in this process
   size_t operations() const;      // operations this process's ranks completed

@@ -59,8 +59,9 @@ Status CudaDevice::AllocDevice(int device, size_t bytes, void** ptr) {
 }
 
 Status CudaDevice::AllocPinnedHost(size_t bytes, void** ptr) {
-  // Portable: every device's copy engines may read and write it as pinned memory.
-  return Check(cudaHostAlloc(ptr, bytes, cudaHostAllocPortable), "cudaHostAlloc");
+  // Portable: every device's copy engines may read and write it as pinned memory. Mapped: kernels
+  // may read it too (WaitFlag's host flags; implied under unified addressing, said anyway).
+  return Check(cudaHostAlloc(ptr, bytes, cudaHostAllocPortable | cudaHostAllocMapped), "cudaHostAlloc");
 }
 
 Status CudaDevice::PreloadKernels(int device) {
@@ -104,6 +105,14 @@ Status CudaDevice::MallocAsync(size_t bytes, Stream stream, void** ptr) {
 }
 
 Status CudaDevice::FreeAsync(void* ptr, Stream stream) { return Check(cudaFreeAsync(ptr, S(stream)), "cudaFreeAsync"); }
+
+Status CudaDevice::Delay(double seconds, Stream stream) {
+  return Check(LaunchDelay(seconds, S(stream)), "the delay kernel (injected slow link)");
+}
+
+Status CudaDevice::WaitFlag(const uint32_t* flag, double max_seconds, Stream stream) {
+  return Check(LaunchWaitFlag(flag, max_seconds, S(stream)), "the flag-wait kernel (injected hang)");
+}
 
 Poll CudaDevice::Query(Event event, std::string* error) {
   const cudaError_t err = cudaEventQuery(E(event));

@@ -28,6 +28,8 @@ class CudaDevice : public DeviceApi {
   Status Layout(const LayoutArgs& args, Stream stream) override;
   Status MallocAsync(size_t bytes, Stream stream, void** ptr) override;
   Status FreeAsync(void* ptr, Stream stream) override;
+  Status Delay(double seconds, Stream stream) override;
+  Status WaitFlag(const uint32_t* flag, double max_seconds, Stream stream) override;
   Poll Query(Event event, std::string* error) override;
   Status ElapsedSeconds(Event start, Event stop, double* seconds) override;
   Status RegisterHost(void* ptr, size_t bytes) override;

@@ -26,6 +26,36 @@ __global__ void LayoutKernel(LayoutArgs a) {
     LayoutAt<E>(a, t);
 }
 
+// The device's nanosecond clock (%globaltimer), the same on every SM, unlike clock64's cycles whose
+// rate follows the SM's clock.
+__device__ __forceinline__ unsigned long long GlobalNanos() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// One thread that sleeps in short naps until `nanos` have passed: an injected slow link's extra
+// time. __nanosleep yields the SM's issue slots to other warps, so it costs one resident thread.
+__global__ void DelayKernel(unsigned long long nanos) {
+  const unsigned long long t0 = GlobalNanos();
+  while (GlobalNanos() - t0 < nanos) __nanosleep(10000);
+}
+
+// A system-scope acquire load (sm_70+): sees the host's latest write to mapped pinned memory, with
+// no stale copy in the GPU's caches.
+__device__ __forceinline__ unsigned int LoadAcquireSystem(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One thread that polls a host-written word in pinned (mapped) memory until it is non-zero or
+// `max_nanos` passed: an injected hang, released by the host's hang detector.
+__global__ void WaitFlagKernel(const unsigned int* flag, unsigned long long max_nanos) {
+  const unsigned long long t0 = GlobalNanos();
+  while (LoadAcquireSystem(flag) == 0 && GlobalNanos() - t0 < max_nanos) __nanosleep(20000);
+}
+
 unsigned Blocks(size_t n) { return static_cast<unsigned>(std::max<size_t>(1, std::min(kMaxBlocks, (n + kThreads - 1) / kThreads))); }
 
 const DType kDTypes[] = {DType::kPred, DType::kS8, DType::kS16, DType::kS32, DType::kS64, DType::kU8, DType::kU16,
@@ -55,9 +85,26 @@ cudaError_t LaunchLayout(const LayoutArgs& a, cudaStream_t stream) {
   return err;
 }
 
+cudaError_t LaunchDelay(double seconds, cudaStream_t stream) {
+  if (!(seconds > 0)) return cudaSuccess;
+  DelayKernel<<<1, 1, 0, stream>>>(static_cast<unsigned long long>(seconds * 1e9));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWaitFlag(const unsigned int* flag, double max_seconds, cudaStream_t stream) {
+  void* device_flag = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&device_flag, const_cast<unsigned int*>(flag), 0);
+  if (err != cudaSuccess) return err;
+  WaitFlagKernel<<<1, 1, 0, stream>>>(static_cast<const unsigned int*>(device_flag),
+                                      static_cast<unsigned long long>(std::max(0.0, max_seconds) * 1e9));
+  return cudaGetLastError();
+}
+
 cudaError_t PreloadAllKernels() {
   cudaError_t err = cudaSuccess;
   cudaFuncAttributes attr;
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, DelayKernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, WaitFlagKernel);
   for (DType t : kDTypes)
     for (ReduceOp op : kOps)
       DispatchReduce(t, op, [&]<class Op>() {

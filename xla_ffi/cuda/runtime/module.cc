@@ -223,8 +223,14 @@ NB_MODULE(_flexlink_cuda, m) {
   }, "Zeroes the link counters; every GPU link's health back to healthy; the failover log emptied.");
   m.def("inject_faults", [](const std::string& spec) {
     Check(SetGpuFaults(spec, ProcessEngine().CurrentLinks()->names()));
-  }, nb::arg("spec"), "Sets the GPU links' injected faults (FLEXLINK_FAULTS syntax; GPU links take only "
-     "error faults, docs/faults.md); \"\" clears them.");
+  }, nb::arg("spec"), "Sets the GPU links' injected faults (FLEXLINK_FAULTS syntax: error, slow and hang; "
+     "rank:absent is refused, docs/faults.md); \"\" clears them.");
+  // The GPU engine's own health options (this module's copy of core/health's; Python sets both
+  // modules alike, native.set_health_option): probes, degraded thresholds, the hang detector's
+  // deadlines (link_timeout_s, link_timeout_factor).
+  m.def("set_health_option", [](const std::string& key, double value) { Check(SetHealthOption(key, value)); },
+        nb::arg("key"), nb::arg("value"));
+  m.def("health_options", &HealthOptionValues);
   m.def("faults", [] {
     auto f = CurrentFaults();
     return f ? f->text : std::string();

@@ -23,6 +23,7 @@ struct NcclComm::Symbols {
   decltype(&ncclReduceScatter) ReduceScatter;
   decltype(&ncclSend) Send;
   decltype(&ncclRecv) Recv;
+  decltype(&ncclCommAbort) CommAbort;
 };
 
 namespace {
@@ -106,7 +107,7 @@ Status NcclComm::Load() {
                   Resolve(lib, "ncclGroupStart", &s.GroupStart) && Resolve(lib, "ncclGroupEnd", &s.GroupEnd) &&
                   Resolve(lib, "ncclAllReduce", &s.AllReduce) && Resolve(lib, "ncclAllGather", &s.AllGather) &&
                   Resolve(lib, "ncclReduceScatter", &s.ReduceScatter) && Resolve(lib, "ncclSend", &s.Send) &&
-                  Resolve(lib, "ncclRecv", &s.Recv);
+                  Resolve(lib, "ncclRecv", &s.Recv) && Resolve(lib, "ncclCommAbort", &s.CommAbort);
   if (!ok)
     return Status::FailedPrecondition("the NCCL loaded from " + PathOf(lib) +
                                       " lacks an entry point FlexLink needs (NCCL 2.7 or later has them all)");
@@ -234,6 +235,15 @@ Status NcclComm::Recv(void* recv, size_t count, CommType type, int peer, Comm co
   FLEXLINK_NCCL(sym_->Recv(recv, count, TypeOf(type), peer, static_cast<ncclComm_t>(comm),
                            static_cast<cudaStream_t>(stream)),
                 "ncclRecv");
+  return Status::Ok();
+}
+
+// NCCL's documentation: "Frees resources associated with communicator object and aborts any
+// uncompleted operations"; unlike ncclCommDestroy it does not wait for them, which is why PyTorch's
+// NCCL watchdog uses it on a hung communicator too.
+Status NcclComm::Abort(Comm comm) {
+  FLEXLINK_RETURN_IF_ERROR(Load());
+  FLEXLINK_NCCL(sym_->CommAbort(static_cast<ncclComm_t>(comm)), "ncclCommAbort");
   return Status::Ok();
 }
 

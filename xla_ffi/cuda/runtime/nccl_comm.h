@@ -33,6 +33,7 @@ class NcclComm : public CommApi {
                        Stream stream) override;
   Status Send(const void* send, size_t count, CommType type, int peer, Comm comm, Stream stream) override;
   Status Recv(void* recv, size_t count, CommType type, int peer, Comm comm, Stream stream) override;
+  Status Abort(Comm comm) override;
 
   struct Symbols;
 

@@ -56,9 +56,12 @@ NcclComm& ProcessNccl() {
 GpuEngine& ProcessEngine() {
   // Group members are jax's global device ids; the handlers translate XLA's DeviceOrdinal (the CUDA
   // ordinal) into them and the engine maps them back (identity in a single-process job).
-  GpuEngineOptions options;
-  options.device_of = [](int64_t id) { return OrdinalOf(id); };
-  static GpuEngine* engine = new GpuEngine(&ProcessDevice(), &ProcessNccl(), options);
+  static GpuEngine* engine = [] {
+    GpuEngineOptions options;
+    options.stop_watchdog_at_exit = true;
+    options.device_of = [](int64_t id) { return OrdinalOf(id); };
+    return new GpuEngine(&ProcessDevice(), &ProcessNccl(), options);
+  }();
   return *engine;
 }
 
