@@ -15,6 +15,10 @@
 //     every process, the leader's;
 //   - a peer process killed (SIGKILL, and _exit) between calls: the others fail within seconds,
 //     long before the deadline, naming the dead rank with its pid; a later call fails at once;
+//   - a peer that dies during the first call's communicator set-up (before joining, or after joining
+//     but before the communicators complete) or stays alive without joining: the survivors' non-
+//     blocking joins (CommApi::InitRanks) end within seconds naming the rank, or at the deadline
+//     (3 s), the join aborted, a later call failing at once;
 //   - nothing left in /dev/shm (segments and the simulation's communicator files).
 // The parent starts no threads before forking; alarm() backstops any hang.
 #include <dirent.h>
@@ -77,7 +81,9 @@ struct Scenario {
   int per_process = 1;
   std::string links = "nccl@staging_mib=0.0625";
   int mode = 0;  // 0: every case against the reference; 1: plan agreement; 2: a link left out;
-                 // 3: a peer killed (SIGKILL) between calls; 4: a peer _exits between calls
+                 // 3: a peer killed (SIGKILL) between calls; 4: a peer _exits between calls;
+                 // 5: a peer _exits before joining the first call's NCCL communicators; 6: after
+                 // joining, before they complete; 7: a peer stalls alive without joining (deadline)
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
 };
 
@@ -234,7 +240,8 @@ struct Local {
 [[noreturn]] void Child(const Scenario& s, int p, int up, const std::vector<int>& down, Shared* shared) {
   alarm(120);
   g_passed = g_failed = 0;  // fork copied the parent's counts
-  SetTimeoutSeconds(60);
+  // The stalled-join scenario waits for the deadline itself: a short one keeps it quick.
+  SetTimeoutSeconds(s.mode == 7 ? 3 : 60);
   Local L(s, p);
   Status st = L.engine->ConfigureLinks(s.links);
   if (!st.ok()) {
@@ -314,6 +321,45 @@ struct Local {
     Expect(g && g->links() == std::vector<std::string>{"a"} && g->left_out().size() == 1 &&
                g->left_out()[0].first == "b" && g->left_out()[0].second.find("second pcie") != std::string::npos,
            s.what + ": the second pcie link left out with its reason");
+  } else if (s.mode >= 5) {
+    // A peer fails during the first call's communicator set-up (CommApi::InitRanks, non-blocking):
+    // the survivors' joins must end, naming the rank, well before the deadline (dead peer) or at it
+    // (a live peer that never joins), with the join aborted and nothing left behind.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{1000}}, 0, {}, false};
+    const int victim = s.processes - 1;
+    if (p == victim) {
+      std::fflush(stdout);
+      L.comm.SetJoinFault(s.mode == 5   ? sim::SimXprocComm::JoinFault::kExitBeforeJoin
+                          : s.mode == 6 ? sim::SimXprocComm::JoinFault::kExitAfterJoin
+                                        : sim::SimXprocComm::JoinFault::kStallBeforeJoin);
+    }
+    const auto t0 = Clock::now();
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto status = L.Run(c, &out, ++run);
+    const double took = Seconds(t0);
+    if (p == victim) _exit(44);  // not reached: the fault ends the victim inside the join
+    const std::string dead = "rank " + std::to_string(victim * s.per_process);
+    if (s.mode == 7)
+      Expect(took >= 2.9 && took < 10, s.what + ": the survivors fail at the 3 s deadline (" + std::to_string(took) + " s)");
+    else
+      Expect(took < 10, s.what + ": the survivors fail long before the 60 s deadline (" + std::to_string(took) + " s)");
+    for (size_t i = 0; i < status.size(); ++i) {
+      const std::string& m = status[i].message();
+      const bool named = m.find(dead) != std::string::npos && m.find("pid") != std::string::npos &&
+                         m.find("xtest") != std::string::npos && m.find("all_reduce") != std::string::npos &&
+                         m.find(FormatIds(L.group)) != std::string::npos && m.find("communicator") != std::string::npos;
+      const bool why = s.mode == 7 ? status[i].code() == StatusCode::kDeadlineExceeded && m.find("timed out") != std::string::npos
+                                   : m.find("exited") != std::string::npos;
+      Expect(!status[i].ok() && named && why,
+             s.what + ": rank " + std::to_string(L.local[i]) + " names the missing rank: " + m);
+    }
+    Expect(L.comm.operations() == 0, s.what + ": no NCCL operation ran on the aborted join");
+    const auto t1 = Clock::now();
+    const auto again = L.Run(c, &out, ++run);
+    for (size_t i = 0; i < again.size(); ++i)
+      Expect(!again[i].ok() && again[i].message().find("broken") != std::string::npos && Seconds(t1) < 2,
+             s.what + ": a later call fails at once: " + again[i].message());
+    (void)L.device.TakeErrors();
   } else {
     // A peer dies between calls: one good call, then the last process dies, the rest call again.
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{1000}}, 0, {}, false};
@@ -394,10 +440,12 @@ void RunScenario(const Scenario& s) {
   const int victim = s.processes - 1;
   for (int p = 0; p < s.processes; ++p) {
     int status = 0;
+    // The stalled peer outlives the survivors' deadline by design: ended once they are done.
+    if (s.mode == 7 && p == victim) kill(kids[p], SIGKILL);
     waitpid(kids[p], &status, 0);
-    if ((s.mode == 3 || s.mode == 4) && p == victim) {
-      const bool died = s.mode == 3 ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
-                                    : WIFEXITED(status) && WEXITSTATUS(status) == 42;
+    if (s.mode >= 3 && p == victim) {
+      const bool died = s.mode == 3 || s.mode == 7 ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
+                                                   : WIFEXITED(status) && WEXITSTATUS(status) == 42;
       Expect(died, s.what + ": the victim died as planned");
       continue;
     }
@@ -460,6 +508,9 @@ int main(int argc, char** argv) {
     RunScenario({shape + "a second pcie link left out", 2, per, "pcie:a;pcie:b", 2});
     RunScenario({shape + "a peer SIGKILLed between calls", 2, per, "nccl;pcie", 3});
     RunScenario({shape + "a peer _exits between calls", 2, per, "nccl", 4});
+    RunScenario({shape + "a peer _exits before joining the communicators", 2, per, "nccl", 5});
+    RunScenario({shape + "a peer _exits while joining the communicators", 2, per, "nccl;pcie", 6});
+    RunScenario({shape + "a peer never joins the communicators (deadline)", 2, per, "nccl", 7});
   }
   const auto after = ShmEntries();
   std::string left;

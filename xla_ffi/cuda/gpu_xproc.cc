@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <tuple>
 
@@ -136,7 +137,7 @@ Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_vi
       Status s;
       try {
         DeviceGuard guard(api_);
-        s = SetupLocal();
+        s = SetupLocal(desc, label, run_id);
       } catch (const std::exception& e) {
         s = Status::Internal(std::string("flexlink: setting up group ") + FormatIds(group_.ids) + ": " + e.what());
       }
@@ -145,10 +146,12 @@ Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_vi
       setup_done_ = true;
       setup_cv_.notify_all();
     } else {
+      // The set-up thread is bounded by the deadline itself (its communicator joins give up there
+      // and say why); the margin lets its reason, not this wait's, be every local rank's error.
       const double timeout = TimeoutSeconds();
       const auto deadline = std::chrono::steady_clock::now() +
                             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                std::chrono::duration<double>(std::min(timeout, 1e9)));
+                                std::chrono::duration<double>(std::min(timeout, 1e9) + 10));
       if (!setup_cv_.wait_until(lock, deadline, [&] { return setup_done_; }))
         return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " timed out after " +
                                         std::to_string(timeout) + " s waiting for the set-up of group " +
@@ -166,7 +169,24 @@ Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_vi
   return Status::Ok();
 }
 
-Status GpuXprocGroup::SetupLocal() {
+void GpuXprocGroup::MarkJoining(size_t link) {
+  // Parity 0's times slot is free until call 2, which no rank starts before every process passed
+  // the set-up barrier: until then its `links` word says which communicator (1-based, link order)
+  // this rank started joining, for the deadline's message (NCCL does not say who is missing).
+  for (int r : local_)
+    __atomic_store_n(&segment_->times_slot(r, 0).links, static_cast<uint32_t>(link + 1), __ATOMIC_RELEASE);
+}
+
+std::vector<int> GpuXprocGroup::NotJoining(size_t link) const {
+  std::vector<int> out;
+  for (int r = 0; r < group_.size(); ++r)
+    if (!segment_->is_local(r) &&
+        __atomic_load_n(&segment_->times_slot(r, 0).links, __ATOMIC_ACQUIRE) < static_cast<uint32_t>(link + 1))
+      out.push_back(r);
+  return out;
+}
+
+Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, int64_t run_id) {
   const std::string where = "flexlink: setting up group " + FormatIds(group_.ids) + " across processes: ";
   auto check = [&](Status s) { return s.ok() ? s : Status(s.code(), where + s.message()); };
   size_t nccl_links = 0;
@@ -184,16 +204,60 @@ Status GpuXprocGroup::SetupLocal() {
       loaded.push_back(dev);
     }
   }
-  // NCCL first: every process joins each communicator in the same (link) order, and ncclGroupEnd
-  // returns only once all have.
+  // NCCL first: every process joins each communicator in the same (link) order. The joins are
+  // non-blocking (CommApi::InitRanks) and share one deadline, the group's timeout from here: a peer
+  // that died before or while joining, or another process's failure, ends them within ~10 ms, and a
+  // peer that never comes ends them at the deadline, instead of a hang inside ncclCommInitRank.
+  xproc::ProcessGroup& seg = *segment_;
+  const double timeout = TimeoutSeconds();
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(std::min(timeout, 1e9)));
+  auto names = [&](const std::vector<int>& ranks) {
+    std::string out;
+    for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + seg.DescribeRank(ranks[i]);
+    return out;
+  };
+  const std::string call = ErrorPrefix(label) + desc.Describe() + " on group " + FormatIds(group_.ids) + " (" +
+                           std::string(kGpuXprocLink) + ", run " + std::to_string(run_id) +
+                           ", the group's first call)";
   size_t next_id = 0;
   for (size_t i = 0; i < channels_.size(); ++i) {
-    if (auto* nccl = dynamic_cast<NcclChannel*>(channels_[i].get()))
-      FLEXLINK_RETURN_IF_ERROR(nccl->SetupAcrossProcesses(comm_ids_[next_id++], local_));
-    else if (auto* pcie = dynamic_cast<PcieXprocChannel*>(channels_[i].get()))
+    if (auto* nccl = dynamic_cast<NcclChannel*>(channels_[i].get())) {
+      const size_t k = next_id++;
+      MarkJoining(k);
+      std::vector<int> exited;
+      CommApi::JoinWatch watch;
+      watch.timeout_s = std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
+      watch.check = [&]() -> std::string {
+        if (std::optional<std::string> b = seg.broken()) return "the group failed in another process: " + *b;
+        exited = seg.ExitedRanks();
+        return exited.empty() ? std::string() : names(exited) + " exited before or while joining it";
+      };
+      Status s = nccl->SetupAcrossProcesses(comm_ids_[k], local_, watch);
+      if (s.code() == StatusCode::kUnavailable)
+        return Status::Internal(call + ": the " + used_names_[i] + " link's NCCL communicator could not be made: " +
+                                s.message() + "; its join was aborted (the group is broken, later calls on it fail at once)");
+      if (s.code() == StatusCode::kDeadlineExceeded) {
+        const std::vector<int> late = NotJoining(k);
+        std::vector<int> others;
+        for (int r = 0; r < group_.size(); ++r)
+          if (!seg.is_local(r)) others.push_back(r);
+        char secs[32];
+        std::snprintf(secs, sizeof secs, "%g", timeout);
+        return Status::DeadlineExceeded(
+            call + ": timed out after " + secs + " s making the " + used_names_[i] +
+            " link's NCCL communicator across processes: " +
+            (late.empty() ? "every rank started joining but NCCL did not complete; unconfirmed: " + names(others)
+                          : "missing: " + names(late) + ", which never started joining") +
+            " (the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout; its join was aborted)");
+      }
+      FLEXLINK_RETURN_IF_ERROR(s);
+    } else if (auto* pcie = dynamic_cast<PcieXprocChannel*>(channels_[i].get())) {
       FLEXLINK_RETURN_IF_ERROR(pcie->SetupLocal(local_));
-    else
+    } else {
       return Status::Internal(where + "link " + used_names_[i] + " cannot span processes");
+    }
   }
   for (int r : local_) {
     const int dev = group_.devices[r];

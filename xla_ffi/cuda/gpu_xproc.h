@@ -15,10 +15,11 @@
 //          check, liveness of every peer process (a dead one is named before the deadline, and the
 //          failure is written into the segment so every process fails at once) and the deadline;
 //       3. the group's first call sets up every local rank, from one thread, while the others wait:
-//          NCCL communicators with ncclCommInitRank for all local ranks inside one
-//          ncclGroupStart/End (CommApi::InitRanks, which returns when every process has joined),
-//          streams, events, scratch; then a second barrier, so that a set-up failure in one
-//          process fails every process's call with its reason;
+//          NCCL communicators with non-blocking ncclCommInitRankConfig for all local ranks inside
+//          one ncclGroupStart/End, polled until every process has joined against the deadline,
+//          the peers' liveness and the abort word, aborted otherwise, with an error naming the
+//          missing ranks (CommApi::InitRanks), streams, events, scratch; then a second barrier, so
+//          that a set-up failure in one process fails every process's call with its reason;
 //       4. every rank reads the leader's plan from the slot, checks it is for this call and as many
 //          links, cuts identical ranges (plan::CutRanges) and enqueues each link's range (one link:
 //          on XLA's stream; several: on side streams forked from it and joined back with events).
@@ -88,7 +89,9 @@ class GpuXprocGroup {
 
  private:
   Status EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
-  Status SetupLocal();
+  Status SetupLocal(const CallDesc& desc, std::string_view label, int64_t run_id);
+  void MarkJoining(size_t link);                   // this process's ranks started joining link's communicator
+  std::vector<int> NotJoining(size_t link) const;  // other processes' ranks that have not
   Status Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
                  std::string_view label, uint64_t call, int64_t run_id);
 
