@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -44,6 +45,8 @@
 #include "tests/cpp/sim/sim_xproc_device.h"
 #include "tests/cpp/sim/sim_xproc_comm.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_xproc.h"
 #include "xla_ffi/plan/ranges.h"
@@ -83,8 +86,10 @@ struct Scenario {
   int mode = 0;  // 0: every case against the reference; 1: plan agreement; 2: a link left out;
                  // 3: a peer killed (SIGKILL) between calls; 4: a peer _exits between calls;
                  // 5: a peer _exits before joining the first call's NCCL communicators; 6: after
-                 // joining, before they complete; 7: a peer stalls alive without joining (deadline)
+                 // joining, before they complete; 7: a peer stalls alive without joining (deadline);
+                 // 8: stats, set_shares through the engine and stage 2 across processes
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
+  double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
 
 bool WriteFull(int fd, const void* p, size_t n) {
@@ -130,6 +135,7 @@ struct Local {
   static sim::SimOptions Options(const Scenario& s) {
     sim::SimOptions o;
     o.jitter_us = s.jitter_us;
+    o.copy_gbps = s.copy_gbps;
     o.devices = 4;
     o.wait_timeout_s = 20;
     return o;
@@ -300,7 +306,13 @@ struct Local {
     gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
     const std::vector<double> mine = p == 0 ? std::vector<double>{0.3, 0.7} : std::vector<double>{0.8, 0.2};
     std::vector<Case> cases = StandardCases(N, 4096);
-    for (const Case& c : cases) (void)g->balancer().SetShares(c.kind, plan::BucketOf(CaseBytes(c, N)), mine, true);
+    // Through the engine, as Python's set_shares does (GpuEngine::SetShares reaches the groups
+    // across processes): the leader's must decide.
+    for (const Case& c : cases) {
+      const Status ss = L.engine->SetShares(c.kind, plan::BucketOf(CaseBytes(c, N)), mine, true);
+      if (!ss.ok()) Expect(false, s.what + ": set_shares: " + ss.message());
+    }
+    (void)g;
     L.engine->splits().SetEnabled(true);
     for (size_t i = 0; i < cases.size(); i += 3) L.Check(cases[i], ++run, s.what);
     for (const SplitRecord& rec : L.engine->splits().Take()) {
@@ -321,6 +333,53 @@ struct Local {
     Expect(g && g->links() == std::vector<std::string>{"a"} && g->left_out().size() == 1 &&
                g->left_out()[0].first == "b" && g->left_out()[0].second.find("second pcie") != std::string::npos,
            s.what + ": the second pcie link left out with its reason");
+  } else if (s.mode == 8) {
+    // Stage 2 across processes: the leader starts from 0.5/0.5 (not pinned, set through the engine
+    // as set_shares does) over nccl and a pcie link whose copies the simulation slows; every rank's
+    // event times reach the leader through the segment, and its balancer must move share off pcie.
+    // Every rank records its ranges (identical everywhere: the parent checks), and the leader's
+    // stats count the calls, the bytes per link and the plans.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{8192}}, 0, {}, false};
+    const uint64_t bucket = plan::BucketOf(CaseBytes(c, N));
+    const Status ss = L.engine->SetShares(c.kind, bucket, {0.5, 0.5}, false);
+    Expect(ss.ok(), s.what + ": set_shares through the engine: " + ss.message());
+    ResetLinkStats();
+    L.engine->splits().SetEnabled(true);
+    const int calls = 40;
+    for (int i = 0; i < calls; ++i) L.Check(c, ++run, s.what);
+    for (const SplitRecord& rec : L.engine->splits().Take()) {
+      const int32_t at = shared->rows.fetch_add(1);
+      if (at >= 4096 || rec.ranges.size() != 2) continue;
+      SplitRow& row = shared->row[at];
+      row.process = p;
+      row.rank = rec.rank;
+      row.call = rec.call;
+      for (int l = 0; l < 2; ++l) row.r[l][0] = rec.ranges[l].first, row.r[l][1] = rec.ranges[l].second;
+    }
+    uint64_t nccl_calls = 0, pcie_calls = 0, nccl_bytes = 0;
+    for (const LinkStatsSnapshot& st : SnapshotLinkStats()) {
+      if (st.name == "nccl") nccl_calls = st.calls, nccl_bytes = st.bytes;
+      if (st.name == "pcie") pcie_calls = st.calls;
+    }
+    int plans = 0;
+    double pcie_share = -1;
+    for (const PlanSnapshot& ps : L.engine->SnapshotPlans())
+      if (ps.group == L.group && ps.plan.kind == c.kind) ++plans, pcie_share = ps.plan.shares.at(1);
+    if (p == 0) {
+      // Calls are counted once every rank's times reached the leader (a later call's arrival): all
+      // but the last few.
+      Expect(nccl_calls >= calls - 4 && nccl_calls <= calls && nccl_bytes > 0,
+             s.what + ": stats count the leader's calls on nccl (" + std::to_string(nccl_calls) + " of " +
+                 std::to_string(calls) + ", " + std::to_string(nccl_bytes) + " bytes)");
+      Expect(pcie_calls >= 1, s.what + ": stats count pcie's calls (" + std::to_string(pcie_calls) + ")");
+      Expect(plans == 1 && pcie_share >= 0 && pcie_share < 0.4,
+             s.what + ": the leader's plan is listed and moved share off the slow pcie link (pcie " +
+                 std::to_string(pcie_share) + ", " + std::to_string(plans) + " plans)");
+      if (getenv("GPU_XPROC_DEBUG")) std::printf("leader: pcie share %.3f, nccl calls %d\n", pcie_share, int(nccl_calls));
+    } else {
+      Expect(plans == 0 && nccl_calls == 0, s.what + ": a follower lists no plan and counts nothing of the group "
+                                            "(only the leader's count, once per call)");
+    }
   } else if (s.mode >= 5) {
     // A peer fails during the first call's communicator set-up (CommApi::InitRanks, non-blocking):
     // the survivors' joins must end, naming the rank, well before the deadline (dead peer) or at it
@@ -443,7 +502,7 @@ void RunScenario(const Scenario& s) {
     // The stalled peer outlives the survivors' deadline by design: ended once they are done.
     if (s.mode == 7 && p == victim) kill(kids[p], SIGKILL);
     waitpid(kids[p], &status, 0);
-    if (s.mode >= 3 && p == victim) {
+    if (s.mode >= 3 && s.mode <= 7 && p == victim) {
       const bool died = s.mode == 3 || s.mode == 7 ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
                                                    : WIFEXITED(status) && WEXITSTATUS(status) == 42;
       Expect(died, s.what + ": the victim died as planned");
@@ -451,6 +510,32 @@ void RunScenario(const Scenario& s) {
     }
     Expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
            s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
+  }
+  if (s.mode == 8) {
+    // Identical ranges on every rank of every process for each call, and the pcie link's range
+    // shrinking from the leader's 0.5 as stage 2 learns from every rank's times.
+    const int rows = std::min<int>(shared->rows.load(), 4096);
+    const int n = s.processes * s.per_process;
+    std::map<uint64_t, std::vector<const SplitRow*>> by_call;
+    for (int i = 0; i < rows; ++i) by_call[shared->row[i].call].push_back(&shared->row[i]);
+    int agreed = 0;
+    for (auto& [call, of] : by_call) {
+      bool same = static_cast<int>(of.size()) == n;
+      for (const SplitRow* r : of) same = same && std::memcmp(r->r, of[0]->r, sizeof r->r) == 0;
+      agreed += same;
+    }
+    auto pcie_fraction = [](const SplitRow* r) {
+      const double total = static_cast<double>(r->r[1][1]);
+      return total > 0 ? static_cast<double>(r->r[1][1] - r->r[1][0]) / total : -1.0;
+    };
+    const double first = by_call.empty() ? -1 : pcie_fraction(by_call.begin()->second[0]);
+    const double last = by_call.empty() ? -1 : pcie_fraction(by_call.rbegin()->second[0]);
+    Expect(!by_call.empty() && agreed == static_cast<int>(by_call.size()),
+           s.what + ": identical ranges on all " + std::to_string(n) + " ranks for " + std::to_string(agreed) + " of " +
+               std::to_string(by_call.size()) + " calls");
+    Expect(first > 0.45 && first < 0.55 && last >= 0 && last < 0.4,
+           s.what + ": the slow pcie link's range shrank on every rank (first call " + std::to_string(first) +
+               ", last " + std::to_string(last) + ")");
   }
   if (s.mode == 1) {
     // Every rank of every process cut identical ranges for each call: the leader's 0.3/0.7.
@@ -511,6 +596,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "a peer _exits before joining the communicators", 2, per, "nccl", 5});
     RunScenario({shape + "a peer _exits while joining the communicators", 2, per, "nccl;pcie", 6});
     RunScenario({shape + "a peer never joins the communicators (deadline)", 2, per, "nccl", 7});
+    RunScenario({shape + "nccl;pcie stage 2, stats and set_shares", 2, per, "nccl@staging_mib=0.0625;pcie", 8, 0, 0.2});
   }
   const auto after = ShmEntries();
   std::string left;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <tuple>
@@ -9,6 +10,7 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_executor.h"
 #include "xla_ffi/cuda/nccl_link.h"
@@ -19,6 +21,10 @@
 #include "xla_ffi/xproc/process_group.h"
 
 namespace flexlink::gpu {
+
+// `shares` (in `names` order) for the links `group` uses, renormalised over them.
+Status SharesForGroup(const GpuXprocGroup& group, const std::vector<std::string>& names,
+                      const std::vector<double>& shares, std::vector<double>* out);
 
 GpuXprocLinks GpuXprocLinksOf(const GpuLinkSet& links) {
   GpuXprocLinks out;
@@ -92,8 +98,13 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   // 1. The leader's plan, written before its arrival: the barrier's release/acquire makes it
   // visible to every rank after the arrival. Rewritten for call + 2 only after the leader passed
   // call + 1's arrival, by which every rank has read it (layout.h, PlanSlot).
+  // Stage 2: this rank's latest completed call's event times, for the leader to read after this
+  // arrival (a rank not set up yet has none).
+  if (ranks_[rank].ready) WriteTimes(rank, call);
+  std::shared_ptr<const plan::Plan> planned;
   if (rank == 0) {
     std::shared_ptr<const plan::Plan> plan = balancer_.PlanFor(desc.kind, MessageBytes(desc, group_.size()));
+    planned = plan;
     xproc::PlanSlot& slot = seg.plan_slot(call);
     slot.epoch = plan->epoch;
     slot.mode = static_cast<uint32_t>(plan->mode);
@@ -103,6 +114,8 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   }
   // 2. Arrival: fingerprints, liveness, deadline, abort; fails the group for every process.
   FLEXLINK_RETURN_IF_ERROR(seg.ArriveWithoutData(rank, desc, label, run_id, kGpuXprocLink));
+  // The leader reads every rank's times (written before their arrival, visible after it).
+  if (rank == 0 && ranks_[0].ready) GatherTimes(call);
   // 3. The first call's set-up, then a barrier that turns one process's set-up failure into every
   // process's error.
   FLEXLINK_RETURN_IF_ERROR(EnsureSetup(rank, desc, label, run_id));
@@ -118,6 +131,16 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   }
   const std::vector<plan::UnitRange> ranges =
       plan::CutRanges(desc.virtual_bytes(), 1, std::span<const double>(slot.shares, links));
+  if (rank == 0) {
+    if (planned_.empty()) planned_.resize(2 * kTimed + 2);
+    Planned& p = planned_[call % planned_.size()];
+    p = Planned{};
+    p.call = call;
+    p.plan = planned;
+    p.message_bytes = MessageBytes(desc, group_.size());
+    for (const auto& r : ranges) p.link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()));
+    p.seconds.assign(links, 0);
+  }
   Status s = Enqueue(rank, desc, stream, ranges, label, call, run_id);
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
@@ -263,11 +286,16 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
     const int dev = group_.devices[r];
     Rank& k = ranks_[r];
     k.side.assign(channels_.size(), nullptr);
-    k.stop.assign(channels_.size(), nullptr);
-    if (channels_.size() > 1) {
+    if (channels_.size() > 1)
       for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
-      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.start)));
-      for (Event& e : k.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &e)));
+    // Timing events (stage 2, stats): one call in flight per ring entry; they also fork and join
+    // the side streams.
+    k.timed.assign(kTimed, Timed{});
+    for (Timed& t : k.timed) {
+      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &t.start)));
+      t.stop.assign(channels_.size(), nullptr);
+      t.used.assign(channels_.size(), 0);
+      for (Event& e : t.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &e)));
     }
   }
   return Status::Ok();
@@ -286,24 +314,85 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
     return s.ok() || s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message());
   };
   const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
-  if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Record(k.start, stream)));
+  // This call's timing entry; one still unread (its call not complete on the device after kTimed
+  // later calls were enqueued) is given up: its events are recorded again for this call.
+  Timed& t = k.timed[call % kTimed];
+  t.call = 0;
+  FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.start, stream)));
   thread_local std::vector<Piece> pieces;
+  for (size_t i = 0; i < t.used.size(); ++i) t.used[i] = 0;
   for (size_t i : used) {
     const Stream on = alone ? stream : k.side[i];
-    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, k.start)));
+    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, t.start)));
     desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
     FLEXLINK_RETURN_IF_ERROR(check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label})));
-    if (!alone) {
-      FLEXLINK_RETURN_IF_ERROR(check(api_.Record(k.stop[i], on)));
-      FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, k.stop[i])));
-    }
+    FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.stop[i], on)));
+    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, t.stop[i])));
+    t.used[i] = 1;
   }
+  t.call = call;
   if (splits_ && splits_->enabled()) {
     SplitRecord rec{FormatIds(group_.ids), run_id, call, rank, {}};
     for (const auto& r : ranges) rec.ranges.emplace_back(r.begin, r.end);
     splits_->Add(std::move(rec));
   }
   return Status::Ok();
+}
+
+void GpuXprocGroup::WriteTimes(int rank, uint64_t call) {
+  Rank& k = ranks_[rank];
+  const size_t links = used_names_.size();
+  xproc::TimesSlot& out = segment_->times_slot(rank, call);
+  out.call = 0;  // none, unless a completed call is found below
+  out.links = static_cast<uint32_t>(links);
+  // The newest call whose every range has completed on the device (calls complete in order on
+  // XLA's stream, so older ones have too and are released unread). Never waits.
+  Timed* best = nullptr;
+  for (Timed& t : k.timed) {
+    if (t.call == 0 || (best && t.call < best->call)) continue;
+    std::string error;
+    bool done = api_.Query(t.start, &error) == Poll::kDone;
+    for (size_t i = 0; done && i < links; ++i)
+      if (t.used[i]) done = api_.Query(t.stop[i], &error) == Poll::kDone;
+    if (done) best = &t;
+  }
+  if (!best) return;
+  double slowest = 0;
+  for (size_t i = 0; i < links && i < xproc::kMaxXprocLinks; ++i) {
+    double sec = 0;
+    if (best->used[i] && !api_.ElapsedSeconds(best->start, best->stop[i], &sec).ok()) sec = 0;
+    out.seconds[i] = sec;
+    slowest = std::max(slowest, sec);
+  }
+  out.call_seconds = slowest;
+  out.ok = 1;
+  out.call = best->call;
+  const uint64_t reported = best->call;
+  for (Timed& t : k.timed)
+    if (t.call != 0 && t.call <= reported) t.call = 0;
+}
+
+void GpuXprocGroup::GatherTimes(uint64_t call) {
+  if (planned_.empty()) return;
+  const size_t links = used_names_.size();
+  for (int r = 0; r < group_.size(); ++r) {
+    const xproc::TimesSlot& in = segment_->times_slot(r, call);
+    // Another process wrote it: checked against what the leader planned, not trusted.
+    if (in.call == 0 || in.links != links || in.call >= call) continue;
+    Planned& p = planned_[in.call % planned_.size()];
+    if (p.call != in.call || !p.plan) continue;
+    for (size_t i = 0; i < links; ++i)
+      if (std::isfinite(in.seconds[i])) p.seconds[i] = std::max(p.seconds[i], in.seconds[i]);
+    if (std::isfinite(in.call_seconds)) p.call_seconds = std::max(p.call_seconds, in.call_seconds);
+    if (++p.heard < group_.size()) continue;
+    // Every rank has reported this call: the slowest rank's time per link, as the in-process
+    // executor reports (a collective is as fast as its slowest rank).
+    const plan::Balancer::Outcome outcome = balancer_.Report(*p.plan, p.message_bytes, p.seconds, p.call_seconds);
+    for (size_t i = 0; i < links; ++i)
+      if (p.seconds[i] > 0) RecordLinkCall(used_names_[i], p.link_bytes[i], p.seconds[i]);
+    if (outcome.changed) LogInfo("group " + FormatIds(group_.ids) + " across processes: " + outcome.reason);
+    p = Planned{};
+  }
 }
 
 // --- registry ---------------------------------------------------------------------------------
@@ -338,8 +427,15 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
   plan::BalancerOptions options;
   options.profile_from_bytes = AutotuneMinBytes();
   options.profile_max_bytes = TuneMaxBytes();
-  auto group = std::make_unique<GpuXprocGroup>(std::move(segment), std::move(info), engine.CurrentLinks(),
-                                               std::move(ids), options, &engine.api(), &engine.splits());
+  std::shared_ptr<const GpuLinkSet> links = engine.CurrentLinks();
+  auto group = std::make_unique<GpuXprocGroup>(std::move(segment), std::move(info), links, std::move(ids), options,
+                                               &engine.api(), &engine.splits());
+  // set_shares given before the group was set up (at lowering) applies to it as to in-process groups.
+  for (const auto& [key, value] : engine.ShareOverrides()) {
+    std::vector<double> mine;
+    if (SharesForGroup(*group, links->names(), value.first, &mine).ok())
+      (void)group->balancer().SetShares(key.first, key.second, std::move(mine), value.second);
+  }
   Registry& reg = TheRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   auto key = std::make_pair(engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()));
@@ -352,6 +448,60 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
 }
 
 }  // namespace
+
+Status SharesForGroup(const GpuXprocGroup& group, const std::vector<std::string>& names,
+                      const std::vector<double>& shares, std::vector<double>* out) {
+  out->clear();
+  double sum = 0;
+  for (const std::string& used : group.links()) {
+    const auto it = std::find(names.begin(), names.end(), used);
+    if (it == names.end() || static_cast<size_t>(it - names.begin()) >= shares.size())
+      return Status::FailedPrecondition("link " + used + " of group " + FormatIds(group.group().ids) +
+                                        " across processes is not among the current links");
+    out->push_back(shares[it - names.begin()]);
+    sum += out->back();
+  }
+  if (!(sum > 0))
+    return Status::InvalidArgument("set_shares: the links group " + FormatIds(group.group().ids) +
+                                   " across processes can use get no share");
+  for (double& x : *out) x /= sum;
+  return Status::Ok();
+}
+
+Status SetGpuXprocShares(const GpuEngine& engine, const std::vector<std::string>& names, Kind kind,
+                         uint64_t bucket_bytes, const std::vector<double>& shares, bool pinned) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  Status first;
+  for (auto& [key, group] : reg.groups) {
+    if (key.first != engine.serial()) continue;
+    std::vector<double> mine;
+    Status s = SharesForGroup(*group, names, shares, &mine);
+    // A group over links no longer current (configured again since) keeps its plans, as the
+    // in-process engine's old groups do; a share-less link set is the caller's error.
+    if (s.code() == StatusCode::kFailedPrecondition) continue;
+    if (s.ok()) s = group->balancer().SetShares(kind, bucket_bytes, std::move(mine), pinned);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
+void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups)
+    if (key.first == engine.serial()) group->balancer().ForgetKind(kind);
+}
+
+void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups) {
+    if (key.first != engine.serial() || !group->leader()) continue;
+    for (const auto& p : group->balancer().Plans())
+      out->push_back(PlanSnapshot{key.second, *p, group->balancer().links()});
+  }
+}
 
 Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, std::span<const int64_t> local_devices,
                            std::string* segment_name, std::vector<CommId>* comm_ids) {

@@ -26,9 +26,9 @@
 //          The host never waits for the device.
 // Links: every nccl link of the link set current at set-up, and one pcie link, which stages through
 // the segment itself (pcie_xproc.h: registered as pinned memory in every process, devices ordered
-// with stream memory operations on flags in it). Not here yet: stage 1 and
-// stage 2 (the leader plans from pinned shares, seeds or its defaults and learns nothing across
-// processes), fault injection and failover.
+// with stream memory operations on flags in it). Stage 2: every rank's event times reach the
+// leader's balancer through the segment's times slots (WriteTimes/GatherTimes below), and stats()
+// counts the calls there. Not here yet: stage 1's profiling, fault injection and failover.
 #pragma once
 
 #include <condition_variable>
@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "xla_ffi/core/call.h"
+#include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/cuda/comm_api.h"
 #include "xla_ffi/cuda/device_api.h"
@@ -95,12 +96,37 @@ class GpuXprocGroup {
   Status Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
                  std::string_view label, uint64_t call, int64_t run_id);
 
+  // Stage 2 across processes. Every local rank times its calls with its own events (a ring of
+  // kTimed; their start/stop also fork and join the side streams) and, before each arrival, writes
+  // the latest call whose events completed into its times slot of the arriving call's parity (the
+  // CPU XprocExecutor's slots and parity argument: rewritten two arrivals later, after the leader
+  // read it right after this one). The leader gathers every rank's times per measured call and, once
+  // all n have reported one, reports the slowest rank's time per link to its balancer and to the
+  // link statistics (stats()). Only the leader's device thread of rank 0 touches `planned_`/`heard_`.
+  static constexpr size_t kTimed = 4;
+  struct Timed {
+    uint64_t call = 0;  // 0: free
+    Event start = nullptr;
+    std::vector<Event> stop;  // per used link
+    std::vector<char> used;   // per used link: had a range
+  };
   struct Rank {
     std::vector<Stream> side;  // per used link
-    Event start = nullptr;
-    std::vector<Event> stop;   // per used link
+    std::vector<Timed> timed;  // kTimed, by call % kTimed
     bool ready = false;        // passed the set-up barrier (only its own device thread reads it)
   };
+  struct Planned {  // the leader's record of a call it planned, until every rank reported it
+    uint64_t call = 0;
+    std::shared_ptr<const plan::Plan> plan;
+    uint64_t message_bytes = 0;
+    std::vector<uint64_t> link_bytes;  // per used link: its range's input bytes (stats' convention)
+    int heard = 0;                     // ranks that reported it
+    std::vector<double> seconds;       // per used link: the slowest rank's so far
+    double call_seconds = 0;
+  };
+  void WriteTimes(int rank, uint64_t call);   // before the arrival of `call`
+  void GatherTimes(uint64_t call);            // the leader, after the arrival of `call`
+  std::vector<Planned> planned_;              // ring of 2 * kTimed + 2, by call
 
   std::unique_ptr<xproc::ProcessGroup> segment_;
   const GroupInfo group_;
@@ -139,6 +165,16 @@ Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, s
                            std::span<const int64_t> devices, std::span<const int64_t> local_devices);
 // The registered group of `engine` with exactly these devices, or nullptr.
 GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices);
+
+// The engine's controls, reaching its groups across processes (GpuEngine::SetShares, ForgetModel,
+// SnapshotPlans call these; set_shares/configure from Python go through them). Shares are given in
+// `names` order (the engine's current links) and applied to each group's used links of those names,
+// renormalised; a group made over another link set is skipped. Every process's balancer gets them;
+// only the leader's plans count, so the plans listed are the leader processes' groups'.
+Status SetGpuXprocShares(const GpuEngine& engine, const std::vector<std::string>& names, Kind kind,
+                         uint64_t bucket_bytes, const std::vector<double>& shares, bool pinned);
+void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind);
+void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out);
 
 struct GpuXprocInfo {
   std::string name;
