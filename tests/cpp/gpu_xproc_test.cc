@@ -45,6 +45,8 @@
 #include "tests/cpp/sim/sim_xproc_device.h"
 #include "tests/cpp/sim/sim_xproc_comm.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/health.h"
+#include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_engine.h"
@@ -87,7 +89,8 @@ struct Scenario {
                  // 3: a peer killed (SIGKILL) between calls; 4: a peer _exits between calls;
                  // 5: a peer _exits before joining the first call's NCCL communicators; 6: after
                  // joining, before they complete; 7: a peer stalls alive without joining (deadline);
-                 // 8: stats, set_shares through the engine and stage 2 across processes
+                 // 8: stats, set_shares through the engine and stage 2 across processes;
+                 // 9: error faults and failover across processes
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -242,6 +245,8 @@ struct Local {
   std::vector<int64_t> group, local;
 };
 
+uint64_t gpu_failovers() { return FailoverCount(); }
+
 // The body of process `p`: set-up through the pipes, then the scenario. Exit status: 0 passed.
 [[noreturn]] void Child(const Scenario& s, int p, int up, const std::vector<int>& down, Shared* shared) {
   alarm(120);
@@ -380,6 +385,32 @@ struct Local {
       Expect(plans == 0 && nccl_calls == 0, s.what + ": a follower lists no plan and counts nothing of the group "
                                             "(only the leader's count, once per call)");
     }
+  } else if (s.mode == 9) {
+    // Faults differ between processes: only the followers' nccl refuses its 2nd range (the leader
+    // has a fault set that never fires, so it asks every rank to agree). Every rank of every process
+    // must move that call's nccl range onto pcie alike (small calls run on nccl alone here): results
+    // exact on every rank.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
+    const std::vector<std::string> names{"nccl", "pcie"};
+    const uint64_t before = gpu_failovers();
+    Expect(gpu::SetGpuFaults(p == 0 ? "nccl:error@at_call=1000" : "nccl:error@at_call=2", names).ok(), s.what + ": set");
+    for (int i = 0; i < 4; ++i) L.Check(c, ++run, s.what + ": a follower's refusal carried");
+    if (p == 0)
+      Expect(gpu_failovers() - before == 1, s.what + ": the leader records the failover (" +
+                                               std::to_string(gpu_failovers() - before) + ")");
+    // Every link refused everywhere: every rank fails the call alike, naming it, nothing hangs.
+    Expect(gpu::SetGpuFaults("nccl:error@at_call=1,sticky=1;pcie:error@at_call=1,sticky=1", names).ok(), s.what + ": set");
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto t0 = Clock::now();
+    const auto status = L.Run(c, &out, ++run);
+    for (size_t i = 0; i < status.size(); ++i)
+      Expect(!status[i].ok() && status[i].message().find("no link could carry") != std::string::npos &&
+                 status[i].message().find("all_reduce") != std::string::npos && Seconds(t0) < 5,
+             s.what + ": rank " + std::to_string(L.local[i]) + ": no carrier: " + status[i].message());
+    Expect(L.device.TakeErrors().empty(), s.what + ": nothing reached the devices");
+    // Cleared: the group still works (a refused call fails alike everywhere, it breaks nothing).
+    Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
+    for (int i = 0; i < 2; ++i) L.Check(c, ++run, s.what + ": after the faults");
   } else if (s.mode >= 5) {
     // A peer fails during the first call's communicator set-up (CommApi::InitRanks, non-blocking):
     // the survivors' joins must end, naming the rank, well before the deadline (dead peer) or at it
@@ -597,6 +628,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "a peer _exits while joining the communicators", 2, per, "nccl;pcie", 6});
     RunScenario({shape + "a peer never joins the communicators (deadline)", 2, per, "nccl", 7});
     RunScenario({shape + "nccl;pcie stage 2, stats and set_shares", 2, per, "nccl@staging_mib=0.0625;pcie", 8, 0, 0.2});
+    RunScenario({shape + "nccl;pcie error faults and failover", 2, per, "nccl@staging_mib=0.0625;pcie", 9});
   }
   const auto after = ShmEntries();
   std::string left;

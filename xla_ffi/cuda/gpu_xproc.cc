@@ -10,6 +10,8 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/failover.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_executor.h"
@@ -75,6 +77,7 @@ GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, Group
   }
   for (int r = 0; r < group_.size(); ++r)
     if (segment_->is_local(r)) local_.push_back(r);
+  fault_calls_.assign(used_names_.size(), FaultCounter(group_.size()));
 }
 
 GpuXprocGroup::~GpuXprocGroup() = default;
@@ -110,6 +113,10 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     slot.mode = static_cast<uint32_t>(plan->mode);
     slot.links = static_cast<uint32_t>(links);
     for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) slot.shares[i] = i < plan->shares.size() ? plan->shares[i] : 0;
+    // GPU groups use no health bits in the slot; the top bit tells every rank to run the fault
+    // agreement this call (the leader's process has faults injected).
+    const std::shared_ptr<const FaultSet> faults = CurrentFaults();
+    slot.unhealthy = faults && !faults->faults.empty() ? kAgreeBit : 0;
     slot.call = call;
   }
   // 2. Arrival: fingerprints, liveness, deadline, abort; fails the group for every process.
@@ -141,7 +148,17 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     for (const auto& r : ranges) p.link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()));
     p.seconds.assign(links, 0);
   }
-  Status s = Enqueue(rank, desc, stream, ranges, label, call, run_id);
+  Assignment work(links);
+  for (size_t i = 0; i < links; ++i)
+    if (!ranges[i].empty()) work[i].push_back(ranges[i]);
+  bool moved = false;
+  if (slot.unhealthy & kAgreeBit) {
+    // Every rank of every process runs the same rounds and ends with the same assignment, or the
+    // same error (nothing enqueued anywhere: the group stays usable).
+    FLEXLINK_RETURN_IF_ERROR(Agree(rank, desc, ranges, label, call, run_id, &work, &moved));
+  }
+  if (moved && rank == 0 && !planned_.empty()) planned_[call % planned_.size()].plan = nullptr;  // stage 2: not the plan's times
+  Status s = Enqueue(rank, desc, stream, ranges, work, label, call, run_id);
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
   if (!s.ok()) seg.Abort(rank, s.message());
@@ -302,11 +319,11 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
 }
 
 Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
-                              std::string_view label, uint64_t call, int64_t run_id) {
+                              const Assignment& work, std::string_view label, uint64_t call, int64_t run_id) {
   Rank& k = ranks_[rank];
   std::vector<size_t> used;
-  for (size_t i = 0; i < ranges.size(); ++i)
-    if (!ranges[i].empty()) used.push_back(i);
+  for (size_t i = 0; i < work.size(); ++i)
+    if (!work[i].empty()) used.push_back(i);
   const std::string where =
       ErrorPrefix(label) + std::string(Name(desc.kind)) + " on group " + FormatIds(group_.ids) + " (" +
       std::string(kGpuXprocLink) + "): ";
@@ -324,7 +341,13 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
   for (size_t i : used) {
     const Stream on = alone ? stream : k.side[i];
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, t.start)));
-    desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
+    // Its own range, then any it carries for a refused link, in link order: the same on every rank.
+    pieces.clear();
+    thread_local std::vector<Piece> more;
+    for (const plan::UnitRange& r : work[i]) {
+      desc.PiecesOf(UnitRange{r.begin, r.end}, &more);
+      pieces.insert(pieces.end(), more.begin(), more.end());
+    }
     FLEXLINK_RETURN_IF_ERROR(check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label})));
     FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.stop[i], on)));
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, t.stop[i])));
@@ -337,6 +360,87 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
     splits_->Add(std::move(rec));
   }
   return Status::Ok();
+}
+
+Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
+                            std::string_view label, uint64_t call, int64_t run_id, Assignment* work, bool* moved) {
+  xproc::ProcessGroup& seg = *segment_;
+  const size_t links = used_names_.size();
+  const std::shared_ptr<const FaultSet> none = std::make_shared<FaultSet>();
+  std::shared_ptr<const FaultSet> faults = CurrentFaults();
+  if (!faults) faults = none;  // this process has none: it refuses nothing, but joins the rounds
+  std::vector<std::string> errors(links);
+  // Whether `link` refuses this rank's next range (the FaultyGpuChannel::Admit rule: an error
+  // fault of the link firing at its range count; slow and hang are not injected across processes).
+  auto refused = [&](size_t link) {
+    const uint64_t n = fault_calls_[link].Next(rank, *faults);
+    for (const Fault& f : faults->faults)
+      if (f.kind == Fault::Kind::kError && f.link == used_names_[link] && f.FiresAt(n)) {
+        if (errors[link].empty())
+          errors[link] = ErrorPrefix(label) + "link " + used_names_[link] + ": injected error at its call " +
+                         std::to_string(n) + " (FLEXLINK_FAULTS \"" + faults->text + "\")";
+        return true;
+      }
+    return false;
+  };
+  // Every rank's mask of round `round`, ORed (written before the round's barrier, read after it;
+  // rewritten two rounds later, after the next barrier, which every reader has passed).
+  auto exchange = [&](size_t round, uint32_t mine, uint32_t* all) -> Status {
+    __atomic_store_n(&seg.times_slot(rank, call).failed[round & 1], mine, __ATOMIC_RELEASE);
+    FLEXLINK_RETURN_IF_ERROR(seg.SyncWithoutData(rank, desc, label, run_id, kGpuXprocLink, "agree on refused links"));
+    *all = 0;
+    for (int r = 0; r < group_.size(); ++r) *all |= __atomic_load_n(&seg.times_slot(r, call).failed[round & 1], __ATOMIC_ACQUIRE);
+    return Status::Ok();
+  };
+  uint32_t mine = 0, all = 0;
+  for (size_t i = 0; i < links; ++i)
+    if (!ranges[i].empty() && refused(i)) mine |= 1u << i;
+  FLEXLINK_RETURN_IF_ERROR(exchange(0, mine, &all));
+  std::vector<size_t> pending;
+  std::vector<char> bad(links, 0);
+  for (size_t i = 0; i < links; ++i)
+    if (all & (1u << i)) pending.push_back(i), bad[i] = 1, (*work)[i].clear();
+  if (pending.empty()) return Status::Ok();
+  const xproc::PlanSlot& slot = seg.plan_slot(call);
+  const std::vector<double> shares(slot.shares, slot.shares + links);
+  auto healthy = [](size_t) { return false; };
+  std::vector<std::pair<size_t, size_t>> moves;
+  for (size_t round = 1; round < links && !pending.empty(); ++round) {
+    std::vector<size_t> carrier(links, links);
+    for (size_t i : pending) carrier[i] = FailoverCarrier(bad, shares, healthy);
+    if (carrier[pending[0]] == links) break;  // every pending range gets the same carrier
+    mine = 0;
+    for (size_t i : pending)
+      if (refused(carrier[i])) mine |= 1u << i;
+    FLEXLINK_RETURN_IF_ERROR(exchange(round, mine, &all));
+    std::vector<size_t> still;
+    for (size_t i : pending) {
+      if (all & (1u << i)) {
+        still.push_back(i);
+        bad[carrier[i]] = 1;
+      } else {
+        (*work)[carrier[i]].push_back(ranges[i]);
+        moves.emplace_back(i, carrier[i]);
+      }
+    }
+    pending = std::move(still);
+  }
+  *moved = !moves.empty();
+  // Links refused only in other processes: named so (their reasons stay there).
+  for (size_t i = 0; i < links; ++i)
+    if (bad[i] && errors[i].empty()) errors[i] = "refused by another rank of the group";
+  if (rank == 0) {
+    const std::string group = FormatIds(group_.ids);
+    for (const auto& [from, to] : moves) {
+      const auto& r = ranges[from];
+      RecordFailover(FailoverRecord{group, std::string(Name(desc.kind)), used_names_[from], used_names_[to],
+                                    errors[from], call, desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()), 0,
+                                    UnixNow()});
+    }
+  }
+  if (pending.empty()) return Status::Ok();
+  return Status::Unavailable(NoCarrierMessage(label, desc.kind, FormatIds(group_.ids) + " (" + std::string(kGpuXprocLink) + ")",
+                                              call, used_names_, errors, healthy));
 }
 
 void GpuXprocGroup::WriteTimes(int rank, uint64_t call) {

@@ -28,7 +28,8 @@
 // the segment itself (pcie_xproc.h: registered as pinned memory in every process, devices ordered
 // with stream memory operations on flags in it). Stage 2: every rank's event times reach the
 // leader's balancer through the segment's times slots (WriteTimes/GatherTimes below), and stats()
-// counts the calls there. Not here yet: stage 1's profiling, fault injection and failover.
+// counts the calls there; `error` faults fail over across processes (Agree). Not here yet: stage
+// 1's profiling, `slow`/`hang` injection and the hang detector.
 #pragma once
 
 #include <condition_variable>
@@ -43,6 +44,7 @@
 #include <vector>
 
 #include "xla_ffi/core/call.h"
+#include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/cuda/comm_api.h"
@@ -93,8 +95,23 @@ class GpuXprocGroup {
   Status SetupLocal(const CallDesc& desc, std::string_view label, int64_t run_id);
   void MarkJoining(size_t link);                   // this process's ranks started joining link's communicator
   std::vector<int> NotJoining(size_t link) const;  // other processes' ranks that have not
+  // Per used link: the ranges it runs this call (its own; after a failover, others' too).
+  using Assignment = std::vector<std::vector<plan::UnitRange>>;
   Status Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
-                 std::string_view label, uint64_t call, int64_t run_id);
+                 const Assignment& work, std::string_view label, uint64_t call, int64_t run_id);
+  // `error` faults and failover across processes (docs/faults.md, "GPU links"): the in-process
+  // GpuExecutor::Agree's rounds with the segment's barrier in place of process memory. Round 0: each
+  // rank asks each of its ranges' links whether it may enqueue (the injected error refuses at the
+  // host, before anything reaches a stream) and writes the refused links as a mask into its times
+  // slot (failed[round & 1], as the CPU XprocExecutor does); a barrier (SyncWithoutData); every rank
+  // ORs every rank's mask, so all choose the same carriers (FailoverCarrier over the leader's
+  // shares), and round r asks the carriers, until nothing is pending or no link is left (then every
+  // rank fails the call alike, enqueuing nothing, and the group stays usable). Run only when the
+  // leader's process has faults injected (it says so in the plan slot, kAgreeBit of `unhealthy`),
+  // so every rank runs the same barriers.
+  Status Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges, std::string_view label,
+               uint64_t call, int64_t run_id, Assignment* work, bool* moved);
+  static constexpr uint32_t kAgreeBit = 1u << 31;
 
   // Stage 2 across processes. Every local rank times its calls with its own events (a ring of
   // kTimed; their start/stop also fork and join the side streams) and, before each arrival, writes
@@ -127,6 +144,7 @@ class GpuXprocGroup {
   void WriteTimes(int rank, uint64_t call);   // before the arrival of `call`
   void GatherTimes(uint64_t call);            // the leader, after the arrival of `call`
   std::vector<Planned> planned_;              // ring of 2 * kTimed + 2, by call
+  std::vector<FaultCounter> fault_calls_;     // per used link: each local rank's ranges admitted
 
   std::unique_ptr<xproc::ProcessGroup> segment_;
   const GroupInfo group_;
