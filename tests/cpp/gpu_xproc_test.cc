@@ -372,8 +372,9 @@ uint64_t gpu_failovers() { return FailoverCount(); }
       if (ps.group == L.group && ps.plan.kind == c.kind) ++plans, pcie_share = ps.plan.shares.at(1);
     if (p == 0) {
       // Calls are counted once every rank's times reached the leader (a later call's arrival): all
-      // but the last few.
-      Expect(nccl_calls >= calls - 4 && nccl_calls <= calls && nccl_bytes > 0,
+      // but the last one or two, and those whose ranks' newest completed calls differed at an
+      // arrival (skipped, not guessed; more of them on a loaded machine or under sanitizers).
+      Expect(nccl_calls >= calls / 2 && nccl_calls <= calls && nccl_bytes > 0,
              s.what + ": stats count the leader's calls on nccl (" + std::to_string(nccl_calls) + " of " +
                  std::to_string(calls) + ", " + std::to_string(nccl_bytes) + " bytes)");
       Expect(pcie_calls >= 1, s.what + ": stats count pcie's calls (" + std::to_string(pcie_calls) + ")");
