@@ -382,6 +382,13 @@ uint64_t gpu_failovers() { return FailoverCount(); }
              s.what + ": the leader's plan is listed and moved share off the slow pcie link (pcie " +
                  std::to_string(pcie_share) + ", " + std::to_string(plans) + " plans)");
       if (getenv("GPU_XPROC_DEBUG")) std::printf("leader: pcie share %.3f, nccl calls %d\n", pcie_share, int(nccl_calls));
+      // No stage 1 across processes: a large call's plan must not be a profile plan (the primary
+      // alone until a profile nobody runs), but a split stage 2 can correct.
+      gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+      const auto big = g ? g->balancer().PlanFor(Kind::kAllGather, uint64_t{64} << 20) : nullptr;
+      Expect(big && big->mode != plan::PlanMode::kProfile && big->shares.size() == 2 && big->shares[0] > 0 &&
+                 big->shares[1] > 0,
+             s.what + ": a 64 MiB call's first plan splits (" + (big ? std::string(plan::Name(big->mode)) : "none") + ")");
     } else {
       Expect(plans == 0 && nccl_calls == 0, s.what + ": a follower lists no plan and counts nothing of the group "
                                             "(only the leader's count, once per call)");
@@ -389,8 +396,8 @@ uint64_t gpu_failovers() { return FailoverCount(); }
   } else if (s.mode == 9) {
     // Faults differ between processes: only the followers' nccl refuses its 2nd range (the leader
     // has a fault set that never fires, so it asks every rank to agree). Every rank of every process
-    // must move that call's nccl range onto pcie alike (small calls run on nccl alone here): results
-    // exact on every rank.
+    // must move that call's nccl range (the primary: it has a range in every plan) onto pcie alike:
+    // results exact on every rank.
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
     const std::vector<std::string> names{"nccl", "pcie"};
     const uint64_t before = gpu_failovers();

@@ -529,7 +529,10 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
                                      std::to_string(devices[r]) + " is not a CUDA device of this process (" +
                                      std::to_string(count) + " visible" + (why.empty() ? "" : ": " + why) + ")");
   plan::BalancerOptions options;
-  options.profile_from_bytes = AutotuneMinBytes();
+  // No stage-1 profiling runs across processes: a kProfile plan (the primary link alone until the
+  // profile's fits arrive) would never end. Off, so that calls of every size start from the seed or
+  // equal shares and stage 2 (GatherTimes) corrects them; configure's autotune sizes do not apply.
+  options.profile_from_bytes = 0;
   options.profile_max_bytes = TuneMaxBytes();
   std::shared_ptr<const GpuLinkSet> links = engine.CurrentLinks();
   auto group = std::make_unique<GpuXprocGroup>(std::move(segment), std::move(info), links, std::move(ids), options,
