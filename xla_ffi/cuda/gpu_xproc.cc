@@ -98,12 +98,12 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   if (links == 0)
     return Status::FailedPrecondition(where() + ": none of the configured GPU links can span processes "
                                       "(nccl and pcie can)");
-  // 1. The leader's plan, written before its arrival: the barrier's release/acquire makes it
-  // visible to every rank after the arrival. Rewritten for call + 2 only after the leader passed
-  // call + 1's arrival, by which every rank has read it (layout.h, PlanSlot).
   // Stage 2: this rank's latest completed call's event times, for the leader to read after this
   // arrival (a rank not set up yet has none).
   if (ranks_[rank].ready) WriteTimes(rank, call);
+  // 1. The leader's plan, written before its arrival: the barrier's release/acquire makes it
+  // visible to every rank after the arrival. Rewritten for call + 2 only after the leader passed
+  // call + 1's arrival, by which every rank has read it (layout.h, PlanSlot).
   std::shared_ptr<const plan::Plan> planned;
   if (rank == 0) {
     std::shared_ptr<const plan::Plan> plan = balancer_.PlanFor(desc.kind, MessageBytes(desc, group_.size()));
