@@ -19,6 +19,8 @@
 //     but before the communicators complete) or stays alive without joining: the survivors' non-
 //     blocking joins (CommApi::InitRanks) end within seconds naming the rank, or at the deadline
 //     (3 s), the join aborted, a later call failing at once;
+//   - CommApi::InitRanks's waiting on a scripted library (abort all on an error, a failed check or the
+//     deadline; none returned);
 //   - nothing left in /dev/shm (segments and the simulation's communicator files).
 // The parent starts no threads before forking; alarm() backstops any hang.
 #include <dirent.h>
@@ -511,6 +513,88 @@ std::vector<std::string> ShmEntries() {
 
 std::string g_only;
 
+// CommApi::InitRanks's waiting, on a scripted library: every communicator of a failed join is
+// aborted (and none returned), a failed check gives up at once with its reason, a join that never
+// completes ends at the deadline, and an error of one communicator names its rank.
+struct ScriptedComm : gpu::CommApi {
+  int complete_after = 3;  // JoinState polls until done; < 0: never
+  int fail_rank = -1;      // this rank's JoinState fails
+  int polls = 0;
+  std::vector<gpu::Comm> aborted;
+  std::vector<int> ranks;
+  Status InitRanksAsync(const gpu::CommId&, int, std::span<const int> r, std::span<const int>,
+                        std::vector<gpu::Comm>* comms) override {
+    ranks.assign(r.begin(), r.end());
+    comms->clear();
+    for (size_t i = 0; i < r.size(); ++i) comms->push_back(reinterpret_cast<gpu::Comm>(uintptr_t{i + 1}));
+    return Status::Ok();
+  }
+  Status JoinState(gpu::Comm comm, bool* done) override {
+    const int rank = ranks[reinterpret_cast<uintptr_t>(comm) - 1];
+    if (rank == fail_rank) return Status::Internal("scripted failure");
+    *done = complete_after >= 0 && ++polls > complete_after;
+    return Status::Ok();
+  }
+  Status Abort(gpu::Comm comm) override {
+    aborted.push_back(comm);
+    return Status::Ok();
+  }
+  Status InitAll(std::span<const int>, std::vector<gpu::Comm>*) override { return Status::Internal("no"); }
+  Status GroupStart() override { return Status::Ok(); }
+  Status GroupEnd() override { return Status::Ok(); }
+  Status AllReduce(const void*, void*, size_t, gpu::CommType, gpu::CommOp, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status AllGather(const void*, void*, size_t, gpu::CommType, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status ReduceScatter(const void*, void*, size_t, gpu::CommType, gpu::CommOp, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status Send(const void*, size_t, gpu::CommType, int, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status Recv(void*, size_t, gpu::CommType, int, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+};
+
+void TestInitRanksWaiting() {
+  const gpu::CommId id{};
+  const std::vector<int> ranks{2, 3}, devices{0, 1};
+  std::vector<gpu::Comm> comms;
+  {
+    ScriptedComm c;
+    gpu::CommApi::JoinWatch w;
+    w.timeout_s = 5;
+    Expect(c.InitRanks(id, 4, ranks, devices, w, &comms).ok() && comms.size() == 2 && c.aborted.empty(),
+           "InitRanks: a join that completes returns its communicators");
+  }
+  {
+    ScriptedComm c;
+    c.fail_rank = 3;
+    gpu::CommApi::JoinWatch w;
+    Status st = c.InitRanks(id, 4, ranks, devices, w, &comms);
+    Expect(!st.ok() && st.message().find("rank 3 of 4") != std::string::npos && c.aborted.size() == 2 && comms.empty(),
+           "InitRanks: a communicator's error names its rank and aborts both: " + st.message());
+  }
+  {
+    ScriptedComm c;
+    c.complete_after = -1;
+    int checks = 0;
+    gpu::CommApi::JoinWatch w;
+    w.timeout_s = 30;
+    w.check = [&] { return ++checks < 5 ? std::string() : std::string("rank 1 exited"); };
+    const auto t0 = Clock::now();
+    Status st = c.InitRanks(id, 4, ranks, devices, w, &comms);
+    Expect(st.code() == StatusCode::kUnavailable && st.message() == "rank 1 exited" && c.aborted.size() == 2 &&
+               Seconds(t0) < 2,
+           "InitRanks: a failed check gives up at once with its reason, aborting both: " + st.message());
+  }
+  {
+    ScriptedComm c;
+    c.complete_after = -1;
+    gpu::CommApi::JoinWatch w;
+    w.timeout_s = 0.3;
+    const auto t0 = Clock::now();
+    Status st = c.InitRanks(id, 4, ranks, devices, w, &comms);
+    const double took = Seconds(t0);
+    Expect(st.code() == StatusCode::kDeadlineExceeded && c.aborted.size() == 2 && took >= 0.3 && took < 2,
+           "InitRanks: a join that never completes ends at the deadline (" + std::to_string(took) + " s): " +
+               st.message());
+  }
+}
+
 void RunScenario(const Scenario& s) {
   if (!g_only.empty() && s.what.find(g_only) == std::string::npos) return;
   const auto t0 = Clock::now();
@@ -622,6 +706,7 @@ int main(int argc, char** argv) {
   // 64 KiB slots (the minimum): the pcie link's larger cases take several steps, both buffers.
   flexlink::SetXprocSlotBytes(65536);
   const auto before = ShmEntries();
+  if (g_only.empty() || std::string("InitRanks").find(g_only) != std::string::npos) TestInitRanksWaiting();
   for (int per : {1, 2}) {
     const std::string shape = "2 processes x " + std::to_string(per) + ": ";
     RunScenario({shape + "nccl, every case", 2, per, "nccl@staging_mib=0.0625", 0});
