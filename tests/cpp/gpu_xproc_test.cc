@@ -720,7 +720,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "a peer _exits before joining the communicators", 2, per, "nccl", 5});
     RunScenario({shape + "a peer _exits while joining the communicators", 2, per, "nccl;pcie", 6});
     RunScenario({shape + "a peer never joins the communicators (deadline)", 2, per, "nccl", 7});
-    RunScenario({shape + "nccl;pcie stage 2, stats and set_shares", 2, per, "nccl@staging_mib=0.0625;pcie", 8, 0, 0.2});
+    RunScenario({shape + "nccl;pcie stage 2, stats and set_shares", 2, per, "nccl@staging_mib=0.0625;pcie", 8, 0, 0.02});
     RunScenario({shape + "nccl;pcie error faults and failover", 2, per, "nccl@staging_mib=0.0625;pcie", 9});
   }
   const auto after = ShmEntries();
