@@ -402,6 +402,19 @@ uint64_t gpu_failovers() { return FailoverCount(); }
     // results exact on every rank.
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
     const std::vector<std::string> names{"nccl", "pcie"};
+    // seed_model through the engine reaches the group (its used links' fits): a large all_gather's
+    // first plan follows nccl's 10x bandwidth.
+    {
+      plan::CostModel seed(names);
+      seed.Set(Kind::kAllGather, 0, plan::AlphaBeta{1e-5, 1.0 / 100e9});
+      seed.Set(Kind::kAllGather, 1, plan::AlphaBeta{1e-5, 1.0 / 10e9});
+      const Status ss = L.engine->SetSeed(N, seed);
+      gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+      const auto pl = g ? g->balancer().PlanFor(Kind::kAllGather, uint64_t{64} << 20) : nullptr;
+      Expect(ss.ok() && pl && pl->shares.size() == 2 && pl->shares[0] > 0.8 && pl->shares[0] < 0.95,
+             s.what + ": seed_model reaches the group (nccl share " +
+                 (pl && !pl->shares.empty() ? std::to_string(pl->shares[0]) : std::string("-")) + ")");
+    }
     const uint64_t before = gpu_failovers();
     Expect(gpu::SetGpuFaults(p == 0 ? "nccl:error@at_call=1000" : "nccl:error@at_call=2", names).ok(), s.what + ": set");
     for (int i = 0; i < 4; ++i) L.Check(c, ++run, s.what + ": a follower's refusal carried");

@@ -230,6 +230,8 @@ Status GpuEngine::SetSeed(int ranks, plan::CostModel seed) {
     Status s = ex.balancer().SetSeed(seed);
     if (status.ok()) status = s;
   });
+  // Groups across processes of that size too (their used links' fits).
+  SetGpuXprocSeed(*this, ranks, seed);
   seeds_[ranks] = std::move(seed);
   return status;
 }
@@ -238,6 +240,12 @@ void GpuEngine::ForgetModel(Kind kind) {
   std::lock_guard<std::mutex> lock(mu_);
   ForEachCurrent([&](const std::vector<int64_t>&, GpuExecutor& ex) { ex.balancer().ForgetKind(kind); });
   ForgetGpuXprocModel(*this, kind);
+}
+
+std::optional<plan::CostModel> GpuEngine::SeedFor(int ranks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = seeds_.find(ranks); it != seeds_.end()) return it->second;
+  return std::nullopt;
 }
 
 std::map<std::pair<Kind, uint64_t>, std::pair<std::vector<double>, bool>> GpuEngine::ShareOverrides() {

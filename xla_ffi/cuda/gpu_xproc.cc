@@ -515,6 +515,8 @@ Registry& TheRegistry() {
   return *r;
 }
 
+std::optional<plan::CostModel> SeedForGroup(const GpuXprocGroup& group, const plan::CostModel& seed);
+
 Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment, std::vector<CommId> ids,
                 std::span<const int64_t> devices) {
   GroupInfo info;
@@ -537,7 +539,10 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
   std::shared_ptr<const GpuLinkSet> links = engine.CurrentLinks();
   auto group = std::make_unique<GpuXprocGroup>(std::move(segment), std::move(info), links, std::move(ids), options,
                                                &engine.api(), &engine.splits());
-  // set_shares given before the group was set up (at lowering) applies to it as to in-process groups.
+  // seed_model and set_shares given before the group was set up (at lowering) apply to it as to
+  // in-process groups.
+  if (std::optional<plan::CostModel> seed = engine.SeedFor(static_cast<int>(devices.size())))
+    if (std::optional<plan::CostModel> mine = SeedForGroup(*group, *seed)) (void)group->balancer().SetSeed(*mine);
   for (const auto& [key, value] : engine.ShareOverrides()) {
     std::vector<double> mine;
     if (SharesForGroup(*group, links->names(), value.first, &mine).ok())
@@ -591,6 +596,33 @@ Status SetGpuXprocShares(const GpuEngine& engine, const std::vector<std::string>
     if (!s.ok() && first.ok()) first = s;
   }
   return first;
+}
+
+namespace {
+// `seed` (over the engine's links) restricted to the links `group` uses; nullopt when one is missing.
+std::optional<plan::CostModel> SeedForGroup(const GpuXprocGroup& group, const plan::CostModel& seed) {
+  plan::CostModel mine(group.links());
+  std::vector<size_t> at;
+  for (const std::string& used : group.links()) {
+    const auto it = std::find(seed.links().begin(), seed.links().end(), used);
+    if (it == seed.links().end()) return std::nullopt;
+    at.push_back(static_cast<size_t>(it - seed.links().begin()));
+  }
+  for (const Kind kind : kAllKinds) {
+    if (!seed.Has(kind)) continue;
+    for (size_t i = 0; i < at.size(); ++i) mine.Set(kind, i, seed.Fits(kind)[at[i]]);
+  }
+  return mine;
+}
+}  // namespace
+
+void SetGpuXprocSeed(const GpuEngine& engine, int ranks, const plan::CostModel& seed) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups) {
+    if (key.first != engine.serial() || group->group().size() != ranks) continue;
+    if (std::optional<plan::CostModel> mine = SeedForGroup(*group, seed)) (void)group->balancer().SetSeed(*mine);
+  }
 }
 
 void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind) {

@@ -192,6 +192,9 @@ GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_
 Status SetGpuXprocShares(const GpuEngine& engine, const std::vector<std::string>& names, Kind kind,
                          uint64_t bucket_bytes, const std::vector<double>& shares, bool pinned);
 void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind);
+// seed_model's fits for groups of `ranks` GPUs (`seed` over the engine's current links): each such
+// group gets the fits of the links it uses, the plans it makes from then on start from them.
+void SetGpuXprocSeed(const GpuEngine& engine, int ranks, const plan::CostModel& seed);
 void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out);
 
 struct GpuXprocInfo {
