@@ -15,6 +15,12 @@
 //     every process, the leader's;
 //   - a peer process killed (SIGKILL, and _exit) between calls: the others fail within seconds,
 //     long before the deadline, naming the dead rank with its pid; a later call fails at once;
+//   - a peer that dies during the first call's communicator set-up (before joining, or after joining
+//     but before the communicators complete) or stays alive without joining: the survivors' non-
+//     blocking joins (CommApi::InitRanks) end within seconds naming the rank, or at the deadline
+//     (3 s), the join aborted, a later call failing at once;
+//   - CommApi::InitRanks's waiting on a scripted library (abort all on an error, a failed check or the
+//     deadline; none returned);
 //   - nothing left in /dev/shm (segments and the simulation's communicator files).
 // The parent starts no threads before forking; alarm() backstops any hang.
 #include <dirent.h>
@@ -28,6 +34,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -40,6 +47,10 @@
 #include "tests/cpp/sim/sim_xproc_device.h"
 #include "tests/cpp/sim/sim_xproc_comm.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/health.h"
+#include "xla_ffi/cuda/gpu_faults.h"
+#include "xla_ffi/core/engine.h"
+#include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_xproc.h"
 #include "xla_ffi/plan/ranges.h"
@@ -77,8 +88,13 @@ struct Scenario {
   int per_process = 1;
   std::string links = "nccl@staging_mib=0.0625";
   int mode = 0;  // 0: every case against the reference; 1: plan agreement; 2: a link left out;
-                 // 3: a peer killed (SIGKILL) between calls; 4: a peer _exits between calls
+                 // 3: a peer killed (SIGKILL) between calls; 4: a peer _exits between calls;
+                 // 5: a peer _exits before joining the first call's NCCL communicators; 6: after
+                 // joining, before they complete; 7: a peer stalls alive without joining (deadline);
+                 // 8: stats, set_shares through the engine and stage 2 across processes;
+                 // 9: error faults and failover across processes
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
+  double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
 
 bool WriteFull(int fd, const void* p, size_t n) {
@@ -124,6 +140,7 @@ struct Local {
   static sim::SimOptions Options(const Scenario& s) {
     sim::SimOptions o;
     o.jitter_us = s.jitter_us;
+    o.copy_gbps = s.copy_gbps;
     o.devices = 4;
     o.wait_timeout_s = 20;
     return o;
@@ -230,11 +247,14 @@ struct Local {
   std::vector<int64_t> group, local;
 };
 
+uint64_t gpu_failovers() { return FailoverCount(); }
+
 // The body of process `p`: set-up through the pipes, then the scenario. Exit status: 0 passed.
 [[noreturn]] void Child(const Scenario& s, int p, int up, const std::vector<int>& down, Shared* shared) {
   alarm(120);
   g_passed = g_failed = 0;  // fork copied the parent's counts
-  SetTimeoutSeconds(60);
+  // The stalled-join scenario waits for the deadline itself: a short one keeps it quick.
+  SetTimeoutSeconds(s.mode == 7 ? 3 : 60);
   Local L(s, p);
   Status st = L.engine->ConfigureLinks(s.links);
   if (!st.ok()) {
@@ -293,7 +313,13 @@ struct Local {
     gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
     const std::vector<double> mine = p == 0 ? std::vector<double>{0.3, 0.7} : std::vector<double>{0.8, 0.2};
     std::vector<Case> cases = StandardCases(N, 4096);
-    for (const Case& c : cases) (void)g->balancer().SetShares(c.kind, plan::BucketOf(CaseBytes(c, N)), mine, true);
+    // Through the engine, as Python's set_shares does (GpuEngine::SetShares reaches the groups
+    // across processes): the leader's must decide.
+    for (const Case& c : cases) {
+      const Status ss = L.engine->SetShares(c.kind, plan::BucketOf(CaseBytes(c, N)), mine, true);
+      if (!ss.ok()) Expect(false, s.what + ": set_shares: " + ss.message());
+    }
+    (void)g;
     L.engine->splits().SetEnabled(true);
     for (size_t i = 0; i < cases.size(); i += 3) L.Check(cases[i], ++run, s.what);
     for (const SplitRecord& rec : L.engine->splits().Take()) {
@@ -314,6 +340,139 @@ struct Local {
     Expect(g && g->links() == std::vector<std::string>{"a"} && g->left_out().size() == 1 &&
                g->left_out()[0].first == "b" && g->left_out()[0].second.find("second pcie") != std::string::npos,
            s.what + ": the second pcie link left out with its reason");
+  } else if (s.mode == 8) {
+    // Stage 2 across processes: the leader starts from 0.5/0.5 (not pinned, set through the engine
+    // as set_shares does) over nccl and a pcie link whose copies the simulation slows; every rank's
+    // event times reach the leader through the segment, and its balancer must move share off pcie.
+    // Every rank records its ranges (identical everywhere: the parent checks), and the leader's
+    // stats count the calls, the bytes per link and the plans.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{8192}}, 0, {}, false};
+    const uint64_t bucket = plan::BucketOf(CaseBytes(c, N));
+    const Status ss = L.engine->SetShares(c.kind, bucket, {0.5, 0.5}, false);
+    Expect(ss.ok(), s.what + ": set_shares through the engine: " + ss.message());
+    ResetLinkStats();
+    L.engine->splits().SetEnabled(true);
+    const int calls = 40;
+    for (int i = 0; i < calls; ++i) L.Check(c, ++run, s.what);
+    for (const SplitRecord& rec : L.engine->splits().Take()) {
+      const int32_t at = shared->rows.fetch_add(1);
+      if (at >= 4096 || rec.ranges.size() != 2) continue;
+      SplitRow& row = shared->row[at];
+      row.process = p;
+      row.rank = rec.rank;
+      row.call = rec.call;
+      for (int l = 0; l < 2; ++l) row.r[l][0] = rec.ranges[l].first, row.r[l][1] = rec.ranges[l].second;
+    }
+    uint64_t nccl_calls = 0, pcie_calls = 0, nccl_bytes = 0;
+    for (const LinkStatsSnapshot& st : SnapshotLinkStats()) {
+      if (st.name == "nccl") nccl_calls = st.calls, nccl_bytes = st.bytes;
+      if (st.name == "pcie") pcie_calls = st.calls;
+    }
+    int plans = 0;
+    double pcie_share = -1;
+    for (const PlanSnapshot& ps : L.engine->SnapshotPlans())
+      if (ps.group == L.group && ps.plan.kind == c.kind) ++plans, pcie_share = ps.plan.shares.at(1);
+    if (p == 0) {
+      // Calls are counted once every rank's times reached the leader (a later call's arrival): all
+      // but the last one or two, and those whose ranks' newest completed calls differed at an
+      // arrival (skipped, not guessed; more of them on a loaded machine or under sanitizers).
+      Expect(nccl_calls >= calls / 2 && nccl_calls <= calls && nccl_bytes > 0,
+             s.what + ": stats count the leader's calls on nccl (" + std::to_string(nccl_calls) + " of " +
+                 std::to_string(calls) + ", " + std::to_string(nccl_bytes) + " bytes)");
+      Expect(pcie_calls >= 1, s.what + ": stats count pcie's calls (" + std::to_string(pcie_calls) + ")");
+      Expect(plans == 1 && pcie_share >= 0 && pcie_share < 0.4,
+             s.what + ": the leader's plan is listed and moved share off the slow pcie link (pcie " +
+                 std::to_string(pcie_share) + ", " + std::to_string(plans) + " plans)");
+      if (getenv("GPU_XPROC_DEBUG")) std::printf("leader: pcie share %.3f, nccl calls %d\n", pcie_share, int(nccl_calls));
+      // No stage 1 across processes: a large call's plan must not be a profile plan (the primary
+      // alone until a profile nobody runs), but a split stage 2 can correct.
+      gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+      const auto big = g ? g->balancer().PlanFor(Kind::kAllGather, uint64_t{64} << 20) : nullptr;
+      Expect(big && big->mode != plan::PlanMode::kProfile && big->shares.size() == 2 && big->shares[0] > 0 &&
+                 big->shares[1] > 0,
+             s.what + ": a 64 MiB call's first plan splits (" + (big ? std::string(plan::Name(big->mode)) : "none") + ")");
+    } else {
+      Expect(plans == 0 && nccl_calls == 0, s.what + ": a follower lists no plan and counts nothing of the group "
+                                            "(only the leader's count, once per call)");
+    }
+  } else if (s.mode == 9) {
+    // Faults differ between processes: only the followers' nccl refuses its 2nd range (the leader
+    // has a fault set that never fires, so it asks every rank to agree). Every rank of every process
+    // must move that call's nccl range (the primary: it has a range in every plan) onto pcie alike:
+    // results exact on every rank.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
+    const std::vector<std::string> names{"nccl", "pcie"};
+    // seed_model through the engine reaches the group (its used links' fits): a large all_gather's
+    // first plan follows nccl's 10x bandwidth.
+    {
+      plan::CostModel seed(names);
+      seed.Set(Kind::kAllGather, 0, plan::AlphaBeta{1e-5, 1.0 / 100e9});
+      seed.Set(Kind::kAllGather, 1, plan::AlphaBeta{1e-5, 1.0 / 10e9});
+      const Status ss = L.engine->SetSeed(N, seed);
+      gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+      const auto pl = g ? g->balancer().PlanFor(Kind::kAllGather, uint64_t{64} << 20) : nullptr;
+      Expect(ss.ok() && pl && pl->shares.size() == 2 && pl->shares[0] > 0.8 && pl->shares[0] < 0.95,
+             s.what + ": seed_model reaches the group (nccl share " +
+                 (pl && !pl->shares.empty() ? std::to_string(pl->shares[0]) : std::string("-")) + ")");
+    }
+    const uint64_t before = gpu_failovers();
+    Expect(gpu::SetGpuFaults(p == 0 ? "nccl:error@at_call=1000" : "nccl:error@at_call=2", names).ok(), s.what + ": set");
+    for (int i = 0; i < 4; ++i) L.Check(c, ++run, s.what + ": a follower's refusal carried");
+    if (p == 0)
+      Expect(gpu_failovers() - before == 1, s.what + ": the leader records the failover (" +
+                                               std::to_string(gpu_failovers() - before) + ")");
+    // Every link refused everywhere: every rank fails the call alike, naming it, nothing hangs.
+    Expect(gpu::SetGpuFaults("nccl:error@at_call=1,sticky=1;pcie:error@at_call=1,sticky=1", names).ok(), s.what + ": set");
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto t0 = Clock::now();
+    const auto status = L.Run(c, &out, ++run);
+    for (size_t i = 0; i < status.size(); ++i)
+      Expect(!status[i].ok() && status[i].message().find("no link could carry") != std::string::npos &&
+                 status[i].message().find("all_reduce") != std::string::npos && Seconds(t0) < 5,
+             s.what + ": rank " + std::to_string(L.local[i]) + ": no carrier: " + status[i].message());
+    Expect(L.device.TakeErrors().empty(), s.what + ": nothing reached the devices");
+    // Cleared: the group still works (a refused call fails alike everywhere, it breaks nothing).
+    Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
+    for (int i = 0; i < 2; ++i) L.Check(c, ++run, s.what + ": after the faults");
+  } else if (s.mode >= 5) {
+    // A peer fails during the first call's communicator set-up (CommApi::InitRanks, non-blocking):
+    // the survivors' joins must end, naming the rank, well before the deadline (dead peer) or at it
+    // (a live peer that never joins), with the join aborted and nothing left behind.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{1000}}, 0, {}, false};
+    const int victim = s.processes - 1;
+    if (p == victim) {
+      std::fflush(stdout);
+      L.comm.SetJoinFault(s.mode == 5   ? sim::SimXprocComm::JoinFault::kExitBeforeJoin
+                          : s.mode == 6 ? sim::SimXprocComm::JoinFault::kExitAfterJoin
+                                        : sim::SimXprocComm::JoinFault::kStallBeforeJoin);
+    }
+    const auto t0 = Clock::now();
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto status = L.Run(c, &out, ++run);
+    const double took = Seconds(t0);
+    if (p == victim) _exit(44);  // not reached: the fault ends the victim inside the join
+    const std::string dead = "rank " + std::to_string(victim * s.per_process);
+    if (s.mode == 7)
+      Expect(took >= 2.9 && took < 10, s.what + ": the survivors fail at the 3 s deadline (" + std::to_string(took) + " s)");
+    else
+      Expect(took < 10, s.what + ": the survivors fail long before the 60 s deadline (" + std::to_string(took) + " s)");
+    for (size_t i = 0; i < status.size(); ++i) {
+      const std::string& m = status[i].message();
+      const bool named = m.find(dead) != std::string::npos && m.find("pid") != std::string::npos &&
+                         m.find("xtest") != std::string::npos && m.find("all_reduce") != std::string::npos &&
+                         m.find(FormatIds(L.group)) != std::string::npos && m.find("communicator") != std::string::npos;
+      const bool why = s.mode == 7 ? status[i].code() == StatusCode::kDeadlineExceeded && m.find("timed out") != std::string::npos
+                                   : m.find("exited") != std::string::npos;
+      Expect(!status[i].ok() && named && why,
+             s.what + ": rank " + std::to_string(L.local[i]) + " names the missing rank: " + m);
+    }
+    Expect(L.comm.operations() == 0, s.what + ": no NCCL operation ran on the aborted join");
+    const auto t1 = Clock::now();
+    const auto again = L.Run(c, &out, ++run);
+    for (size_t i = 0; i < again.size(); ++i)
+      Expect(!again[i].ok() && again[i].message().find("broken") != std::string::npos && Seconds(t1) < 2,
+             s.what + ": a later call fails at once: " + again[i].message());
+    (void)L.device.TakeErrors();
   } else {
     // A peer dies between calls: one good call, then the last process dies, the rest call again.
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{1000}}, 0, {}, false};
@@ -367,6 +526,88 @@ std::vector<std::string> ShmEntries() {
 
 std::string g_only;
 
+// CommApi::InitRanks's waiting, on a scripted library: every communicator of a failed join is
+// aborted (and none returned), a failed check gives up at once with its reason, a join that never
+// completes ends at the deadline, and an error of one communicator names its rank.
+struct ScriptedComm : gpu::CommApi {
+  int complete_after = 3;  // JoinState polls until done; < 0: never
+  int fail_rank = -1;      // this rank's JoinState fails
+  int polls = 0;
+  std::vector<gpu::Comm> aborted;
+  std::vector<int> ranks;
+  Status InitRanksAsync(const gpu::CommId&, int, std::span<const int> r, std::span<const int>,
+                        std::vector<gpu::Comm>* comms) override {
+    ranks.assign(r.begin(), r.end());
+    comms->clear();
+    for (size_t i = 0; i < r.size(); ++i) comms->push_back(reinterpret_cast<gpu::Comm>(uintptr_t{i + 1}));
+    return Status::Ok();
+  }
+  Status JoinState(gpu::Comm comm, bool* done) override {
+    const int rank = ranks[reinterpret_cast<uintptr_t>(comm) - 1];
+    if (rank == fail_rank) return Status::Internal("scripted failure");
+    *done = complete_after >= 0 && ++polls > complete_after;
+    return Status::Ok();
+  }
+  Status Abort(gpu::Comm comm) override {
+    aborted.push_back(comm);
+    return Status::Ok();
+  }
+  Status InitAll(std::span<const int>, std::vector<gpu::Comm>*) override { return Status::Internal("no"); }
+  Status GroupStart() override { return Status::Ok(); }
+  Status GroupEnd() override { return Status::Ok(); }
+  Status AllReduce(const void*, void*, size_t, gpu::CommType, gpu::CommOp, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status AllGather(const void*, void*, size_t, gpu::CommType, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status ReduceScatter(const void*, void*, size_t, gpu::CommType, gpu::CommOp, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status Send(const void*, size_t, gpu::CommType, int, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status Recv(void*, size_t, gpu::CommType, int, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+};
+
+void TestInitRanksWaiting() {
+  const gpu::CommId id{};
+  const std::vector<int> ranks{2, 3}, devices{0, 1};
+  std::vector<gpu::Comm> comms;
+  {
+    ScriptedComm c;
+    gpu::CommApi::JoinWatch w;
+    w.timeout_s = 5;
+    Expect(c.InitRanks(id, 4, ranks, devices, w, &comms).ok() && comms.size() == 2 && c.aborted.empty(),
+           "InitRanks: a join that completes returns its communicators");
+  }
+  {
+    ScriptedComm c;
+    c.fail_rank = 3;
+    gpu::CommApi::JoinWatch w;
+    Status st = c.InitRanks(id, 4, ranks, devices, w, &comms);
+    Expect(!st.ok() && st.message().find("rank 3 of 4") != std::string::npos && c.aborted.size() == 2 && comms.empty(),
+           "InitRanks: a communicator's error names its rank and aborts both: " + st.message());
+  }
+  {
+    ScriptedComm c;
+    c.complete_after = -1;
+    int checks = 0;
+    gpu::CommApi::JoinWatch w;
+    w.timeout_s = 30;
+    w.check = [&] { return ++checks < 5 ? std::string() : std::string("rank 1 exited"); };
+    const auto t0 = Clock::now();
+    Status st = c.InitRanks(id, 4, ranks, devices, w, &comms);
+    Expect(st.code() == StatusCode::kUnavailable && st.message() == "rank 1 exited" && c.aborted.size() == 2 &&
+               Seconds(t0) < 2,
+           "InitRanks: a failed check gives up at once with its reason, aborting both: " + st.message());
+  }
+  {
+    ScriptedComm c;
+    c.complete_after = -1;
+    gpu::CommApi::JoinWatch w;
+    w.timeout_s = 0.3;
+    const auto t0 = Clock::now();
+    Status st = c.InitRanks(id, 4, ranks, devices, w, &comms);
+    const double took = Seconds(t0);
+    Expect(st.code() == StatusCode::kDeadlineExceeded && c.aborted.size() == 2 && took >= 0.3 && took < 2,
+           "InitRanks: a join that never completes ends at the deadline (" + std::to_string(took) + " s): " +
+               st.message());
+  }
+}
+
 void RunScenario(const Scenario& s) {
   if (!g_only.empty() && s.what.find(g_only) == std::string::npos) return;
   const auto t0 = Clock::now();
@@ -394,15 +635,43 @@ void RunScenario(const Scenario& s) {
   const int victim = s.processes - 1;
   for (int p = 0; p < s.processes; ++p) {
     int status = 0;
+    // The stalled peer outlives the survivors' deadline by design: ended once they are done.
+    if (s.mode == 7 && p == victim) kill(kids[p], SIGKILL);
     waitpid(kids[p], &status, 0);
-    if ((s.mode == 3 || s.mode == 4) && p == victim) {
-      const bool died = s.mode == 3 ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
-                                    : WIFEXITED(status) && WEXITSTATUS(status) == 42;
+    if (s.mode >= 3 && s.mode <= 7 && p == victim) {
+      const bool died = s.mode == 3 || s.mode == 7 ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
+                                                   : WIFEXITED(status) && WEXITSTATUS(status) == 42;
       Expect(died, s.what + ": the victim died as planned");
       continue;
     }
     Expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
            s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
+  }
+  if (s.mode == 8) {
+    // Identical ranges on every rank of every process for each call, and the pcie link's range
+    // shrinking from the leader's 0.5 as stage 2 learns from every rank's times.
+    const int rows = std::min<int>(shared->rows.load(), 4096);
+    const int n = s.processes * s.per_process;
+    std::map<uint64_t, std::vector<const SplitRow*>> by_call;
+    for (int i = 0; i < rows; ++i) by_call[shared->row[i].call].push_back(&shared->row[i]);
+    int agreed = 0;
+    for (auto& [call, of] : by_call) {
+      bool same = static_cast<int>(of.size()) == n;
+      for (const SplitRow* r : of) same = same && std::memcmp(r->r, of[0]->r, sizeof r->r) == 0;
+      agreed += same;
+    }
+    auto pcie_fraction = [](const SplitRow* r) {
+      const double total = static_cast<double>(r->r[1][1]);
+      return total > 0 ? static_cast<double>(r->r[1][1] - r->r[1][0]) / total : -1.0;
+    };
+    const double first = by_call.empty() ? -1 : pcie_fraction(by_call.begin()->second[0]);
+    const double last = by_call.empty() ? -1 : pcie_fraction(by_call.rbegin()->second[0]);
+    Expect(!by_call.empty() && agreed == static_cast<int>(by_call.size()),
+           s.what + ": identical ranges on all " + std::to_string(n) + " ranks for " + std::to_string(agreed) + " of " +
+               std::to_string(by_call.size()) + " calls");
+    Expect(first > 0.45 && first < 0.55 && last >= 0 && last < 0.4,
+           s.what + ": the slow pcie link's range shrank on every rank (first call " + std::to_string(first) +
+               ", last " + std::to_string(last) + ")");
   }
   if (s.mode == 1) {
     // Every rank of every process cut identical ranges for each call: the leader's 0.3/0.7.
@@ -450,6 +719,7 @@ int main(int argc, char** argv) {
   // 64 KiB slots (the minimum): the pcie link's larger cases take several steps, both buffers.
   flexlink::SetXprocSlotBytes(65536);
   const auto before = ShmEntries();
+  if (g_only.empty() || std::string("InitRanks").find(g_only) != std::string::npos) TestInitRanksWaiting();
   for (int per : {1, 2}) {
     const std::string shape = "2 processes x " + std::to_string(per) + ": ";
     RunScenario({shape + "nccl, every case", 2, per, "nccl@staging_mib=0.0625", 0});
@@ -460,6 +730,11 @@ int main(int argc, char** argv) {
     RunScenario({shape + "a second pcie link left out", 2, per, "pcie:a;pcie:b", 2});
     RunScenario({shape + "a peer SIGKILLed between calls", 2, per, "nccl;pcie", 3});
     RunScenario({shape + "a peer _exits between calls", 2, per, "nccl", 4});
+    RunScenario({shape + "a peer _exits before joining the communicators", 2, per, "nccl", 5});
+    RunScenario({shape + "a peer _exits while joining the communicators", 2, per, "nccl;pcie", 6});
+    RunScenario({shape + "a peer never joins the communicators (deadline)", 2, per, "nccl", 7});
+    RunScenario({shape + "nccl;pcie stage 2, stats and set_shares", 2, per, "nccl@staging_mib=0.0625;pcie", 8, 0, 0.02});
+    RunScenario({shape + "nccl;pcie error faults and failover", 2, per, "nccl@staging_mib=0.0625;pcie", 9});
   }
   const auto after = ShmEntries();
   std::string left;

@@ -1,5 +1,10 @@
 #include "xla_ffi/cuda/comm_api.h"
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
 namespace flexlink::gpu {
 namespace {
 
@@ -21,8 +26,61 @@ Status CommApi::NewId(CommId*) {
   return Status::FailedPrecondition("this collective library has no communicators across processes");
 }
 
-Status CommApi::InitRanks(const CommId&, int, std::span<const int>, std::span<const int>, std::vector<Comm>*) {
+Status CommApi::InitRanksAsync(const CommId&, int, std::span<const int>, std::span<const int>, std::vector<Comm>*) {
   return Status::FailedPrecondition("this collective library has no communicators across processes");
+}
+
+Status CommApi::JoinState(Comm, bool*) {
+  return Status::FailedPrecondition("this collective library has no communicators across processes");
+}
+
+Status CommApi::InitRanks(const CommId& id, int nranks, std::span<const int> ranks, std::span<const int> devices,
+                          const JoinWatch& watch, std::vector<Comm>* comms) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(std::clamp(watch.timeout_s, 0.0, 1e9)));
+  std::vector<Comm> made;
+  Status s = InitRanksAsync(id, nranks, ranks, devices, &made);
+  // Whatever InitRanksAsync made before failing is aborted too: NCCL frees a communicator in
+  // progress only through ncclCommAbort, and a later retry must not find it half-joined.
+  auto give_up = [&](Status why) {
+    for (Comm c : made)
+      if (c) (void)Abort(c);
+    comms->clear();
+    return why;
+  };
+  if (!s.ok()) return give_up(s);
+  std::vector<bool> done(made.size(), false);
+  for (int polls = 0;; ++polls) {
+    bool all = true;
+    for (size_t i = 0; i < made.size(); ++i) {
+      if (done[i]) continue;
+      bool d = false;
+      Status js = JoinState(made[i], &d);
+      if (!js.ok()) return give_up(Status(js.code(), "joining rank " + std::to_string(ranks[i]) + " of " +
+                                                          std::to_string(nranks) + ": " + js.message()));
+      done[i] = d;
+      all = all && d;
+    }
+    if (all) break;
+    if (watch.check) {
+      std::string why = watch.check();
+      if (!why.empty()) return give_up(Status::Unavailable(why));
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", watch.timeout_s);
+      return give_up(Status::DeadlineExceeded(std::string("the communicator was not complete after ") + secs +
+                                              " s (every rank of every process must join it)"));
+    }
+    // Joining takes NCCL's bootstrap and topology exchange (tens of ms and more): short yields first
+    // for the fast case (every process already there), then 10 ms polls.
+    std::this_thread::sleep_for(polls < 20 ? std::chrono::microseconds(500) : std::chrono::milliseconds(10));
+  }
+  *comms = std::move(made);
+  return Status::Ok();
 }
 
 NcclReduction NcclReductionOf(DType dtype, ReduceOp op) {

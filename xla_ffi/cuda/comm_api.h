@@ -5,7 +5,9 @@
 
 #include <array>
 #include <cstddef>
+#include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "xla_ffi/core/status.h"
@@ -31,15 +33,35 @@ class CommApi {
   // (ncclCommInitAll): no rank's collective can be in flight while they are made.
   virtual Status InitAll(std::span<const int> devices, std::vector<Comm>* comms) = 0;
   // Groups spanning processes (gpu_xproc.h). NewId: a fresh communicator identity
-  // (ncclGetUniqueId), made once by the leader process. InitRanks: this process's ranks `ranks` (of
-  // `nranks`, global rank order) of the communicator `id`, rank ranks[i] on CUDA device devices[i],
-  // all made from the calling thread inside one group (ncclGroupStart, one ncclCommInitRank per
-  // local rank, ncclGroupEnd), so several local GPUs join without a thread per rank, and no local
-  // rank has anything in flight meanwhile (jax-ml/jax#11637). Returns once every rank of every
-  // process has joined (NCCL's semantics). Defaults: not supported by this library.
+  // (ncclGetUniqueId), made once by the leader process. InitRanksAsync: starts joining this
+  // process's ranks `ranks` (of `nranks`, global rank order) to the communicator `id`, rank ranks[i]
+  // on CUDA device devices[i], all from the calling thread inside one group (ncclGroupStart, one
+  // ncclCommInitRankConfig per local rank with ncclConfig_t::blocking = 0, ncclGroupEnd), so several
+  // local GPUs join without a thread per rank and no local rank has anything in flight meanwhile
+  // (jax-ml/jax#11637). It returns at once: the communicators complete only when every rank of
+  // every process has joined, which a dead peer prevents forever; JoinState polls one
+  // (ncclCommGetAsyncError): *done false while it is still in progress (ncclInProgress), an error
+  // when joining failed. A communicator still in progress can be aborted (Abort). Defaults: not
+  // supported by this library.
   virtual Status NewId(CommId* id);
-  virtual Status InitRanks(const CommId& id, int nranks, std::span<const int> ranks, std::span<const int> devices,
-                           std::vector<Comm>* comms);
+  virtual Status InitRanksAsync(const CommId& id, int nranks, std::span<const int> ranks,
+                                std::span<const int> devices, std::vector<Comm>* comms);
+  virtual Status JoinState(Comm comm, bool* done);
+
+  // How InitRanks waits for a join to complete.
+  struct JoinWatch {
+    double timeout_s = 60;  // the deadline, from the start of the join
+    // Polled about every 10 ms while joining: a non-empty reason gives up with it (a peer process
+    // exited, another process failed the group). Optional.
+    std::function<std::string()> check;
+  };
+  // InitRanksAsync, then JoinState on every communicator until all are done, against the deadline
+  // and `watch.check`. Every wait has a deadline: on an error, a failed check (kUnavailable, the
+  // check's reason) or the deadline (kDeadlineExceeded) every communicator made here is aborted
+  // (ncclCommAbort frees one still in progress) and none is returned. The caller names the group,
+  // the collective and the missing ranks (only it knows them: NCCL does not say who is late).
+  Status InitRanks(const CommId& id, int nranks, std::span<const int> ranks, std::span<const int> devices,
+                   const JoinWatch& watch, std::vector<Comm>* comms);
   // Operations between GroupStart and GroupEnd on this thread are issued together (send/recv sets).
   virtual Status GroupStart() = 0;
   virtual Status GroupEnd() = 0;

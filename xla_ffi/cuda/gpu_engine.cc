@@ -212,7 +212,9 @@ Status GpuEngine::SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double
     Status s = ex.balancer().SetShares(kind, bucket_bytes, shares, pinned);
     if (status.ok()) status = s;
   });
-  return status;
+  // Groups across processes too (only their leader's plans count; gpu_xproc.h).
+  Status x = SetGpuXprocShares(*this, set->names(), kind, bucket_bytes, shares, pinned);
+  return status.ok() ? x : status;
 }
 
 Status GpuEngine::SetSeed(int ranks, plan::CostModel seed) {
@@ -228,6 +230,8 @@ Status GpuEngine::SetSeed(int ranks, plan::CostModel seed) {
     Status s = ex.balancer().SetSeed(seed);
     if (status.ok()) status = s;
   });
+  // Groups across processes of that size too (their used links' fits).
+  SetGpuXprocSeed(*this, ranks, seed);
   seeds_[ranks] = std::move(seed);
   return status;
 }
@@ -235,6 +239,18 @@ Status GpuEngine::SetSeed(int ranks, plan::CostModel seed) {
 void GpuEngine::ForgetModel(Kind kind) {
   std::lock_guard<std::mutex> lock(mu_);
   ForEachCurrent([&](const std::vector<int64_t>&, GpuExecutor& ex) { ex.balancer().ForgetKind(kind); });
+  ForgetGpuXprocModel(*this, kind);
+}
+
+std::optional<plan::CostModel> GpuEngine::SeedFor(int ranks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = seeds_.find(ranks); it != seeds_.end()) return it->second;
+  return std::nullopt;
+}
+
+std::map<std::pair<Kind, uint64_t>, std::pair<std::vector<double>, bool>> GpuEngine::ShareOverrides() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return overrides_;
 }
 
 std::optional<plan::CostModel> GpuEngine::GroupModel(std::span<const int64_t> devices) {
@@ -264,6 +280,7 @@ std::vector<PlanSnapshot> GpuEngine::SnapshotPlans() {
   ForEachCurrent([&](const std::vector<int64_t>& ids, GpuExecutor& ex) {
     for (const auto& p : ex.balancer().Plans()) out.push_back(PlanSnapshot{ids, *p, ex.balancer().links()});
   });
+  AppendGpuXprocPlans(*this, &out);
   return out;
 }
 

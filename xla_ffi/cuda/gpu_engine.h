@@ -71,6 +71,11 @@ class GpuEngine {
   void SetTuneMax(uint64_t bytes);
   void SetAutotune(uint64_t bytes);
   std::vector<PlanSnapshot> SnapshotPlans();
+  // The shares set_shares gave for the current links ((kind, bucket) -> (shares, pinned)), for the
+  // groups across processes registered later (gpu_xproc.cc).
+  std::map<std::pair<Kind, uint64_t>, std::pair<std::vector<double>, bool>> ShareOverrides();
+  // The seed given for groups of `ranks` GPUs over the current links, if any (gpu_xproc.cc).
+  std::optional<plan::CostModel> SeedFor(int ranks);
   // Reads the completed timing events of every group's earlier calls into the balancer and the
   // statistics now, rather than at each group's next call; never waits for the device.
   void PollTimings();

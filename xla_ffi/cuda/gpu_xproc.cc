@@ -2,12 +2,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <map>
 #include <tuple>
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/failover.h"
+#include "xla_ffi/core/health.h"
+#include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_executor.h"
 #include "xla_ffi/cuda/nccl_link.h"
@@ -18,6 +23,10 @@
 #include "xla_ffi/xproc/process_group.h"
 
 namespace flexlink::gpu {
+
+// `shares` (in `names` order) for the links `group` uses, renormalised over them.
+Status SharesForGroup(const GpuXprocGroup& group, const std::vector<std::string>& names,
+                      const std::vector<double>& shares, std::vector<double>* out);
 
 GpuXprocLinks GpuXprocLinksOf(const GpuLinkSet& links) {
   GpuXprocLinks out;
@@ -68,6 +77,7 @@ GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, Group
   }
   for (int r = 0; r < group_.size(); ++r)
     if (segment_->is_local(r)) local_.push_back(r);
+  fault_calls_.assign(used_names_.size(), FaultCounter(group_.size()));
 }
 
 GpuXprocGroup::~GpuXprocGroup() = default;
@@ -88,20 +98,31 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   if (links == 0)
     return Status::FailedPrecondition(where() + ": none of the configured GPU links can span processes "
                                       "(nccl and pcie can)");
+  // Stage 2: this rank's latest completed call's event times, for the leader to read after this
+  // arrival (a rank not set up yet has none).
+  if (ranks_[rank].ready) WriteTimes(rank, call);
   // 1. The leader's plan, written before its arrival: the barrier's release/acquire makes it
   // visible to every rank after the arrival. Rewritten for call + 2 only after the leader passed
   // call + 1's arrival, by which every rank has read it (layout.h, PlanSlot).
+  std::shared_ptr<const plan::Plan> planned;
   if (rank == 0) {
     std::shared_ptr<const plan::Plan> plan = balancer_.PlanFor(desc.kind, MessageBytes(desc, group_.size()));
+    planned = plan;
     xproc::PlanSlot& slot = seg.plan_slot(call);
     slot.epoch = plan->epoch;
     slot.mode = static_cast<uint32_t>(plan->mode);
     slot.links = static_cast<uint32_t>(links);
     for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) slot.shares[i] = i < plan->shares.size() ? plan->shares[i] : 0;
+    // GPU groups use no health bits in the slot; the top bit tells every rank to run the fault
+    // agreement this call (the leader's process has faults injected).
+    const std::shared_ptr<const FaultSet> faults = CurrentFaults();
+    slot.unhealthy = faults && !faults->faults.empty() ? kAgreeBit : 0;
     slot.call = call;
   }
   // 2. Arrival: fingerprints, liveness, deadline, abort; fails the group for every process.
   FLEXLINK_RETURN_IF_ERROR(seg.ArriveWithoutData(rank, desc, label, run_id, kGpuXprocLink));
+  // The leader reads every rank's times (written before their arrival, visible after it).
+  if (rank == 0 && ranks_[0].ready) GatherTimes(call);
   // 3. The first call's set-up, then a barrier that turns one process's set-up failure into every
   // process's error.
   FLEXLINK_RETURN_IF_ERROR(EnsureSetup(rank, desc, label, run_id));
@@ -117,7 +138,27 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   }
   const std::vector<plan::UnitRange> ranges =
       plan::CutRanges(desc.virtual_bytes(), 1, std::span<const double>(slot.shares, links));
-  Status s = Enqueue(rank, desc, stream, ranges, label, call, run_id);
+  if (rank == 0) {
+    if (planned_.empty()) planned_.resize(2 * kTimed + 2);
+    Planned& p = planned_[call % planned_.size()];
+    p = Planned{};
+    p.call = call;
+    p.plan = planned;
+    p.message_bytes = MessageBytes(desc, group_.size());
+    for (const auto& r : ranges) p.link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()));
+    p.seconds.assign(links, 0);
+  }
+  Assignment work(links);
+  for (size_t i = 0; i < links; ++i)
+    if (!ranges[i].empty()) work[i].push_back(ranges[i]);
+  bool moved = false;
+  if (slot.unhealthy & kAgreeBit) {
+    // Every rank of every process runs the same rounds and ends with the same assignment, or the
+    // same error (nothing enqueued anywhere: the group stays usable).
+    FLEXLINK_RETURN_IF_ERROR(Agree(rank, desc, ranges, label, call, run_id, &work, &moved));
+  }
+  if (moved && rank == 0 && !planned_.empty()) planned_[call % planned_.size()].plan = nullptr;  // stage 2: not the plan's times
+  Status s = Enqueue(rank, desc, stream, ranges, work, label, call, run_id);
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
   if (!s.ok()) seg.Abort(rank, s.message());
@@ -136,7 +177,7 @@ Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_vi
       Status s;
       try {
         DeviceGuard guard(api_);
-        s = SetupLocal();
+        s = SetupLocal(desc, label, run_id);
       } catch (const std::exception& e) {
         s = Status::Internal(std::string("flexlink: setting up group ") + FormatIds(group_.ids) + ": " + e.what());
       }
@@ -145,10 +186,12 @@ Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_vi
       setup_done_ = true;
       setup_cv_.notify_all();
     } else {
+      // The set-up thread is bounded by the deadline itself (its communicator joins give up there
+      // and say why); the margin lets its reason, not this wait's, be every local rank's error.
       const double timeout = TimeoutSeconds();
       const auto deadline = std::chrono::steady_clock::now() +
                             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                std::chrono::duration<double>(std::min(timeout, 1e9)));
+                                std::chrono::duration<double>(std::min(timeout, 1e9) + 10));
       if (!setup_cv_.wait_until(lock, deadline, [&] { return setup_done_; }))
         return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " timed out after " +
                                         std::to_string(timeout) + " s waiting for the set-up of group " +
@@ -166,7 +209,24 @@ Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_vi
   return Status::Ok();
 }
 
-Status GpuXprocGroup::SetupLocal() {
+void GpuXprocGroup::MarkJoining(size_t link) {
+  // Parity 0's times slot is free until call 2, which no rank starts before every process passed
+  // the set-up barrier: until then its `links` word says which communicator (1-based, link order)
+  // this rank started joining, for the deadline's message (NCCL does not say who is missing).
+  for (int r : local_)
+    __atomic_store_n(&segment_->times_slot(r, 0).links, static_cast<uint32_t>(link + 1), __ATOMIC_RELEASE);
+}
+
+std::vector<int> GpuXprocGroup::NotJoining(size_t link) const {
+  std::vector<int> out;
+  for (int r = 0; r < group_.size(); ++r)
+    if (!segment_->is_local(r) &&
+        __atomic_load_n(&segment_->times_slot(r, 0).links, __ATOMIC_ACQUIRE) < static_cast<uint32_t>(link + 1))
+      out.push_back(r);
+  return out;
+}
+
+Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, int64_t run_id) {
   const std::string where = "flexlink: setting up group " + FormatIds(group_.ids) + " across processes: ";
   auto check = [&](Status s) { return s.ok() ? s : Status(s.code(), where + s.message()); };
   size_t nccl_links = 0;
@@ -184,37 +244,86 @@ Status GpuXprocGroup::SetupLocal() {
       loaded.push_back(dev);
     }
   }
-  // NCCL first: every process joins each communicator in the same (link) order, and ncclGroupEnd
-  // returns only once all have.
+  // NCCL first: every process joins each communicator in the same (link) order. The joins are
+  // non-blocking (CommApi::InitRanks) and share one deadline, the group's timeout from here: a peer
+  // that died before or while joining, or another process's failure, ends them within ~10 ms, and a
+  // peer that never comes ends them at the deadline, instead of a hang inside ncclCommInitRank.
+  xproc::ProcessGroup& seg = *segment_;
+  const double timeout = TimeoutSeconds();
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(std::min(timeout, 1e9)));
+  auto names = [&](const std::vector<int>& ranks) {
+    std::string out;
+    for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + seg.DescribeRank(ranks[i]);
+    return out;
+  };
+  const std::string call = ErrorPrefix(label) + desc.Describe() + " on group " + FormatIds(group_.ids) + " (" +
+                           std::string(kGpuXprocLink) + ", run " + std::to_string(run_id) +
+                           ", the group's first call)";
   size_t next_id = 0;
   for (size_t i = 0; i < channels_.size(); ++i) {
-    if (auto* nccl = dynamic_cast<NcclChannel*>(channels_[i].get()))
-      FLEXLINK_RETURN_IF_ERROR(nccl->SetupAcrossProcesses(comm_ids_[next_id++], local_));
-    else if (auto* pcie = dynamic_cast<PcieXprocChannel*>(channels_[i].get()))
+    if (auto* nccl = dynamic_cast<NcclChannel*>(channels_[i].get())) {
+      const size_t k = next_id++;
+      MarkJoining(k);
+      std::vector<int> exited;
+      CommApi::JoinWatch watch;
+      watch.timeout_s = std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
+      watch.check = [&]() -> std::string {
+        if (std::optional<std::string> b = seg.broken()) return "the group failed in another process: " + *b;
+        exited = seg.ExitedRanks();
+        return exited.empty() ? std::string() : names(exited) + " exited before or while joining it";
+      };
+      Status s = nccl->SetupAcrossProcesses(comm_ids_[k], local_, watch);
+      if (s.code() == StatusCode::kUnavailable)
+        return Status::Internal(call + ": the " + used_names_[i] + " link's NCCL communicator could not be made: " +
+                                s.message() + "; its join was aborted (the group is broken, later calls on it fail at once)");
+      if (s.code() == StatusCode::kDeadlineExceeded) {
+        const std::vector<int> late = NotJoining(k);
+        std::vector<int> others;
+        for (int r = 0; r < group_.size(); ++r)
+          if (!seg.is_local(r)) others.push_back(r);
+        char secs[32];
+        std::snprintf(secs, sizeof secs, "%g", timeout);
+        return Status::DeadlineExceeded(
+            call + ": timed out after " + secs + " s making the " + used_names_[i] +
+            " link's NCCL communicator across processes: " +
+            (late.empty() ? "every rank started joining but NCCL did not complete; unconfirmed: " + names(others)
+                          : "missing: " + names(late) + ", which never started joining") +
+            " (the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout; its join was aborted)");
+      }
+      FLEXLINK_RETURN_IF_ERROR(s);
+    } else if (auto* pcie = dynamic_cast<PcieXprocChannel*>(channels_[i].get())) {
       FLEXLINK_RETURN_IF_ERROR(pcie->SetupLocal(local_));
-    else
+    } else {
       return Status::Internal(where + "link " + used_names_[i] + " cannot span processes");
+    }
   }
   for (int r : local_) {
     const int dev = group_.devices[r];
     Rank& k = ranks_[r];
     k.side.assign(channels_.size(), nullptr);
-    k.stop.assign(channels_.size(), nullptr);
-    if (channels_.size() > 1) {
+    if (channels_.size() > 1)
       for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
-      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.start)));
-      for (Event& e : k.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &e)));
+    // Timing events (stage 2, stats): one call in flight per ring entry; they also fork and join
+    // the side streams.
+    k.timed.assign(kTimed, Timed{});
+    for (Timed& t : k.timed) {
+      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &t.start)));
+      t.stop.assign(channels_.size(), nullptr);
+      t.used.assign(channels_.size(), 0);
+      for (Event& e : t.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &e)));
     }
   }
   return Status::Ok();
 }
 
 Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
-                              std::string_view label, uint64_t call, int64_t run_id) {
+                              const Assignment& work, std::string_view label, uint64_t call, int64_t run_id) {
   Rank& k = ranks_[rank];
   std::vector<size_t> used;
-  for (size_t i = 0; i < ranges.size(); ++i)
-    if (!ranges[i].empty()) used.push_back(i);
+  for (size_t i = 0; i < work.size(); ++i)
+    if (!work[i].empty()) used.push_back(i);
   const std::string where =
       ErrorPrefix(label) + std::string(Name(desc.kind)) + " on group " + FormatIds(group_.ids) + " (" +
       std::string(kGpuXprocLink) + "): ";
@@ -222,24 +331,172 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
     return s.ok() || s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message());
   };
   const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
-  if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Record(k.start, stream)));
+  // This call's timing entry; one still unread (its call not complete on the device after kTimed
+  // later calls were enqueued) is given up: its events are recorded again for this call.
+  Timed& t = k.timed[call % kTimed];
+  t.call = 0;
+  FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.start, stream)));
   thread_local std::vector<Piece> pieces;
+  for (size_t i = 0; i < t.used.size(); ++i) t.used[i] = 0;
   for (size_t i : used) {
     const Stream on = alone ? stream : k.side[i];
-    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, k.start)));
-    desc.PiecesOf(UnitRange{ranges[i].begin, ranges[i].end}, &pieces);
-    FLEXLINK_RETURN_IF_ERROR(check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label})));
-    if (!alone) {
-      FLEXLINK_RETURN_IF_ERROR(check(api_.Record(k.stop[i], on)));
-      FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, k.stop[i])));
+    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, t.start)));
+    // Its own range, then any it carries for a refused link, in link order: the same on every rank.
+    pieces.clear();
+    thread_local std::vector<Piece> more;
+    for (const plan::UnitRange& r : work[i]) {
+      desc.PiecesOf(UnitRange{r.begin, r.end}, &more);
+      pieces.insert(pieces.end(), more.begin(), more.end());
     }
+    FLEXLINK_RETURN_IF_ERROR(check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label})));
+    FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.stop[i], on)));
+    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, t.stop[i])));
+    t.used[i] = 1;
   }
+  t.call = call;
   if (splits_ && splits_->enabled()) {
     SplitRecord rec{FormatIds(group_.ids), run_id, call, rank, {}};
     for (const auto& r : ranges) rec.ranges.emplace_back(r.begin, r.end);
     splits_->Add(std::move(rec));
   }
   return Status::Ok();
+}
+
+Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
+                            std::string_view label, uint64_t call, int64_t run_id, Assignment* work, bool* moved) {
+  xproc::ProcessGroup& seg = *segment_;
+  const size_t links = used_names_.size();
+  const std::shared_ptr<const FaultSet> none = std::make_shared<FaultSet>();
+  std::shared_ptr<const FaultSet> faults = CurrentFaults();
+  if (!faults) faults = none;  // this process has none: it refuses nothing, but joins the rounds
+  std::vector<std::string> errors(links);
+  // Whether `link` refuses this rank's next range (the FaultyGpuChannel::Admit rule: an error
+  // fault of the link firing at its range count; slow and hang are not injected across processes).
+  auto refused = [&](size_t link) {
+    const uint64_t n = fault_calls_[link].Next(rank, *faults);
+    for (const Fault& f : faults->faults)
+      if (f.kind == Fault::Kind::kError && f.link == used_names_[link] && f.FiresAt(n)) {
+        if (errors[link].empty())
+          errors[link] = ErrorPrefix(label) + "link " + used_names_[link] + ": injected error at its call " +
+                         std::to_string(n) + " (FLEXLINK_FAULTS \"" + faults->text + "\")";
+        return true;
+      }
+    return false;
+  };
+  // Every rank's mask of round `round`, ORed (written before the round's barrier, read after it;
+  // rewritten two rounds later, after the next barrier, which every reader has passed).
+  auto exchange = [&](size_t round, uint32_t mine, uint32_t* all) -> Status {
+    __atomic_store_n(&seg.times_slot(rank, call).failed[round & 1], mine, __ATOMIC_RELEASE);
+    FLEXLINK_RETURN_IF_ERROR(seg.SyncWithoutData(rank, desc, label, run_id, kGpuXprocLink, "agree on refused links"));
+    *all = 0;
+    for (int r = 0; r < group_.size(); ++r) *all |= __atomic_load_n(&seg.times_slot(r, call).failed[round & 1], __ATOMIC_ACQUIRE);
+    return Status::Ok();
+  };
+  uint32_t mine = 0, all = 0;
+  for (size_t i = 0; i < links; ++i)
+    if (!ranges[i].empty() && refused(i)) mine |= 1u << i;
+  FLEXLINK_RETURN_IF_ERROR(exchange(0, mine, &all));
+  std::vector<size_t> pending;
+  std::vector<char> bad(links, 0);
+  for (size_t i = 0; i < links; ++i)
+    if (all & (1u << i)) pending.push_back(i), bad[i] = 1, (*work)[i].clear();
+  if (pending.empty()) return Status::Ok();
+  const xproc::PlanSlot& slot = seg.plan_slot(call);
+  const std::vector<double> shares(slot.shares, slot.shares + links);
+  auto healthy = [](size_t) { return false; };
+  std::vector<std::pair<size_t, size_t>> moves;
+  for (size_t round = 1; round < links && !pending.empty(); ++round) {
+    std::vector<size_t> carrier(links, links);
+    for (size_t i : pending) carrier[i] = FailoverCarrier(bad, shares, healthy);
+    if (carrier[pending[0]] == links) break;  // every pending range gets the same carrier
+    mine = 0;
+    for (size_t i : pending)
+      if (refused(carrier[i])) mine |= 1u << i;
+    FLEXLINK_RETURN_IF_ERROR(exchange(round, mine, &all));
+    std::vector<size_t> still;
+    for (size_t i : pending) {
+      if (all & (1u << i)) {
+        still.push_back(i);
+        bad[carrier[i]] = 1;
+      } else {
+        (*work)[carrier[i]].push_back(ranges[i]);
+        moves.emplace_back(i, carrier[i]);
+      }
+    }
+    pending = std::move(still);
+  }
+  *moved = !moves.empty();
+  // Links refused only in other processes: named so (their reasons stay there).
+  for (size_t i = 0; i < links; ++i)
+    if (bad[i] && errors[i].empty()) errors[i] = "refused by another rank of the group";
+  if (rank == 0) {
+    const std::string group = FormatIds(group_.ids);
+    for (const auto& [from, to] : moves) {
+      const auto& r = ranges[from];
+      RecordFailover(FailoverRecord{group, std::string(Name(desc.kind)), used_names_[from], used_names_[to],
+                                    errors[from], call, desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()), 0,
+                                    UnixNow()});
+    }
+  }
+  if (pending.empty()) return Status::Ok();
+  return Status::Unavailable(NoCarrierMessage(label, desc.kind, FormatIds(group_.ids) + " (" + std::string(kGpuXprocLink) + ")",
+                                              call, used_names_, errors, healthy));
+}
+
+void GpuXprocGroup::WriteTimes(int rank, uint64_t call) {
+  Rank& k = ranks_[rank];
+  const size_t links = used_names_.size();
+  xproc::TimesSlot& out = segment_->times_slot(rank, call);
+  out.call = 0;  // none, unless a completed call is found below
+  out.links = static_cast<uint32_t>(links);
+  // The newest call whose every range has completed on the device (calls complete in order on
+  // XLA's stream, so older ones have too and are released unread). Never waits.
+  Timed* best = nullptr;
+  for (Timed& t : k.timed) {
+    if (t.call == 0 || (best && t.call < best->call)) continue;
+    std::string error;
+    bool done = api_.Query(t.start, &error) == Poll::kDone;
+    for (size_t i = 0; done && i < links; ++i)
+      if (t.used[i]) done = api_.Query(t.stop[i], &error) == Poll::kDone;
+    if (done) best = &t;
+  }
+  if (!best) return;
+  double slowest = 0;
+  for (size_t i = 0; i < links && i < xproc::kMaxXprocLinks; ++i) {
+    double sec = 0;
+    if (best->used[i] && !api_.ElapsedSeconds(best->start, best->stop[i], &sec).ok()) sec = 0;
+    out.seconds[i] = sec;
+    slowest = std::max(slowest, sec);
+  }
+  out.call_seconds = slowest;
+  out.ok = 1;
+  out.call = best->call;
+  const uint64_t reported = best->call;
+  for (Timed& t : k.timed)
+    if (t.call != 0 && t.call <= reported) t.call = 0;
+}
+
+void GpuXprocGroup::GatherTimes(uint64_t call) {
+  if (planned_.empty()) return;
+  const size_t links = used_names_.size();
+  for (int r = 0; r < group_.size(); ++r) {
+    const xproc::TimesSlot& in = segment_->times_slot(r, call);
+    // Another process wrote it: checked against what the leader planned, not trusted.
+    if (in.call == 0 || in.links != links || in.call >= call) continue;
+    Planned& p = planned_[in.call % planned_.size()];
+    if (p.call != in.call || !p.plan) continue;
+    for (size_t i = 0; i < links; ++i)
+      if (std::isfinite(in.seconds[i])) p.seconds[i] = std::max(p.seconds[i], in.seconds[i]);
+    if (std::isfinite(in.call_seconds)) p.call_seconds = std::max(p.call_seconds, in.call_seconds);
+    if (++p.heard < group_.size()) continue;
+    // Every rank has reported this call: the slowest rank's time per link, as the in-process
+    // executor reports (a collective is as fast as its slowest rank).
+    const plan::Balancer::Outcome outcome = balancer_.Report(*p.plan, p.message_bytes, p.seconds, p.call_seconds);
+    for (size_t i = 0; i < links; ++i)
+      if (p.seconds[i] > 0) RecordLinkCall(used_names_[i], p.link_bytes[i], p.seconds[i]);
+    if (outcome.changed) LogInfo("group " + FormatIds(group_.ids) + " across processes: " + outcome.reason);
+    p = Planned{};
+  }
 }
 
 // --- registry ---------------------------------------------------------------------------------
@@ -258,6 +515,8 @@ Registry& TheRegistry() {
   return *r;
 }
 
+std::optional<plan::CostModel> SeedForGroup(const GpuXprocGroup& group, const plan::CostModel& seed);
+
 Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment, std::vector<CommId> ids,
                 std::span<const int64_t> devices) {
   GroupInfo info;
@@ -272,10 +531,23 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
                                      std::to_string(devices[r]) + " is not a CUDA device of this process (" +
                                      std::to_string(count) + " visible" + (why.empty() ? "" : ": " + why) + ")");
   plan::BalancerOptions options;
-  options.profile_from_bytes = AutotuneMinBytes();
+  // No stage-1 profiling runs across processes: a kProfile plan (the primary link alone until the
+  // profile's fits arrive) would never end. Off, so that calls of every size start from the seed or
+  // equal shares and stage 2 (GatherTimes) corrects them; configure's autotune sizes do not apply.
+  options.profile_from_bytes = 0;
   options.profile_max_bytes = TuneMaxBytes();
-  auto group = std::make_unique<GpuXprocGroup>(std::move(segment), std::move(info), engine.CurrentLinks(),
-                                               std::move(ids), options, &engine.api(), &engine.splits());
+  std::shared_ptr<const GpuLinkSet> links = engine.CurrentLinks();
+  auto group = std::make_unique<GpuXprocGroup>(std::move(segment), std::move(info), links, std::move(ids), options,
+                                               &engine.api(), &engine.splits());
+  // seed_model and set_shares given before the group was set up (at lowering) apply to it as to
+  // in-process groups.
+  if (std::optional<plan::CostModel> seed = engine.SeedFor(static_cast<int>(devices.size())))
+    if (std::optional<plan::CostModel> mine = SeedForGroup(*group, *seed)) (void)group->balancer().SetSeed(*mine);
+  for (const auto& [key, value] : engine.ShareOverrides()) {
+    std::vector<double> mine;
+    if (SharesForGroup(*group, links->names(), value.first, &mine).ok())
+      (void)group->balancer().SetShares(key.first, key.second, std::move(mine), value.second);
+  }
   Registry& reg = TheRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   auto key = std::make_pair(engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()));
@@ -288,6 +560,87 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
 }
 
 }  // namespace
+
+Status SharesForGroup(const GpuXprocGroup& group, const std::vector<std::string>& names,
+                      const std::vector<double>& shares, std::vector<double>* out) {
+  out->clear();
+  double sum = 0;
+  for (const std::string& used : group.links()) {
+    const auto it = std::find(names.begin(), names.end(), used);
+    if (it == names.end() || static_cast<size_t>(it - names.begin()) >= shares.size())
+      return Status::FailedPrecondition("link " + used + " of group " + FormatIds(group.group().ids) +
+                                        " across processes is not among the current links");
+    out->push_back(shares[it - names.begin()]);
+    sum += out->back();
+  }
+  if (!(sum > 0))
+    return Status::InvalidArgument("set_shares: the links group " + FormatIds(group.group().ids) +
+                                   " across processes can use get no share");
+  for (double& x : *out) x /= sum;
+  return Status::Ok();
+}
+
+Status SetGpuXprocShares(const GpuEngine& engine, const std::vector<std::string>& names, Kind kind,
+                         uint64_t bucket_bytes, const std::vector<double>& shares, bool pinned) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  Status first;
+  for (auto& [key, group] : reg.groups) {
+    if (key.first != engine.serial()) continue;
+    std::vector<double> mine;
+    Status s = SharesForGroup(*group, names, shares, &mine);
+    // A group over links no longer current (configured again since) keeps its plans, as the
+    // in-process engine's old groups do; a share-less link set is the caller's error.
+    if (s.code() == StatusCode::kFailedPrecondition) continue;
+    if (s.ok()) s = group->balancer().SetShares(kind, bucket_bytes, std::move(mine), pinned);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
+namespace {
+// `seed` (over the engine's links) restricted to the links `group` uses; nullopt when one is missing.
+std::optional<plan::CostModel> SeedForGroup(const GpuXprocGroup& group, const plan::CostModel& seed) {
+  plan::CostModel mine(group.links());
+  std::vector<size_t> at;
+  for (const std::string& used : group.links()) {
+    const auto it = std::find(seed.links().begin(), seed.links().end(), used);
+    if (it == seed.links().end()) return std::nullopt;
+    at.push_back(static_cast<size_t>(it - seed.links().begin()));
+  }
+  for (const Kind kind : kAllKinds) {
+    if (!seed.Has(kind)) continue;
+    for (size_t i = 0; i < at.size(); ++i) mine.Set(kind, i, seed.Fits(kind)[at[i]]);
+  }
+  return mine;
+}
+}  // namespace
+
+void SetGpuXprocSeed(const GpuEngine& engine, int ranks, const plan::CostModel& seed) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups) {
+    if (key.first != engine.serial() || group->group().size() != ranks) continue;
+    if (std::optional<plan::CostModel> mine = SeedForGroup(*group, seed)) (void)group->balancer().SetSeed(*mine);
+  }
+}
+
+void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups)
+    if (key.first == engine.serial()) group->balancer().ForgetKind(kind);
+}
+
+void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups) {
+    if (key.first != engine.serial() || !group->leader()) continue;
+    for (const auto& p : group->balancer().Plans())
+      out->push_back(PlanSnapshot{key.second, *p, group->balancer().links()});
+  }
+}
 
 Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, std::span<const int64_t> local_devices,
                            std::string* segment_name, std::vector<CommId>* comm_ids) {

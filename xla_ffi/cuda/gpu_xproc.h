@@ -15,19 +15,21 @@
 //          check, liveness of every peer process (a dead one is named before the deadline, and the
 //          failure is written into the segment so every process fails at once) and the deadline;
 //       3. the group's first call sets up every local rank, from one thread, while the others wait:
-//          NCCL communicators with ncclCommInitRank for all local ranks inside one
-//          ncclGroupStart/End (CommApi::InitRanks, which returns when every process has joined),
-//          streams, events, scratch; then a second barrier, so that a set-up failure in one
-//          process fails every process's call with its reason;
+//          NCCL communicators with non-blocking ncclCommInitRankConfig for all local ranks inside
+//          one ncclGroupStart/End, polled until every process has joined against the deadline,
+//          the peers' liveness and the abort word, aborted otherwise, with an error naming the
+//          missing ranks (CommApi::InitRanks), streams, events, scratch; then a second barrier, so
+//          that a set-up failure in one process fails every process's call with its reason;
 //       4. every rank reads the leader's plan from the slot, checks it is for this call and as many
 //          links, cuts identical ranges (plan::CutRanges) and enqueues each link's range (one link:
 //          on XLA's stream; several: on side streams forked from it and joined back with events).
 //          The host never waits for the device.
 // Links: every nccl link of the link set current at set-up, and one pcie link, which stages through
 // the segment itself (pcie_xproc.h: registered as pinned memory in every process, devices ordered
-// with stream memory operations on flags in it). Not here yet: stage 1 and
-// stage 2 (the leader plans from pinned shares, seeds or its defaults and learns nothing across
-// processes), fault injection and failover.
+// with stream memory operations on flags in it). Stage 2: every rank's event times reach the
+// leader's balancer through the segment's times slots (WriteTimes/GatherTimes below), and stats()
+// counts the calls there; `error` faults fail over across processes (Agree). Not here yet: stage
+// 1's profiling, `slow`/`hang` injection and the hang detector.
 #pragma once
 
 #include <condition_variable>
@@ -42,6 +44,8 @@
 #include <vector>
 
 #include "xla_ffi/core/call.h"
+#include "xla_ffi/core/faults.h"
+#include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/cuda/comm_api.h"
 #include "xla_ffi/cuda/device_api.h"
@@ -88,16 +92,59 @@ class GpuXprocGroup {
 
  private:
   Status EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
-  Status SetupLocal();
+  Status SetupLocal(const CallDesc& desc, std::string_view label, int64_t run_id);
+  void MarkJoining(size_t link);                   // this process's ranks started joining link's communicator
+  std::vector<int> NotJoining(size_t link) const;  // other processes' ranks that have not
+  // Per used link: the ranges it runs this call (its own; after a failover, others' too).
+  using Assignment = std::vector<std::vector<plan::UnitRange>>;
   Status Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
-                 std::string_view label, uint64_t call, int64_t run_id);
+                 const Assignment& work, std::string_view label, uint64_t call, int64_t run_id);
+  // `error` faults and failover across processes (docs/faults.md, "GPU links"): the in-process
+  // GpuExecutor::Agree's rounds with the segment's barrier in place of process memory. Round 0: each
+  // rank asks each of its ranges' links whether it may enqueue (the injected error refuses at the
+  // host, before anything reaches a stream) and writes the refused links as a mask into its times
+  // slot (failed[round & 1], as the CPU XprocExecutor does); a barrier (SyncWithoutData); every rank
+  // ORs every rank's mask, so all choose the same carriers (FailoverCarrier over the leader's
+  // shares), and round r asks the carriers, until nothing is pending or no link is left (then every
+  // rank fails the call alike, enqueuing nothing, and the group stays usable). Run only when the
+  // leader's process has faults injected (it says so in the plan slot, kAgreeBit of `unhealthy`),
+  // so every rank runs the same barriers.
+  Status Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges, std::string_view label,
+               uint64_t call, int64_t run_id, Assignment* work, bool* moved);
+  static constexpr uint32_t kAgreeBit = 1u << 31;
 
+  // Stage 2 across processes. Every local rank times its calls with its own events (a ring of
+  // kTimed; their start/stop also fork and join the side streams) and, before each arrival, writes
+  // the latest call whose events completed into its times slot of the arriving call's parity (the
+  // CPU XprocExecutor's slots and parity argument: rewritten two arrivals later, after the leader
+  // read it right after this one). The leader gathers every rank's times per measured call and, once
+  // all n have reported one, reports the slowest rank's time per link to its balancer and to the
+  // link statistics (stats()). Only the leader's device thread of rank 0 touches `planned_`/`heard_`.
+  static constexpr size_t kTimed = 4;
+  struct Timed {
+    uint64_t call = 0;  // 0: free
+    Event start = nullptr;
+    std::vector<Event> stop;  // per used link
+    std::vector<char> used;   // per used link: had a range
+  };
   struct Rank {
     std::vector<Stream> side;  // per used link
-    Event start = nullptr;
-    std::vector<Event> stop;   // per used link
+    std::vector<Timed> timed;  // kTimed, by call % kTimed
     bool ready = false;        // passed the set-up barrier (only its own device thread reads it)
   };
+  struct Planned {  // the leader's record of a call it planned, until every rank reported it
+    uint64_t call = 0;
+    std::shared_ptr<const plan::Plan> plan;
+    uint64_t message_bytes = 0;
+    std::vector<uint64_t> link_bytes;  // per used link: its range's input bytes (stats' convention)
+    int heard = 0;                     // ranks that reported it
+    std::vector<double> seconds;       // per used link: the slowest rank's so far
+    double call_seconds = 0;
+  };
+  void WriteTimes(int rank, uint64_t call);   // before the arrival of `call`
+  void GatherTimes(uint64_t call);            // the leader, after the arrival of `call`
+  std::vector<Planned> planned_;              // ring of 2 * kTimed + 2, by call
+  std::vector<FaultCounter> fault_calls_;     // per used link: each local rank's ranges admitted
 
   std::unique_ptr<xproc::ProcessGroup> segment_;
   const GroupInfo group_;
@@ -136,6 +183,19 @@ Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, s
                            std::span<const int64_t> devices, std::span<const int64_t> local_devices);
 // The registered group of `engine` with exactly these devices, or nullptr.
 GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices);
+
+// The engine's controls, reaching its groups across processes (GpuEngine::SetShares, ForgetModel,
+// SnapshotPlans call these; set_shares/configure from Python go through them). Shares are given in
+// `names` order (the engine's current links) and applied to each group's used links of those names,
+// renormalised; a group made over another link set is skipped. Every process's balancer gets them;
+// only the leader's plans count, so the plans listed are the leader processes' groups'.
+Status SetGpuXprocShares(const GpuEngine& engine, const std::vector<std::string>& names, Kind kind,
+                         uint64_t bucket_bytes, const std::vector<double>& shares, bool pinned);
+void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind);
+// seed_model's fits for groups of `ranks` GPUs (`seed` over the engine's current links): each such
+// group gets the fits of the links it uses, the plans it makes from then on start from them.
+void SetGpuXprocSeed(const GpuEngine& engine, int ranks, const plan::CostModel& seed);
+void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out);
 
 struct GpuXprocInfo {
   std::string name;

@@ -75,7 +75,8 @@ Status NcclChannel::SetupRank(int r, Comm comm, const std::string& where) {
   return Status::Ok();
 }
 
-Status NcclChannel::SetupAcrossProcesses(const CommId& id, std::span<const int> local) {
+Status NcclChannel::SetupAcrossProcesses(const CommId& id, std::span<const int> local,
+                                         const CommApi::JoinWatch& watch) {
   const int n = group_.size();
   const std::string where = "flexlink: setting up the " + name_ + " link for group " + FormatIds(group_.ids) +
                             " across processes: ";
@@ -92,8 +93,12 @@ Status NcclChannel::SetupAcrossProcesses(const CommId& id, std::span<const int> 
   std::vector<int> devices;
   for (int r : local) devices.push_back(group_.devices[r]);
   std::vector<Comm> comms;
-  Status s = comm_.InitRanks(id, n, local, devices, &comms);
-  if (!s.ok()) return Status(s.code(), where + s.message());
+  Status s = comm_.InitRanks(id, n, local, devices, watch, &comms);
+  // A join that gave up (a dead peer, the deadline) keeps its code and reason as they are: the
+  // caller words them with the group, the collective and the missing ranks.
+  if (!s.ok()) return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded
+                          ? s
+                          : Status(s.code(), where + s.message());
   for (size_t i = 0; i < local.size(); ++i) FLEXLINK_RETURN_IF_ERROR(SetupRank(local[i], comms[i], where));
   return Status::Ok();
 }

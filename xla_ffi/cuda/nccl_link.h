@@ -53,9 +53,9 @@ class NcclChannel : public GpuChannel {
   Status Setup() override;
   // A group spanning processes (gpu_xproc.h): only this process's ranks `local` (their CUDA devices
   // in the group's `devices`), on communicator `id` made by the leader process and joined by every
-  // process (CommApi::InitRanks). Called once, from one thread, while every local rank waits inside
-  // its first call's cross-process arrival.
-  Status SetupAcrossProcesses(const CommId& id, std::span<const int> local);
+  // process (CommApi::InitRanks, non-blocking, waiting as `watch` says). Called once, from one
+  // thread, while every local rank waits inside its first call's cross-process arrival.
+  Status SetupAcrossProcesses(const CommId& id, std::span<const int> local, const CommApi::JoinWatch& watch);
   Status Enqueue(const GpuWork& work) override;
   Status Abort() override;
 

@@ -199,6 +199,13 @@ std::optional<std::string> ProcessGroup::broken() const {
   return broken_;
 }
 
+std::vector<int> ProcessGroup::ExitedRanks() const {
+  std::vector<int> gone;
+  for (int r = 0; r < size(); ++r)
+    if (!is_local(r) && ProcessGone(ranks_[r].pid.load(std::memory_order_relaxed))) gone.push_back(r);
+  return gone;
+}
+
 std::string ProcessGroup::RankName(int rank) const {
   const int32_t pid = ranks_[rank].pid.load(std::memory_order_relaxed);
   return "rank " + std::to_string(rank) + " (device " + std::to_string(devices_[rank]) +

@@ -86,6 +86,11 @@ class ProcessGroup {
   size_t slot_bytes() const { return header_->slot_bytes; }
   int size() const { return static_cast<int>(devices_.size()); }
   uint64_t calls() const;  // calls started by this process's ranks (the most of any local rank)
+  // For waits outside the step protocol (the GPU engine's communicator set-up across processes,
+  // cuda/gpu_xproc.cc): the ranks whose attached process has exited (the barrier's liveness test),
+  // and a rank as messages name it ("rank 2 (device 2048, pid 12345)").
+  std::vector<int> ExitedRanks() const;
+  std::string DescribeRank(int rank) const { return RankName(rank); }
   std::optional<std::string> broken() const;
 
  private:

@@ -42,6 +42,7 @@ struct Header {
 struct alignas(64) RankCtl {
   std::atomic<uint64_t> posted;  // collectives staged so far
   std::atomic<int32_t> pid;      // 0 until the rank joined
+  std::atomic<uint32_t> connected;  // 1: the rank saw every rank join (its communicator's second phase)
   OpDesc desc[2];
 };
 
@@ -158,6 +159,7 @@ struct SimXprocComm::Shared {
 struct SimXprocComm::Rank {
   std::shared_ptr<Shared> shared;
   int rank = 0;
+  bool complete = false;  // JoinState saw every rank connected
   uint64_t next_collective = 0;
   std::map<int, uint64_t> sent, received;
 };
@@ -248,8 +250,9 @@ Status SimXprocComm::NewId(gpu::CommId* id) {
   return Status::Ok();
 }
 
-Status SimXprocComm::InitRanks(const gpu::CommId& id, int nranks, std::span<const int> ranks,
-                               std::span<const int> devices, std::vector<gpu::Comm>* comms) {
+Status SimXprocComm::InitRanksAsync(const gpu::CommId& id, int nranks, std::span<const int> ranks,
+                                    std::span<const int> devices, std::vector<gpu::Comm>* comms) {
+  comms->clear();
   if (ranks.size() != devices.size() || ranks.empty() || nranks < 1)
     return Status::InvalidArgument("sim nccl across processes: InitRanks needs one device per local rank");
   for (size_t a = 0; a < devices.size(); ++a)
@@ -257,6 +260,13 @@ Status SimXprocComm::InitRanks(const gpu::CommId& id, int nranks, std::span<cons
       if (devices[a] == devices[b]) return Status::Internal("sim nccl: Duplicate GPU detected");
   for (int r : ranks)
     if (r < 0 || r >= nranks) return Status::InvalidArgument("sim nccl across processes: rank out of range");
+  if (join_fault_ == JoinFault::kExitBeforeJoin) _exit(42);
+  if (join_fault_ == JoinFault::kStallBeforeJoin) {
+    // Alive but never joining (a process wedged elsewhere): its peers can only time out. Bounded
+    // (the test SIGKILLs it sooner).
+    for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    _exit(43);
+  }
   auto s = std::make_shared<Shared>();
   s->name = NameOf(id);
   s->n = nranks;
@@ -285,24 +295,10 @@ Status SimXprocComm::InitRanks(const gpu::CommId& id, int nranks, std::span<cons
   for (int r : ranks) s->rank(r).pid.store(getpid(), std::memory_order_release);
   if (h->joined.fetch_add(static_cast<uint32_t>(ranks.size())) + ranks.size() == static_cast<uint32_t>(nranks))
     shm_unlink(s->name.c_str());  // everyone mapped it: nothing is left in /dev/shm from here on
-  // As ncclCommInitRank: return once every rank of the communicator has joined.
-  const double timeout = device_.wait_timeout_s();
-  const auto start = Clock::now();
-  while (h->joined.load() < static_cast<uint32_t>(nranks)) {
-    if (Clock::now() - start > std::chrono::duration<double>(timeout)) {
-      std::string missing;
-      for (int r = 0; r < nranks; ++r)
-        if (s->rank(r).pid.load() == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      if (h->joined.load() < static_cast<uint32_t>(nranks)) shm_unlink(s->name.c_str());
-      return Status::DeadlineExceeded("sim nccl across processes: ranks " + missing + " of " + std::to_string(nranks) +
-                                      " did not join the communicator within " + std::to_string(timeout) + " s");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  if (h->n != static_cast<uint32_t>(nranks) || h->slot_bytes != slot_bytes_)
-    return Status::Internal("sim nccl across processes: processes disagree on the communicator's size");
+  // Joined but dead before the second phase: the others' communicators never complete, as NCCL's
+  // do not when a peer dies inside its bootstrap.
+  if (join_fault_ == JoinFault::kExitAfterJoin) _exit(42);
   std::lock_guard<std::mutex> lock(mu_);
-  comms->clear();
   for (int r : ranks) {
     auto rank = std::make_unique<Rank>();
     rank->shared = s;
@@ -312,6 +308,29 @@ Status SimXprocComm::InitRanks(const gpu::CommId& id, int nranks, std::span<cons
   }
   shared_.push_back(std::move(s));
   ++inits_;
+  return Status::Ok();
+}
+
+Status SimXprocComm::JoinState(gpu::Comm comm, bool* done) {
+  Rank* rank = static_cast<Rank*>(comm);
+  if (!rank) return Status::Internal("sim nccl: no communicator");
+  *done = rank->complete;
+  if (rank->complete) return Status::Ok();
+  Shared& s = *rank->shared;
+  if (s.aborted.load(std::memory_order_acquire))
+    return Status::Internal("sim nccl across processes: the communicator was aborted");
+  // Two phases, as NCCL's bootstrap: every rank joins (pid, `joined`), then every rank, having seen
+  // all joined, connects; complete when all have connected. A peer that died after joining never
+  // connects, and nothing here notices it: the caller's deadline and liveness checks must.
+  Header* h = s.header();
+  if (h->joined.load(std::memory_order_acquire) < static_cast<uint32_t>(s.n)) return Status::Ok();
+  if (h->n != static_cast<uint32_t>(s.n) || h->slot_bytes != s.slot)
+    return Status::Internal("sim nccl across processes: processes disagree on the communicator's size");
+  s.rank(rank->rank).connected.store(1, std::memory_order_release);
+  for (int r = 0; r < s.n; ++r)
+    if (s.rank(r).connected.load(std::memory_order_acquire) == 0) return Status::Ok();
+  rank->complete = true;
+  *done = true;
   return Status::Ok();
 }
 
@@ -442,6 +461,10 @@ Status SimXprocComm::Abort(gpu::Comm comm) {
   Rank* rank = static_cast<Rank*>(comm);
   if (!rank) return Status::Internal("sim nccl: no communicator");
   rank->shared->aborted.store(true, std::memory_order_release);
+  // A join aborted before every rank mapped the file: the last joiner will never unlink it, so this
+  // process does (a later joiner would make a fresh one, which its own abort or join removes).
+  if (rank->shared->header()->joined.load() < static_cast<uint32_t>(rank->shared->n))
+    shm_unlink(rank->shared->name.c_str());
   return Status::Ok();
 }
 

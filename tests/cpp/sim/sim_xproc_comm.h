@@ -1,8 +1,10 @@
 // A simulated NCCL whose communicators span processes (the GPU engine's groups across processes,
 // xla_ffi/cuda/gpu_xproc.h), for fork-based tests on a machine without GPUs. NewId makes a random
-// identity (like ncclGetUniqueId: no resource yet); InitRanks maps the communicator's shared-memory
-// file named by it (0600, created by whichever process comes first, unlinked by the last of the n
-// ranks to join) and returns once every rank of every process has joined, as ncclCommInitRank does.
+// identity (like ncclGetUniqueId: no resource yet); InitRanksAsync maps the communicator's
+// shared-memory file named by it (0600, created by whichever process comes first, unlinked by the
+// last of the n ranks to join, or by an abort before that) and returns at once, as a non-blocking
+// ncclCommInitRankConfig does; JoinState completes once every rank of every process has joined and
+// then connected, and never while a peer that died before connecting is missing.
 //
 // An operation runs when its stream reaches it, as in SimComm, but the ranks meet in the shared
 // file instead of in process memory: a collective of sequence number k stages the rank's send
@@ -42,8 +44,15 @@ class SimXprocComm : public gpu::CommApi {
   // Refused: this simulation only makes communicators across processes (SimComm makes cliques).
   Status InitAll(std::span<const int> devices, std::vector<gpu::Comm>* comms) override;
   Status NewId(gpu::CommId* id) override;
-  Status InitRanks(const gpu::CommId& id, int nranks, std::span<const int> ranks, std::span<const int> devices,
-                   std::vector<gpu::Comm>* comms) override;
+  Status InitRanksAsync(const gpu::CommId& id, int nranks, std::span<const int> ranks,
+                        std::span<const int> devices, std::vector<gpu::Comm>* comms) override;
+  Status JoinState(gpu::Comm comm, bool* done) override;
+
+  // Faults of this process's next join (the tests' peers that die during the communicators' set-up):
+  // _exit(42) before joining, or after joining but before connecting (the others' joins then never
+  // complete), or stall alive without joining (60 s, then _exit(43)).
+  enum class JoinFault { kNone, kExitBeforeJoin, kExitAfterJoin, kStallBeforeJoin };
+  void SetJoinFault(JoinFault f) { join_fault_ = f; }
   Status GroupStart() override;
   Status GroupEnd() override;
   Status AllReduce(const void* send, void* recv, size_t count, gpu::CommType type, gpu::CommOp op, gpu::Comm comm,
@@ -59,7 +68,7 @@ class SimXprocComm : public gpu::CommApi {
   // abort (as with NCCL, each process aborts its own communicators).
   Status Abort(gpu::Comm comm) override;
 
-  int inits() const;              // InitRanks calls that succeeded in this process
+  int inits() const;              // joins (InitRanksAsync) this process started
   size_t operations() const;      // operations this process's ranks completed
   // The shared-memory name of a communicator id ("/flexlink-simnccl-<32 hex>").
   static std::string NameOf(const gpu::CommId& id);
@@ -78,6 +87,7 @@ class SimXprocComm : public gpu::CommApi {
   std::vector<std::shared_ptr<Shared>> shared_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   int inits_ = 0;
+  JoinFault join_fault_ = JoinFault::kNone;
 };
 
 }  // namespace flexlink::sim

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <mutex>
+#include <span>
 #include <string>
 
 #include "xla_ffi/cuda/comm_api.h"
@@ -22,8 +23,9 @@ class NcclComm : public CommApi {
 
   Status InitAll(std::span<const int> devices, std::vector<Comm>* comms) override;
   Status NewId(CommId* id) override;
-  Status InitRanks(const CommId& id, int nranks, std::span<const int> ranks, std::span<const int> devices,
-                   std::vector<Comm>* comms) override;
+  Status InitRanksAsync(const CommId& id, int nranks, std::span<const int> ranks, std::span<const int> devices,
+                        std::vector<Comm>* comms) override;
+  Status JoinState(Comm comm, bool* done) override;
   Status GroupStart() override;
   Status GroupEnd() override;
   Status AllReduce(const void* send, void* recv, size_t count, CommType type, CommOp op, Comm comm,
@@ -39,6 +41,10 @@ class NcclComm : public CommApi {
 
  private:
   Status Load();
+  // `r` of an operation or ncclGroupEnd: ncclInProgress (non-blocking communicators) polled until
+  // each of `comms` settles (bounded), anything else but ncclSuccess an error naming `what`.
+  Status Settle(int r, std::span<const Comm> comms, const char* what);
+  Status Issued(int r, Comm comm, const char* what);
 
   std::mutex mu_;
   std::string configured_;
