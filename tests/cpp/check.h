@@ -1,9 +1,13 @@
 // What the plain C++ test programs share: counted checks, fresh run ids, the closing line.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace flexlink::testing {
 
@@ -22,6 +26,29 @@ inline void Expect(bool ok, const std::string& what) {
 inline int64_t NextRunId() {
   static int64_t run = 1000;
   return ++run;
+}
+
+// Test selection from the command line (reproducing a failure, or a sanitizer run's subset): no
+// arguments select every test; "=Name" selects one by its whole name, any other argument every test
+// whose name contains it.
+inline std::vector<std::string> g_only;
+
+inline void SelectTests(int argc, char** argv) { g_only.assign(argv + 1, argv + argc); }
+
+inline bool Selected(std::string_view name) {
+  return g_only.empty() || std::any_of(g_only.begin(), g_only.end(), [&](const std::string& s) {
+           return s.starts_with("=") ? name == std::string_view(s).substr(1) : name.find(s) != std::string_view::npos;
+         });
+}
+
+// Runs `test` if it is selected and prints its time.
+template <typename Fn>
+void Timed(std::string_view name, Fn&& test) {
+  if (!Selected(name)) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  test();
+  std::printf("%-48.*s %6.2f s\n", static_cast<int>(name.size()), name.data(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 // Prints "N passed, N failed" and returns the exit status.

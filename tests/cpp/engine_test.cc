@@ -1770,21 +1770,9 @@ void TestMultiOperandExchange() {
 // Runs a test function and prints how long it took (the suite's slow parts show at a glance).
 // `engine_test NAME...` runs only the test functions whose names contain one of the NAMEs; `=NAME`
 // only the one of that name (TestPpermute without TestPpermuteInPlace).
-std::vector<std::string> g_only;
-
-void Timed(const char* name, void (*test)()) {
-  if (!g_only.empty() && std::none_of(g_only.begin(), g_only.end(), [&](const std::string& s) {
-        return s.starts_with("=") ? s.substr(1) == name : std::string(name).find(s) != std::string::npos;
-      }))
-    return;
-  const auto t0 = std::chrono::steady_clock::now();
-  test();
-  std::printf("%-32s %6.1f s\n", name, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-}
-
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  g_only.assign(argv + 1, argv + argc);
+  SelectTests(argc, argv);
   Timed("TestOutputFaultsTheMiddle", TestOutputFaultsTheMiddle);
   Timed("TestOutputFaultsCollapseEnds", TestOutputFaultsCollapseEnds);
   Timed("TestOutputFaultsShared", TestOutputFaultsShared);

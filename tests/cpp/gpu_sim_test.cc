@@ -711,21 +711,33 @@ void TestSlowBecomesDegraded() {
   // adapting shares, with pcie still slowed.
   Expect(s.engine->SetShares(c.kind, plan::BucketOf(CaseBytes(c, 4)), {0.5, 0.5}, /*pinned=*/false).ok(),
          "slow: even, adapting shares");
+  // A settling split is compared with the best single link alone, and that is the stage-1 fit's
+  // (the fits are not changed by degraded): where the fits have pcie faster than nccl (the
+  // simulated NCCL under ASan on a loaded machine), the balancer runs a trial of pcie alone
+  // (trial_calls calls, docs/planning.md), measures it slow, and returns to the split. Those calls
+  // are told apart (nccl's share 0) and counted; the split's share is the last two-link call's.
   const double before = CheckedNcclShare(s, c, "slow: adapting call 0");
   double after = before;
+  int pcie_alone = 0;
+  std::string trace = std::to_string(before).substr(0, 4);
   for (int i = 1; i < 8; ++i) {
-    after = CheckedNcclShare(s, c, "slow: adapting call " + std::to_string(i));
+    const double share = CheckedNcclShare(s, c, "slow: adapting call " + std::to_string(i));
+    trace += " " + std::to_string(share).substr(0, 4);
+    if (share > 0) after = share;
+    else ++pcie_alone;
     s.engine->PollTimings();
   }
   std::printf("  slow: pcie x%.0f degraded after %d calls (%.2f s); then adapting, nccl share %.2f -> %.2f in 8 calls\n"
-              "        %s\n", factor, slowed, Seconds(t0), before, after, h.reason.c_str());
+              "        (per call: %s)\n        %s\n", factor, slowed, Seconds(t0), before, after, trace.c_str(),
+              h.reason.c_str());
   Expect(h.state == LinkState::kDegraded && slowed >= o.degrade_calls && slowed <= o.degrade_calls + 4,
          "slow: degraded after " + std::to_string(slowed) + " calls: " + h.reason);
   Expect(h.reason.find("over the last 8 calls") != std::string::npos && h.reason.find("of the profiled") != std::string::npos &&
              h.expected_bps > 0 && h.observed_bps < o.degrade_fraction * h.expected_bps,
          "slow: the evidence: " + h.reason);
-  Expect(before > 0.45 && before < 0.55 && 1 - after < 0.75 * (1 - before), "slow: stage 2 moved load off pcie: nccl share " + std::to_string(before) +
-                                            " -> " + std::to_string(after));
+  Expect(before > 0.45 && before < 0.55 && 1 - after < 0.75 * (1 - before) &&
+             pcie_alone <= plan::BalancerOptions().trial_calls,
+         "slow: stage 2 moved load off pcie, at most one trial of pcie alone: nccl share per call " + trace);
   Expect(HealthOf(group, "nccl").state == LinkState::kHealthy, "slow: nccl stays healthy");
   Expect(gpu::SetGpuFaults("", s.engine->CurrentLinks()->names()).ok(), "slow: cleared");
   s.ExpectNoSimErrors("slow");
@@ -819,37 +831,27 @@ void TestHang() {
 }  // namespace
 }  // namespace flexlink::testing
 
-int main() {
+int main(int argc, char** argv) {
   using namespace flexlink::testing;
+  SelectTests(argc, argv);
   flexlink::SetTimeoutSeconds(20);
   flexlink::SetTuneCachePath("/tmp/flexlink-gpu-sim-none.json");
   flexlink::SetTuneUseCache(false);
-  struct Test {
-    const char* name;
-    void (*fn)();
-  };
-  const Test tests[] = {
-      {"TestElementwiseMatchesCpuEngine", TestElementwiseMatchesCpuEngine},
-      {"TestLayoutRoundTrip", TestLayoutRoundTrip},
-      {"TestPcieChunks", TestPcieChunks},
-      {"TestNcclMapping", TestNcclMapping},
-      {"TestLinkSpecs", TestLinkSpecs},
-      {"TestSetupOnce", TestSetupOnce},
-      {"TestNcclRefusesSharedDevice", TestNcclRefusesSharedDevice},
-      {"TestErrors", TestErrors},
-      {"TestOneSplitPerCall", TestOneSplitPerCall},
-      {"TestStageOne", TestStageOne},
-      {"TestSeedFromNominalFits", TestSeedFromNominalFits},
-      {"TestStageTwoFavoursTheFasterLink", TestStageTwoFavoursTheFasterLink},
-      {"TestFaults", TestFaults},
-      {"TestSlowBecomesDegraded", TestSlowBecomesDegraded},
-      {"TestHang", TestHang},
-      {"TestCollectives", TestCollectives},
-  };
-  for (const Test& t : tests) {
-    const auto t0 = std::chrono::steady_clock::now();
-    t.fn();
-    std::printf("%-36s %6.2f s\n", t.name, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
+  Timed("TestElementwiseMatchesCpuEngine", TestElementwiseMatchesCpuEngine);
+  Timed("TestLayoutRoundTrip", TestLayoutRoundTrip);
+  Timed("TestPcieChunks", TestPcieChunks);
+  Timed("TestNcclMapping", TestNcclMapping);
+  Timed("TestLinkSpecs", TestLinkSpecs);
+  Timed("TestSetupOnce", TestSetupOnce);
+  Timed("TestNcclRefusesSharedDevice", TestNcclRefusesSharedDevice);
+  Timed("TestErrors", TestErrors);
+  Timed("TestOneSplitPerCall", TestOneSplitPerCall);
+  Timed("TestStageOne", TestStageOne);
+  Timed("TestSeedFromNominalFits", TestSeedFromNominalFits);
+  Timed("TestStageTwoFavoursTheFasterLink", TestStageTwoFavoursTheFasterLink);
+  Timed("TestFaults", TestFaults);
+  Timed("TestSlowBecomesDegraded", TestSlowBecomesDegraded);
+  Timed("TestHang", TestHang);
+  Timed("TestCollectives", TestCollectives);
   return Summary();
 }

@@ -524,8 +524,6 @@ std::vector<std::string> ShmEntries() {
   return out;
 }
 
-std::string g_only;
-
 // CommApi::InitRanks's waiting, on a scripted library: every communicator of a failed join is
 // aborted (and none returned), a failed check gives up at once with its reason, a join that never
 // completes ends at the deadline, and an error of one communicator names its rank.
@@ -609,7 +607,7 @@ void TestInitRanksWaiting() {
 }
 
 void RunScenario(const Scenario& s) {
-  if (!g_only.empty() && s.what.find(g_only) == std::string::npos) return;
+  if (!Selected(s.what)) return;
   const auto t0 = Clock::now();
   auto* shared = static_cast<Shared*>(
       mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
@@ -713,13 +711,13 @@ void RunScenario(const Scenario& s) {
 
 int main(int argc, char** argv) {
   using namespace flexlink::testing;
-  // gpu_xproc_test [SUBSTRING]: only the scenarios whose name contains it (reproducing a failure).
-  g_only = argc > 1 ? argv[1] : "";
+  // gpu_xproc_test [SUBSTRING...]: only the scenarios whose name contains one (check.h).
+  SelectTests(argc, argv);
   alarm(600);
   // 64 KiB slots (the minimum): the pcie link's larger cases take several steps, both buffers.
   flexlink::SetXprocSlotBytes(65536);
   const auto before = ShmEntries();
-  if (g_only.empty() || std::string("InitRanks").find(g_only) != std::string::npos) TestInitRanksWaiting();
+  if (Selected("InitRanks")) TestInitRanksWaiting();
   for (int per : {1, 2}) {
     const std::string shape = "2 processes x " + std::to_string(per) + ": ";
     RunScenario({shape + "nccl, every case", 2, per, "nccl@staging_mib=0.0625", 0});

@@ -813,18 +813,11 @@ int main(int argc, char** argv) {
     Bench();
     return Summary();
   }
-  // Arguments select tests by a part of their name (as engine_test's): the TSan run of
-  // .ci/sanitizers takes the cases whose processes have several ranks on threads, and the peers'
-  // failures, not the sweep of every kind and dtype over one thread per process again.
-  const std::vector<std::string> only(argv + 1, argv + argc);
-  auto run = [&](const std::string& name, const std::function<void()>& test) {
-    if (!only.empty() && std::none_of(only.begin(), only.end(),
-                                      [&](const std::string& s) { return name.find(s) != std::string::npos; }))
-      return;
-    const auto t = Clock::now();
-    test();
-    std::printf("%-48s %6.1f s\n", name.c_str(), Since(t));
-  };
+  // Arguments select tests (check.h): the TSan run of .ci/sanitizers takes the cases whose
+  // processes have several ranks on threads, and the peers' failures, not the sweep of every kind
+  // and dtype over one thread per process again.
+  SelectTests(argc, argv);
+  const auto run = [](std::string_view name, auto&& test) { Timed(name, test); };
   const auto t0 = Clock::now();
   run("TestBadArguments", TestBadArguments);
   run("TestKinds: 2 processes", [] { TestKinds("2 processes", {{0}, {1}}, /*strangers=*/true); });

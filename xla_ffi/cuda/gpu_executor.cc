@@ -68,7 +68,7 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
   const int n = group_.size();
   const size_t links = names_.size();
   const uint64_t bytes = MessageBytes(desc, n);
-  if (ready_.load(std::memory_order_acquire)) {
+  if (setup_.ready()) {
     PollTimings(rank);
     profiler_.Poll(rank);
   }
@@ -322,7 +322,7 @@ bool GpuExecutor::ReadSlot(int rank, Slot& slot) {
 }
 
 void GpuExecutor::PollAll() {
-  if (!ready_.load(std::memory_order_acquire)) return;
+  if (!setup_.ready()) return;
   for (int r = 0; r < group_.size(); ++r) PollTimings(r);
 }
 

@@ -49,6 +49,7 @@
 #include "xla_ffi/cuda/gpu_link_set.h"
 #include "xla_ffi/cuda/gpu_profile.h"
 #include "xla_ffi/cuda/gpu_timing.h"
+#include "xla_ffi/cuda/setup_once.h"
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/plan/ranges.h"
 
@@ -173,12 +174,7 @@ class GpuExecutor {
   TimingBook timings_;
   GpuProfiler profiler_;
 
-  std::mutex setup_mu_;
-  std::condition_variable setup_cv_;
-  bool setup_started_ = false;
-  std::atomic<bool> ready_{false};
-  bool setup_done_ = false;
-  Status setup_status_;
+  SetupOnce setup_;  // the group's set-up (streams, events, NCCL communicators, pinned pools)
 
   // Rates measured without injected delays, per link: seconds per nccl-tests byte (0: none yet).
   std::mutex rate_mu_;

@@ -12,36 +12,22 @@
 namespace flexlink::gpu {
 
 Status GpuExecutor::EnsureSetup(int rank, std::string_view label) {
-  if (ready_.load(std::memory_order_acquire)) return Status::Ok();
-  std::unique_lock<std::mutex> lock(setup_mu_);
-  if (!setup_started_) {
-    setup_started_ = true;
-    lock.unlock();
-    Status s;
-    try {
-      DeviceGuard guard(api_);
-      s = SetupAll();
-    } catch (const std::exception& e) {
-      s = Status::Internal(std::string("flexlink: setting up group ") + FormatIds(group_.ids) + ": " + e.what());
-    }
-    lock.lock();
-    setup_status_ = s;
-    setup_done_ = true;
-    if (s.ok()) ready_.store(true, std::memory_order_release);
-    setup_cv_.notify_all();
-    return s;
-  }
+  if (setup_.ready()) return Status::Ok();
+  const std::string where = "flexlink: setting up group " + FormatIds(group_.ids) + ": ";
   const double timeout = TimeoutSeconds();
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::min(timeout, 1e9)));
-  if (!setup_cv_.wait_until(lock, deadline, [&] { return setup_done_; }))
+  const SetupOnce::Outcome o = setup_.Run(
+      [&] {
+        DeviceGuard guard(api_);
+        return SetupAll();
+      },
+      timeout, where);
+  if (o.timed_out)
     return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " timed out after " +
                                     std::to_string(timeout) + " s waiting for the setup of group " +
                                     FormatIds(group_.ids) + " (NCCL communicators, pinned memory)");
-  if (setup_status_.ok()) return setup_status_;
-  return Status(setup_status_.code(), ErrorPrefix(label) + "the setup of group " + FormatIds(group_.ids) +
-                                          " failed: " + setup_status_.message());
+  if (o.ran || o.status.ok()) return o.status;
+  return Status(o.status.code(), ErrorPrefix(label) + "the setup of group " + FormatIds(group_.ids) +
+                                     " failed: " + o.status.message());
 }
 
 Status GpuExecutor::SetupAll() {

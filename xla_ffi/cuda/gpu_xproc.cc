@@ -168,37 +168,20 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
 Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
   // Every local rank passes the set-up barrier exactly once (its first call), whoever set up.
   if (ranks_[rank].ready) return Status::Ok();
-  Status mine;
-  {
-    std::unique_lock<std::mutex> lock(setup_mu_);
-    if (!setup_started_) {
-      setup_started_ = true;
-      lock.unlock();
-      Status s;
-      try {
+  // The set-up thread is bounded by the deadline itself (its communicator joins give up there and
+  // say why); the waiters' margin lets its reason, not their wait's, be every local rank's error.
+  const double timeout = TimeoutSeconds();
+  const SetupOnce::Outcome o = setup_.Run(
+      [&] {
         DeviceGuard guard(api_);
-        s = SetupLocal(desc, label, run_id);
-      } catch (const std::exception& e) {
-        s = Status::Internal(std::string("flexlink: setting up group ") + FormatIds(group_.ids) + ": " + e.what());
-      }
-      lock.lock();
-      setup_status_ = s;
-      setup_done_ = true;
-      setup_cv_.notify_all();
-    } else {
-      // The set-up thread is bounded by the deadline itself (its communicator joins give up there
-      // and say why); the margin lets its reason, not this wait's, be every local rank's error.
-      const double timeout = TimeoutSeconds();
-      const auto deadline = std::chrono::steady_clock::now() +
-                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                std::chrono::duration<double>(std::min(timeout, 1e9) + 10));
-      if (!setup_cv_.wait_until(lock, deadline, [&] { return setup_done_; }))
-        return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " timed out after " +
-                                        std::to_string(timeout) + " s waiting for the set-up of group " +
-                                        FormatIds(group_.ids) + " (NCCL communicators across processes)");
-    }
-    mine = setup_status_;
-  }
+        return SetupLocal(desc, label, run_id);
+      },
+      timeout + 10, "flexlink: setting up group " + FormatIds(group_.ids) + ": ");
+  if (o.timed_out)
+    return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " timed out after " +
+                                    std::to_string(timeout) + " s waiting for the set-up of group " +
+                                    FormatIds(group_.ids) + " (NCCL communicators across processes)");
+  const Status& mine = o.status;
   if (!mine.ok()) {
     segment_->Abort(rank, mine.message());
     return mine;

@@ -51,6 +51,7 @@
 #include "xla_ffi/cuda/device_api.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/gpu_link_set.h"
+#include "xla_ffi/cuda/setup_once.h"
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/plan/ranges.h"
 
@@ -159,11 +160,7 @@ class GpuXprocGroup {
   std::vector<int> local_;  // local ranks, ascending
   std::vector<Rank> ranks_;
 
-  std::mutex setup_mu_;
-  std::condition_variable setup_cv_;
-  bool setup_started_ = false;
-  bool setup_done_ = false;
-  Status setup_status_;
+  SetupOnce setup_;  // this process's part of the set-up (SetupLocal)
 };
 
 // The links of a link set a group across processes uses (nccl, one pcie) and the rest with the reason.

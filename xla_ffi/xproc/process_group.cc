@@ -30,17 +30,6 @@ constexpr auto kSlice = std::chrono::milliseconds(20);
 
 using Clock = std::chrono::steady_clock;
 
-// Whether `pid` is gone: no such process, or a zombie (dead, not reaped yet by its parent).
-bool ProcessGone(int32_t pid) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return false;
-  const size_t paren = line.rfind(')');
-  return paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
-}
-
 std::string Ids(std::span<const int64_t> ids) { return FormatIds(ids); }
 
 Status CheckMembers(std::span<const int64_t> devices, std::span<const int64_t> local, std::vector<char>* local_rank) {
@@ -60,6 +49,16 @@ Status CheckMembers(std::span<const int64_t> devices, std::span<const int64_t> l
 }
 
 }  // namespace
+
+bool ProcessGone(int32_t pid) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
+}
 
 Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes) {
   if (n == 0) return Status::InvalidArgument("flexlink: cross-process group: no ranks");

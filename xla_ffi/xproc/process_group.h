@@ -23,6 +23,10 @@
 
 namespace flexlink::xproc {
 
+// Whether `pid` is gone: no such process, or a zombie (dead, not reaped yet by its parent). The
+// liveness rule of every cross-process wait (and of the simulated NCCL across processes).
+bool ProcessGone(int32_t pid);
+
 // The slot size a group of n ranks gets for a request (0: config's XprocSlotBytes): at least
 // 64 KiB, at most 256 MiB for the whole data area, a multiple of 4 KiB.
 Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes);

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <map>
 
-#include "xla_ffi/cuda/kernel_args.h"
+#include "tests/cpp/sim/sim_reduce.h"
 
 namespace flexlink::sim {
 
@@ -62,54 +62,6 @@ struct Pending {
   bool mixed = false;
 };
 thread_local Pending t_group;
-
-DType DTypeOf(gpu::CommType t) {
-  switch (t) {
-    case gpu::CommType::kInt8: return DType::kS8;
-    case gpu::CommType::kUint8: return DType::kU8;
-    case gpu::CommType::kInt32: return DType::kS32;
-    case gpu::CommType::kUint32: return DType::kU32;
-    case gpu::CommType::kInt64: return DType::kS64;
-    case gpu::CommType::kUint64: return DType::kU64;
-    case gpu::CommType::kFloat16: return DType::kF16;
-    case gpu::CommType::kFloat32: return DType::kF32;
-    case gpu::CommType::kFloat64: return DType::kF64;
-    case gpu::CommType::kBfloat16: return DType::kBF16;
-  }
-  return DType::kU8;
-}
-
-ReduceOp OpOf(gpu::CommOp op) {
-  switch (op) {
-    case gpu::CommOp::kSum: return ReduceOp::kSum;
-    case gpu::CommOp::kProd: return ReduceOp::kProd;
-    case gpu::CommOp::kMax: return ReduceOp::kMax;
-    case gpu::CommOp::kMin: return ReduceOp::kMin;
-  }
-  return ReduceOp::kSum;
-}
-
-// dst[i] = reduce over k of srcs[k][i], rank order, the engine's element code.
-void ReduceRows(gpu::CommType t, gpu::CommOp op, const std::vector<const void*>& srcs, void* dst, size_t count) {
-  const DType dtype = DTypeOf(t);
-  const size_t w = ByteWidth(dtype);
-  // Gather the rows into one buffer so ReduceAt's strided rows apply (dst may alias a source).
-  std::vector<uint8_t> rows(srcs.size() * count * w);
-  for (size_t k = 0; k < srcs.size(); ++k) std::memcpy(rows.data() + k * count * w, srcs[k], count * w);
-  gpu::ReduceArgs a;
-  a.dtype = dtype;
-  a.op = OpOf(op);
-  a.dst = dst;
-  a.rows = rows.data();
-  a.row_stride = count;
-  a.nrows = static_cast<int>(srcs.size());
-  a.count = count;
-  gpu::DispatchReduce(dtype, a.op, [&]<class R>() {
-    for (size_t i = 0; i < count; ++i) gpu::ReduceAt<R>(a, i);
-  });
-}
-
-size_t Width(gpu::CommType t) { return ByteWidth(DTypeOf(t)); }
 
 }  // namespace
 

@@ -15,7 +15,8 @@
 #include <fstream>
 #include <thread>
 
-#include "xla_ffi/cuda/kernel_args.h"
+#include "tests/cpp/sim/sim_reduce.h"
+#include "xla_ffi/xproc/process_group.h"
 
 namespace flexlink::sim {
 namespace {
@@ -67,62 +68,7 @@ Offsets Layout(int n, size_t slot) {
   return o;
 }
 
-bool ProcessGone(int32_t pid) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return false;
-  const size_t paren = line.rfind(')');
-  return paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
-}
 
-DType DTypeOf(gpu::CommType t) {
-  switch (t) {
-    case gpu::CommType::kInt8: return DType::kS8;
-    case gpu::CommType::kUint8: return DType::kU8;
-    case gpu::CommType::kInt32: return DType::kS32;
-    case gpu::CommType::kUint32: return DType::kU32;
-    case gpu::CommType::kInt64: return DType::kS64;
-    case gpu::CommType::kUint64: return DType::kU64;
-    case gpu::CommType::kFloat16: return DType::kF16;
-    case gpu::CommType::kFloat32: return DType::kF32;
-    case gpu::CommType::kFloat64: return DType::kF64;
-    case gpu::CommType::kBfloat16: return DType::kBF16;
-  }
-  return DType::kU8;
-}
-
-ReduceOp OpOf(gpu::CommOp op) {
-  switch (op) {
-    case gpu::CommOp::kSum: return ReduceOp::kSum;
-    case gpu::CommOp::kProd: return ReduceOp::kProd;
-    case gpu::CommOp::kMax: return ReduceOp::kMax;
-    case gpu::CommOp::kMin: return ReduceOp::kMin;
-  }
-  return ReduceOp::kSum;
-}
-
-size_t Width(gpu::CommType t) { return ByteWidth(DTypeOf(t)); }
-
-// dst[i] = reduce over k of srcs[k][i], in rank order, with the engine's element code (SimComm's).
-void ReduceRows(gpu::CommType t, gpu::CommOp op, const std::vector<const void*>& srcs, void* dst, size_t count) {
-  const DType dtype = DTypeOf(t);
-  const size_t w = ByteWidth(dtype);
-  std::vector<uint8_t> rows(srcs.size() * count * w);
-  for (size_t k = 0; k < srcs.size(); ++k) std::memcpy(rows.data() + k * count * w, srcs[k], count * w);
-  gpu::ReduceArgs a;
-  a.dtype = dtype;
-  a.op = OpOf(op);
-  a.dst = dst;
-  a.rows = rows.data();
-  a.row_stride = count;
-  a.nrows = static_cast<int>(srcs.size());
-  a.count = count;
-  gpu::DispatchReduce(dtype, a.op, [&]<class R>() {
-    for (size_t i = 0; i < count; ++i) gpu::ReduceAt<R>(a, i);
-  });
-}
 
 }  // namespace
 
@@ -196,7 +142,7 @@ bool WaitFor(F ready, const SimXprocComm::Shared& s, int peer, double timeout, c
       next_check = now + std::chrono::milliseconds(20);
       const int32_t pid = s.rank(peer).pid.load(std::memory_order_relaxed);
       // Checked again after the liveness test: a peer may have done its part and exited since.
-      if (ProcessGone(pid) && !ready()) {
+      if (xproc::ProcessGone(pid) && !ready()) {
         *why = "sim nccl across processes: rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
                ") exited while waiting for " + what;
         return false;
