@@ -369,7 +369,7 @@ void TestStageTwoFavoursTheFasterLink() {
   SetAutotuneMinBytes(0);  // no stage 1: equal shares to start
   // The simulated pcie sleeps, nccl computes on the host: under a sanitizer (host code several times
   // slower) pcie is paced slower by as much, so that nccl is still the faster link.
-  Sim s(4, {.copy_gbps = 0.02 / kSanitizerSlowdown});
+  Sim s(4, {.copy_gbps = 0.01 / kSanitizerSlowdown});
   Expect(s.engine->ConfigureLinks("nccl;pcie").ok(), "stage 2: configure");
   Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{1 << 18}}, 0, {}, false};  // 1 MiB per rank
   auto nccl_share = [&] {
