@@ -249,33 +249,3 @@ def test_fault_env_is_checked_at_import():
   r = run_python("import jax_flexlink", env_extra={"FLEXLINK_FAULTS": "tcp:error@at_call=1",
                                                    "FLEXLINK_LINKS": "shm"})
   assert r.returncode != 0 and "FLEXLINK_FAULTS" in r.stderr and "no link named \"tcp\"" in r.stderr, r.stderr
-
-
-def test_gpu_link_faults_go_to_the_cuda_module():
-  """GPU links' faults (docs/faults.md, "GPU links"; their failover is gpu_sim_test's): a spec naming
-  GPU links goes to the CUDA module and clears the CPU module's, what the GPU engine cannot honour
-  (rank:absent) is refused with the reason, and the CUDA module reports health and failovers.
-  Needs the CUDA module (FLEXLINK_CUDA=ON), not a GPU."""
-  from jax_flexlink._src import native  # noqa: PLC0415
-  cuda = native.cuda_module()
-  if cuda is None:
-    pytest.skip("this build has no CUDA module (FLEXLINK_CUDA=ON)")
-  before = cuda.links_spec()
-  try:
-    cuda.configure_links("nccl;pcie")
-    flx.inject_faults("shm:error@at_call=3")
-    flx.inject_faults("nccl:error@at_call=2,sticky=1")
-    assert flx.faults() == "nccl:error@at_call=2,sticky=1"
-    assert cuda.faults() == "nccl:error@at_call=2,sticky=1" and _flexlink.faults() == ""
-    for spec, why in (("nccl:error@at_call=2;rank:absent@rank=1,at_call=2", "rank:absent is not supported by the GPU engine"),
-                      ("nccl:error@at_call=x", "is not an integer")):
-      with pytest.raises(ValueError, match=why):
-        flx.inject_faults(spec)
-    assert flx.faults() == "nccl:error@at_call=2,sticky=1"  # a refused spec keeps the previous one
-    full = cuda.stats()
-    assert full["health"] == [] and full["failovers"] == {"count": 0, "recent": []}
-    flx.inject_faults("shm:error@at_call=1")
-    assert cuda.faults() == "" and _flexlink.faults() == "shm:error@at_call=1"
-  finally:
-    flx.inject_faults("")
-    cuda.configure_links(before)

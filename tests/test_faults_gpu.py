@@ -95,18 +95,49 @@ assert dict(cuda.health_options()) == before and dict(_flexlink.health_options()
 
 
 def test_gpu_links_take_slow_and_hang():
-  """slow and hang specs on GPU links go to the CUDA module (their effects: gpu_sim_test); rank:absent
-  is still refused with the reason, and a refused spec keeps the previous one."""
+  """slow and hang specs on GPU links go to the CUDA module (their effects: gpu_sim_test), so does
+  rank:absent, and a refused spec keeps the previous one."""
   _run_with_cuda_module("""
 cuda.configure_links("nccl;pcie")
 for spec in ("pcie:slow@factor=3,from_call=2", "nccl:hang@at_call=2", "nccl:slow@factor=2;pcie:hang@at_call=1"):
   flx.inject_faults(spec)
   assert flx.faults() == spec and cuda.faults() == spec and _flexlink.faults() == "", spec
-with pytest.raises(ValueError, match="rank:absent is not supported by the GPU engine"):
-  cuda.inject_faults("rank:absent@rank=1,at_call=2")
+cuda.inject_faults("rank:absent@rank=1,at_call=2")  # the GPU engine's rendezvous: gpu_sim_test
+assert cuda.faults() == "rank:absent@rank=1,at_call=2"
+with pytest.raises(ValueError, match="rank=x"):
+  cuda.inject_faults("rank:absent@rank=x,at_call=2")
+flx.inject_faults("nccl:slow@factor=2;pcie:hang@at_call=1")
 with pytest.raises(ValueError, match="factor"):
   flx.inject_faults("pcie:slow@factor=0.5")
 assert flx.faults() == "nccl:slow@factor=2;pcie:hang@at_call=1"
 flx.inject_faults("")
 assert cuda.faults() == ""
+""")
+
+
+def test_gpu_link_faults_go_to_the_cuda_module():
+  """A spec naming GPU links goes to the CUDA module and clears the CPU module's, one naming no link
+  (rank:absent alone) goes to both, a bad one is refused with the reason and keeps the previous,
+  and the CUDA module reports health and failovers (their failover is gpu_sim_test's)."""
+  _run_with_cuda_module("""
+cuda.configure_links("nccl;pcie")
+flx.inject_faults("shm:error@at_call=3")
+flx.inject_faults("nccl:error@at_call=2,sticky=1")
+assert flx.faults() == "nccl:error@at_call=2,sticky=1"
+assert cuda.faults() == "nccl:error@at_call=2,sticky=1" and _flexlink.faults() == ""
+for spec, why in (("nccl:error@at_call=2;shm:error@at_call=1", 'no link named "nccl"'),
+                  ("nccl:error@at_call=x", "is not an integer")):
+  with pytest.raises(ValueError, match=why):
+    flx.inject_faults(spec)
+assert flx.faults() == "nccl:error@at_call=2,sticky=1"
+# A spec naming no link is both engines' (each has groups whose ranks can stay away).
+flx.inject_faults("rank:absent@rank=1,at_call=2")
+assert cuda.faults() == _flexlink.faults() == flx.faults() == "rank:absent@rank=1,at_call=2"
+flx.inject_faults("nccl:error@at_call=2;rank:absent@rank=0,at_call=3")
+assert cuda.faults() == "nccl:error@at_call=2;rank:absent@rank=0,at_call=3" and _flexlink.faults() == ""
+full = cuda.stats()
+assert full["health"] == [] and full["failovers"] == {"count": 0, "recent": []}
+flx.inject_faults("shm:error@at_call=1")
+assert cuda.faults() == "" and _flexlink.faults() == "shm:error@at_call=1"
+flx.inject_faults("")
 """)

@@ -120,24 +120,28 @@ def _fault_links(spec: str) -> list[str]:
   return names
 
 
-def module_for_faults(spec: str):
-  """The module whose engine takes these faults: the CUDA module when every link they name is one of
+def modules_for_faults(spec: str) -> list:
+  """The modules whose engines take these faults: the CUDA module when every link they name is one of
   its current links and not all are CPU links; otherwise the CPU module (whose parser then names a
-  link it does not have). rank:absent alone is the CPU engine's."""
+  link it does not have). A spec naming no link (rank:absent alone, or "") is every module's: both
+  engines have groups whose ranks can stay away."""
   names = _fault_links(spec)
-  if _flexlink_cuda is None or not names or all(n in _flexlink.links() for n in names):
-    return _flexlink
+  if not names:
+    return list(modules())
+  if _flexlink_cuda is None or all(n in _flexlink.links() for n in names):
+    return [_flexlink]
   gpu = list(_flexlink_cuda.links())
-  return _flexlink_cuda if all(n in gpu for n in names) else _flexlink
+  return [_flexlink_cuda] if all(n in gpu for n in names) else [_flexlink]
 
 
 def set_faults(spec: str) -> None:
-  """Makes `spec` the process's injected faults, in the module it names links of; the other module's
-  faults are cleared, so that one spec is current ("" clears both)."""
-  target = module_for_faults(spec)
-  target.inject_faults(spec)  # a bad spec raises here and the previous faults stay
+  """Makes `spec` the process's injected faults, in the modules it is for; the other module's faults
+  are cleared, so that one spec is current ("" clears both)."""
+  targets = modules_for_faults(spec)
+  for target in targets:
+    target.inject_faults(spec)  # a bad spec raises at the first and the previous faults stay
   for module in modules():
-    if module is not target:
+    if all(module is not t for t in targets):
       module.inject_faults("")
 
 

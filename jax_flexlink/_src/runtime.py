@@ -65,8 +65,9 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
 
 def inject_faults(spec: str) -> None:
   """Injects link and rank faults into the engine's calls from now on (tests and drills;
-  docs/faults.md): the CPU engine's, or the GPU engine's when the spec names GPU links (which take
-  error, slow and hang faults; rank:absent is refused there, docs/faults.md says why). `spec`, as FLEXLINK_FAULTS, is faults separated by `;`:
+  docs/faults.md): the CPU engine's, or the GPU engine's when the spec names GPU links; a spec that
+  names no link (rank:absent alone) is both engines'. `spec`, as FLEXLINK_FAULTS, is faults
+  separated by `;`:
 
     NAME:slow@factor=K[,from_call=N]   link NAME K times slower from its N-th call (default 1)
     NAME:error@at_call=N[,sticky=1]    link NAME fails its N-th call (sticky: and every later one)

@@ -622,10 +622,38 @@ void TestFaults() {
            what + ": " + st[0].message());
     CheckCase(*s.engine, s.h, c, what + ": the next call runs");
   }
-  // What GPU links refuse, and the shared grammar's errors; a refused spec keeps the previous one.
+  // rank:absent: rank 2's device thread stays away from the group's call 2. Nothing of that call is
+  // enqueued anywhere: the others fail at the arrival's deadline naming it, it returns their error
+  // after its own words, stragglers count it absent, and call 3 meets again, exact.
+  {
+    const std::string what = "faults: rank:absent";
+    SetTimeoutSeconds(0.5);
+    Expect(s.engine->ConfigureLinks(spec).ok(), what + ": configure");
+    PinShares(*s.engine, c, 4, {0.5, 0.5});
+    Expect(gpu::SetGpuFaults("rank:absent@rank=2,at_call=2", names()).ok(), what + ": set");
+    CheckCase(*s.engine, s.h, c, what + ", call 1");
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto t0 = Clock::now();
+    const auto st = RunRanks(*s.engine, s.h, c, &out);
+    const double took = Seconds(t0);
+    for (int r = 0; r < 4; ++r) {
+      const std::string& m = st[r].message();
+      const bool named = r == 2 ? m.find("rank 2 (device 2) stayed away from call 2 (injected rank:absent)") != std::string::npos &&
+                                      m.find("waiting for rank 2 (device 2) to arrive") != std::string::npos
+                                : m.find("timed out after 0.5 s waiting for rank 2 (device 2) to arrive") != std::string::npos;
+      Expect(st[r].code() == StatusCode::kDeadlineExceeded && named, what + ": rank " + std::to_string(r) + ": " + m);
+    }
+    Expect(took < 1.5 * 0.5 + 0.5, what + ": every rank back within the deadline, " + std::to_string(took) + " s");
+    CheckCase(*s.engine, s.h, c, what + ", call 3 meets again");
+    std::printf("  %-58s every rank back in %.2f s (timeout 0.5 s)\n", "4 ranks, rank:absent@rank=2,at_call=2", took);
+    SetTimeoutSeconds(20);
+    s.ExpectNoSimErrors(what);
+  }
+  // The shared grammar's errors; a refused spec keeps the previous one.
   Expect(s.engine->ConfigureLinks(spec).ok(), "faults: configure");
+  Expect(gpu::SetGpuFaults("pcie:error@at_call=1", names()).ok(), "faults: set");
   const std::pair<const char*, const char*> refused[] = {
-      {"rank:absent@rank=1,at_call=2", "rank:absent is not supported"},
+      {"rank:absent@rank=x,at_call=2", "rank=x"},
       {"pcie:slow@factor=0.5", "factor"},
       {"shm:error@at_call=1", "no link named \"shm\""},
       {"nccl:error@at_call=0", "is not an integer >= 1"},
@@ -636,7 +664,8 @@ void TestFaults() {
            std::string("faults: refuses ") + text + ": " + st.message());
   }
   Expect(CurrentFaults() && CurrentFaults()->text == "pcie:error@at_call=1", "faults: a refused spec keeps the previous");
-  for (const char* ok : {"nccl:hang@at_call=3", "pcie:slow@factor=3,from_call=2", "nccl:slow@factor=2;pcie:hang@at_call=1"})
+  for (const char* ok : {"nccl:hang@at_call=3", "pcie:slow@factor=3,from_call=2", "nccl:slow@factor=2;pcie:hang@at_call=1",
+                         "rank:absent@rank=1,at_call=2;nccl:error@at_call=1"})
     Expect(gpu::SetGpuFaults(ok, names()).ok() && CurrentFaults()->text == ok, std::string("faults: accepts ") + ok);
   Expect(gpu::SetGpuFaults("", names()).ok() && !CurrentFaults(), "faults: cleared");
   SetHealthOptions(saved);

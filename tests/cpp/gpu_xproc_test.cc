@@ -92,7 +92,7 @@ struct Scenario {
                  // 5: a peer _exits before joining the first call's NCCL communicators; 6: after
                  // joining, before they complete; 7: a peer stalls alive without joining (deadline);
                  // 8: stats, set_shares through the engine and stage 2 across processes;
-                 // 9: error faults and failover across processes
+                 // 9: error faults and failover across processes; 10: rank:absent across processes
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -254,7 +254,7 @@ uint64_t gpu_failovers() { return FailoverCount(); }
   alarm(120);
   g_passed = g_failed = 0;  // fork copied the parent's counts
   // The stalled-join scenario waits for the deadline itself: a short one keeps it quick.
-  SetTimeoutSeconds(s.mode == 7 ? 3 : 60);
+  SetTimeoutSeconds(s.mode == 7 ? 3 : s.mode == 10 ? 1 : 60);
   Local L(s, p);
   Status st = L.engine->ConfigureLinks(s.links);
   if (!st.ok()) {
@@ -434,6 +434,40 @@ uint64_t gpu_failovers() { return FailoverCount(); }
     // Cleared: the group still works (a refused call fails alike everywhere, it breaks nothing).
     Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
     for (int i = 0; i < 2; ++i) L.Check(c, ++run, s.what + ": after the faults");
+  } else if (s.mode == 10) {
+    // Injected rank:absent across processes: the group's last rank (in the last process) stays away
+    // from call 2. Every other rank, in every process, times out at the arrival naming it; the absent
+    // rank returns that after its own words; no NCCL operation of call 2 runs; like a dead process,
+    // the group is then broken and later calls fail at once.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{1000}}, 0, {}, false};
+    const std::string absent = std::to_string(N - 1);
+    Expect(gpu::SetGpuFaults("rank:absent@rank=" + absent + ",at_call=2", {"nccl", "pcie"}).ok(), s.what + ": set");
+    L.Check(c, ++run, s.what + ": call 1");
+    const size_t ops = L.comm.operations();
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto t0 = Clock::now();
+    const auto status = L.Run(c, &out, ++run);
+    const double took = Seconds(t0);
+    Expect(took < 1.5 * 1 + 1, s.what + ": every rank back within 1.5 x the 1 s timeout (" + std::to_string(took) + " s)");
+    for (size_t i = 0; i < status.size(); ++i) {
+      const std::string& m = status[i].message();
+      const bool mine = std::to_string(L.local[i]) == absent;
+      const bool named = mine ? m.find("rank " + absent + " (device") != std::string::npos &&
+                                    m.find("stayed away from call 2 of cross-process group") != std::string::npos
+                              : m.find("timed out") != std::string::npos && m.find("rank " + absent + " (device") != std::string::npos;
+      // The first rank to time out fails the group with its report; the others carry that report.
+      Expect(!status[i].ok() && (!mine || status[i].code() == StatusCode::kDeadlineExceeded) && named &&
+                 m.find("all_reduce") != std::string::npos,
+             s.what + ": rank " + std::to_string(L.local[i]) + " names the absent rank: " + m);
+    }
+    Expect(L.comm.operations() == ops, s.what + ": nothing of call 2 reached NCCL");
+    Expect(gpu::SetGpuFaults("", {"nccl", "pcie"}).ok(), s.what + ": cleared");
+    const auto t1 = Clock::now();
+    const auto again = L.Run(c, &out, ++run);
+    for (size_t i = 0; i < again.size(); ++i)
+      Expect(!again[i].ok() && again[i].message().find("broken") != std::string::npos && Seconds(t1) < 1,
+             s.what + ": a later call fails at once: " + again[i].message());
+    (void)L.device.TakeErrors();
   } else if (s.mode >= 5) {
     // A peer fails during the first call's communicator set-up (CommApi::InitRanks, non-blocking):
     // the survivors' joins must end, naming the rank, well before the deadline (dead peer) or at it
@@ -733,6 +767,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "a peer never joins the communicators (deadline)", 2, per, "nccl", 7});
     RunScenario({shape + "nccl;pcie stage 2, stats and set_shares", 2, per, "nccl@staging_mib=0.0625;pcie", 8, 0, 0.02});
     RunScenario({shape + "nccl;pcie error faults and failover", 2, per, "nccl@staging_mib=0.0625;pcie", 9});
+    RunScenario({shape + "rank:absent", 2, per, "nccl;pcie", 10});
   }
   const auto after = ShmEntries();
   std::string left;

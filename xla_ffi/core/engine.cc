@@ -220,13 +220,7 @@ Status RunCollectiveOrThrow(const CollectiveArgs& args) {
   std::shared_ptr<CallContext> call = comm->Join(rank, args.run_id, args.label);
   if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
     const uint64_t c = group->calls->Next(rank, *faults);
-    if (faults->AbsentAt(rank, c)) {
-      // Injected rank:absent: this rank never arrives; the others' deadline names it.
-      Status s = call->WaitAbandoned(rank);
-      return Status::DeadlineExceeded(ErrorPrefix(args.label) + "rank " + std::to_string(rank) + " (device " +
-                                      std::to_string(args.device) + ") stayed away from call " +
-                                      std::to_string(c) + " (injected rank:absent): " + s.message());
-    }
+    if (faults->AbsentAt(rank, c)) return StayAway(*call, args.label, rank, args.device, c);
   }
   if (group->executor) return group->executor->Run(*call, rank, desc);
   // One link runs the whole call: the ranks fault the outputs in together, starting now, before

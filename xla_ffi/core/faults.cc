@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "xla_ffi/core/link_set.h"
+#include "xla_ffi/core/rendezvous.h"
 
 namespace flexlink {
 namespace {
@@ -212,6 +213,13 @@ std::shared_ptr<const FaultSet> CurrentFaults() {
   if (!g_any.load(std::memory_order_acquire)) return nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
   return g_current;
+}
+
+Status StayAway(CallContext& call, std::string_view label, int rank, int64_t device, uint64_t call_number) {
+  const Status others = call.WaitAbandoned(rank);
+  return Status::DeadlineExceeded(ErrorPrefix(label) + "rank " + std::to_string(rank) + " (device " +
+                                  std::to_string(device) + ") stayed away from call " + std::to_string(call_number) +
+                                  " (injected rank:absent): " + others.message());
 }
 
 }  // namespace flexlink

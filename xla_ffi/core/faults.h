@@ -59,6 +59,13 @@ void SetParsedFaults(std::string_view text, std::vector<Fault> faults);
 // The current faults; null when none are set (the fast path).
 std::shared_ptr<const FaultSet> CurrentFaults();
 
+// Injected rank:absent in one process (the CPU and GPU engines): rank `rank` joins the group's call
+// `call` but never arrives; it waits until the others abandon the call at their deadline (their
+// error names it; CallContext::WaitAbandoned, at most 1.5 x the timeout) and returns their error
+// after its own words.
+class CallContext;
+Status StayAway(CallContext& call, std::string_view label, int rank, int64_t device, uint64_t call_number);
+
 // A per-rank call counter that restarts whenever the faults change (each rank counts on its own
 // thread; all ranks of a group make the same calls, so their counts agree).
 class FaultCounter {

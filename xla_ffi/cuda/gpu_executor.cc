@@ -35,6 +35,7 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
       ranks_(group_.size()),
       timings_(group_.size()),
       profiler_(this),
+      absent_calls_(group_.size()),
       clean_rate_(names_.size(), 0.0) {
   for (const auto& link : links_->links)
     channels_.push_back(std::make_unique<FaultyGpuChannel>(link->Open(group_), group_.size()));
@@ -72,6 +73,11 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
     PollTimings(rank);
     profiler_.Poll(rank);
   }
+  uint64_t absent = 0;  // injected rank:absent: the group's call this rank stays away from
+  if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
+    const uint64_t c = absent_calls_.Next(rank, *faults);
+    if (faults->AbsentAt(rank, c)) absent = c;
+  }
   CallState* state = ctx.ExecutorState<CallState>([&] {
     auto s = std::make_shared<CallState>();
     {
@@ -104,6 +110,22 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
     s->record = timings_.Open(s->plan, bytes, std::move(link_bytes), s->call, std::move(link_message));
     return s;
   });
+  // A rank leaves the call's host part once (the hang detector waits for every rank of a call begun
+  // before a break to have left before it aborts the communicators).
+  auto leave = [&] {
+    if (state->left.fetch_add(1) + 1 == n) {
+      std::lock_guard<std::mutex> lock(broken_mu_);
+      --host_calls_;
+    }
+  };
+  if (absent) {
+    // It takes part in the call's state (so that the call is accounted for) but never arrives; the
+    // others fail at the arrival's deadline naming it, before anything is enqueued.
+    Status s = state->broken.empty() ? StayAway(ctx, ctx.label(), rank, group_.ids[rank], absent)
+                                     : Status::Unavailable(ErrorPrefix(ctx.label()) + state->broken);
+    if (state->broken.empty()) leave();
+    return s;
+  }
   Status status;
   if (!state->broken.empty()) {
     status = Status::Unavailable(ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
@@ -127,10 +149,7 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
     for (const std::string& e : state->errors) moved |= !e.empty();
   }
   if (!status.ok() || state->masked || moved) timings_.Lose(state->record);
-  if (state->left.fetch_add(1) + 1 == n) {
-    std::lock_guard<std::mutex> lock(broken_mu_);
-    --host_calls_;
-  }
+  leave();
   return status;
 }
 

@@ -174,6 +174,7 @@ class GpuExecutor {
   TimingBook timings_;
   GpuProfiler profiler_;
 
+  FaultCounter absent_calls_;  // the group's calls per rank, for injected rank:absent
   SetupOnce setup_;  // the group's set-up (streams, events, NCCL communicators, pinned pools)
 
   // Rates measured without injected delays, per link: seconds per nccl-tests byte (0: none yet).

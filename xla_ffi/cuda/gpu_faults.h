@@ -6,9 +6,11 @@
 //   slow:  the range is enqueued, then a device-side delay of (K - 1) x its predicted time on the
 //          same stream (DeviceApi::Delay), so its completion event, stage 2 and health see it;
 //   hang:  the link's stream first waits on a host flag that nobody sets (DeviceApi::WaitFlag): the
-//          range never completes until the executor's hang detector (gpu_watchdog.cc) declares it
+//          range never completes until the executor's hang detector (GpuExecutor::Watch, on the engine's watchdog thread) declares it
 //          hung past its deadline, breaks the group and releases the stream.
-// rank:absent is refused (SetGpuFaults says why).
+// rank:absent is the engine's, not a link's: the rank's device thread never arrives at the host
+// rendezvous (GpuExecutor::Run; across processes GpuXprocGroup::Run), so nothing of the call is
+// enqueued anywhere and the others' deadline names it.
 #pragma once
 
 #include <memory>
@@ -44,8 +46,7 @@ class FaultyGpuChannel : public GpuChannel {
   FaultCounter counter_;
 };
 
-// inject_faults for the CUDA module: the shared grammar (core/faults.h) against the GPU links'
-// names; rank:absent is refused (the GPU engine's rendezvous deadline is tested without injection).
+// inject_faults for the CUDA module: the shared grammar (core/faults.h) against the GPU links' names.
 Status SetGpuFaults(std::string_view text, const std::vector<std::string>& links);
 
 }  // namespace flexlink::gpu

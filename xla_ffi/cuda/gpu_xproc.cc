@@ -21,6 +21,7 @@
 #include "xla_ffi/plan/ranges.h"
 #include "xla_ffi/xproc/layout.h"
 #include "xla_ffi/xproc/process_group.h"
+#include "xla_ffi/xproc/xproc_executor.h"
 
 namespace flexlink::gpu {
 
@@ -65,7 +66,8 @@ GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, Group
         for (size_t i : GpuXprocLinksOf(*links_).used) names.emplace_back(links_->links[i]->name());
         return names;
       }(), options),
-      ranks_(group_.size()) {
+      ranks_(group_.size()),
+      absent_calls_(group_.size()) {
   const GpuXprocLinks which = GpuXprocLinksOf(*links_);
   left_out_ = which.left_out;
   for (size_t i : which.used) {
@@ -88,6 +90,10 @@ std::optional<std::string> GpuXprocGroup::broken() const { return segment_->brok
 
 Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::string_view label, int64_t run_id) {
   xproc::ProcessGroup& seg = *segment_;
+  if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
+    const uint64_t c = absent_calls_.Next(rank, *faults);
+    if (faults->AbsentAt(rank, c)) return xproc::StayAway(&seg, rank, c, label);
+  }
   const uint64_t call = seg.rank_calls(rank) + 1;  // Arrive counts it
   const size_t links = used_names_.size();
   const auto where = [&] {

@@ -159,6 +159,7 @@ class GpuXprocGroup {
   plan::Balancer balancer_;
   std::vector<int> local_;  // local ranks, ascending
   std::vector<Rank> ranks_;
+  FaultCounter absent_calls_;  // the group's calls per local rank, for injected rank:absent
 
   SetupOnce setup_;  // this process's part of the set-up (SetupLocal)
 };

@@ -599,11 +599,6 @@ XprocLinks XprocLinksOf(ProcessGroup* group) {
   return Resolve(group, *set).info;
 }
 
-namespace {
-
-// Injected rank:absent (core/faults.h) across processes: this rank never arrives. The other ranks'
-// deadline fails the group with their report naming it; this rank returns that (polling the
-// segment's abort word, at most 1.5 x the timeout: nothing else of the call is ours to wait on).
 Status StayAway(ProcessGroup* group, int rank, uint64_t call, std::string_view label) {
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -616,8 +611,6 @@ Status StayAway(ProcessGroup* group, int rank, uint64_t call, std::string_view l
                                   std::to_string(call) + " of cross-process group " + FormatIds(group->devices()) +
                                   " (injected rank:absent)" + (broken ? ": " + *broken : std::string()));
 }
-
-}  // namespace
 
 Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
   Entry* e = EntryFor(group);

@@ -48,6 +48,12 @@ XprocLinks XprocLinksOf(ProcessGroup* group);
 // with one usable link, on the segment alone.
 Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
 
+// Injected rank:absent across processes (core/faults.h): local rank `rank` never arrives at the
+// group's call `call`. The other ranks' deadline fails the group, their report naming it; this rank
+// returns that (it polls the segment's abort word, at most 1.5 x the timeout: nothing else of the
+// call is its to wait on). The CPU groups' RunXprocCall and the GPU groups' (cuda/gpu_xproc.h).
+Status StayAway(ProcessGroup* group, int rank, uint64_t call, std::string_view label);
+
 // The leader's plans of this process's cross-process groups (those whose rank 0 is local) under the
 // current link set, for SnapshotPlans.
 std::vector<PlanSnapshot> SnapshotXprocPlans();
