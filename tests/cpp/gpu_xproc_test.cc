@@ -92,7 +92,9 @@ struct Scenario {
                  // 5: a peer _exits before joining the first call's NCCL communicators; 6: after
                  // joining, before they complete; 7: a peer stalls alive without joining (deadline);
                  // 8: stats, set_shares through the engine and stage 2 across processes;
-                 // 9: error faults and failover across processes; 10: rank:absent across processes
+                 // 9: error faults and failover across processes; 10: rank:absent across processes;
+                 // 11: slow faults across processes (stage 2 moves share off); 12: a hang across
+                 // processes (the hang detector breaks the group in every process)
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -434,6 +436,75 @@ uint64_t gpu_failovers() { return FailoverCount(); }
     // Cleared: the group still works (a refused call fails alike everywhere, it breaks nothing).
     Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
     for (int i = 0; i < 2; ++i) L.Check(c, ++run, s.what + ": after the faults");
+  } else if (s.mode == 11) {
+    // nccl:slow@factor=30 in every process: a device-side delay after each nccl range on every rank
+    // (29 x its predicted time). The same stage 2 as mode 8, twice from 0.5/0.5: clean, then slowed;
+    // the slowed run must end with at most half the clean run's nccl share (nccl is the faster link
+    // of the simulation, pcie's copies being paced), results exact meanwhile.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{8192}}, 0, {}, false};
+    const uint64_t bucket = plan::BucketOf(CaseBytes(c, N));
+    const std::vector<std::string> names{"nccl", "pcie"};
+    auto nccl_share_after = [&](const std::string& phase) {
+      Expect(L.engine->SetShares(c.kind, bucket, {0.5, 0.5}, false).ok(), s.what + ": " + phase + ": shares");
+      for (int i = 0; i < 30; ++i) {
+        L.Check(c, ++run, s.what + ": " + phase);
+        if (getenv("GPU_XPROC_DEBUG") && p == 0)
+          for (const PlanSnapshot& ps : L.engine->SnapshotPlans())
+            if (ps.group == L.group && ps.plan.kind == c.kind)
+              std::printf("%s call %d: %s %.3f\n", phase.c_str(), i, std::string(plan::Name(ps.plan.mode)).c_str(), ps.plan.shares.at(0));
+      }
+      double share = -1;
+      for (const PlanSnapshot& ps : L.engine->SnapshotPlans())
+        if (ps.group == L.group && ps.plan.kind == c.kind) share = ps.plan.shares.at(0);
+      return share;
+    };
+    const double clean = nccl_share_after("clean");
+    Expect(gpu::SetGpuFaults("nccl:slow@factor=30", names).ok(), s.what + ": set");
+    const double slowed = nccl_share_after("slowed");
+    Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
+    if (p == 0) {
+      std::printf("  %s: the leader's nccl share after 30 calls from 0.5: clean %.3f, slowed %.3f\n", s.what.c_str(),
+                  clean, slowed);
+      Expect(clean > 0.4 && slowed >= 0 && slowed <= 0.5 * clean,
+             s.what + ": stage 2 moved share off the slowed nccl link (clean " + std::to_string(clean) + ", slowed " +
+                 std::to_string(slowed) + ")");
+    }
+  } else if (s.mode == 12) {
+    // nccl:hang@at_call=2 in every process, link deadline 0.3 s: call 2's nccl range waits on each
+    // rank's hang flag on the device. The call itself returns (it only enqueues); each process's
+    // hang detector finds its ranges past their deadline, breaks the group in every process and
+    // releases the streams, so the device drains within about the deadline instead of the 60 s
+    // timeout, and call 3 fails at once in every process naming call 2's nccl range.
+    HealthOptions o = GetHealthOptions();
+    o.link_timeout_s = 0.3;
+    SetHealthOptions(o);
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
+    const std::vector<std::string> names{"nccl", "pcie"};
+    Expect(gpu::SetGpuFaults("nccl:hang@at_call=2", names).ok(), s.what + ": set");
+    L.Check(c, ++run, s.what + ": call 1");
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    const auto t0 = Clock::now();
+    const auto status = L.Run(c, &out, ++run);  // returns once the device drained (SynchronizeAll)
+    const double drained = Seconds(t0);
+    for (size_t i = 0; i < status.size(); ++i)
+      Expect(status[i].ok(), s.what + ": call 2 enqueues on rank " + std::to_string(L.local[i]) + ": " + status[i].message());
+    Expect(drained > 0.25 && drained < 5, s.what + ": the device drained after about the 0.3 s deadline, not the 60 s "
+                                          "timeout (" + std::to_string(drained) + " s)");
+    const auto t1 = Clock::now();
+    const auto again = L.Run(c, &out, ++run);
+    const double refused = Seconds(t1);
+    for (size_t i = 0; i < again.size(); ++i) {
+      const std::string& m = again[i].message();
+      Expect(!again[i].ok() && m.find("call 2's nccl range on group " + FormatIds(L.group)) != std::string::npos &&
+                 m.find("within its deadline") != std::string::npos && m.find("hang detector") != std::string::npos &&
+                 refused < 1,
+             s.what + ": call 3 fails at once on rank " + std::to_string(L.local[i]) + ", naming the hung call: " + m);
+    }
+    if (p == 0)
+      std::printf("  %s: drained in %.2f s (link deadline 0.3 s), call 3 refused in %.3f s\n", s.what.c_str(), drained,
+                  refused);
+    Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
+    (void)L.device.TakeErrors();
   } else if (s.mode == 10) {
     // Injected rank:absent across processes: the group's last rank (in the last process) stays away
     // from call 2. Every other rank, in every process, times out at the arrival naming it; the absent
@@ -768,6 +839,8 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie stage 2, stats and set_shares", 2, per, "nccl@staging_mib=0.0625;pcie", 8, 0, 0.02});
     RunScenario({shape + "nccl;pcie error faults and failover", 2, per, "nccl@staging_mib=0.0625;pcie", 9});
     RunScenario({shape + "rank:absent", 2, per, "nccl;pcie", 10});
+    RunScenario({shape + "nccl;pcie slow faults", 2, per, "nccl@staging_mib=0.0625;pcie", 11, 0, 0.05});
+    RunScenario({shape + "nccl;pcie hang", 2, per, "nccl@staging_mib=0.0625;pcie", 12});
   }
   const auto after = ShmEntries();
   std::string left;

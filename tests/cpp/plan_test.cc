@@ -465,6 +465,24 @@ void TestNoModel() {
         "no model: a trial measures the single link, then the split settles: " + b.Describe(*plan));
 }
 
+// set_shares(pinned=False) starts stage 2 over: a single link's rate measured before (nvlink alone,
+// fast) must not send the new split back to it once it has become slow.
+void TestSetSharesStartsOver() {
+  Sim sim{{{5e-6, 100e9}, {10e-6, 1e9}}};
+  Balancer b({"nvlink", "pcie"});
+  const uint64_t bytes = 32 << 20;
+  for (int c = 0; c < 60; ++c) Call(b, sim, Kind::kAllReduce, bytes);
+  auto before = b.PlanFor(Kind::kAllReduce, bytes);
+  Check(before->shares[0] == 1, "a fast nvlink alone: " + b.Describe(*before));
+  sim.links[0].bw = 0.5e9;  // nvlink now half pcie's speed
+  Check(b.SetShares(Kind::kAllReduce, BucketOf(bytes), {0.5, 0.5}, /*pinned=*/false).ok(), "set_shares");
+  for (int c = 0; c < 60; ++c) Call(b, sim, Kind::kAllReduce, bytes);
+  auto after = b.PlanFor(Kind::kAllReduce, bytes);
+  const std::vector<double> opt = EqualFinishShares(sim.Truth(), double(bytes));
+  Check(after->mode != PlanMode::kFallback && MaxError(after->shares, opt) <= 0.05,
+        "after set_shares, the split of the slowed link set (optimum " + Shares(opt) + "): " + b.Describe(*after));
+}
+
 void TestProfileMode() {
   BalancerOptions o;
   o.profile_from_bytes = 1 << 20;
@@ -902,6 +920,7 @@ int main() {
       {"convergence", TestConvergence},  {"convergence_latency", TestConvergenceLatencyBound},
       {"fallback", TestFallback},
       {"no_model", TestNoModel},         {"threads", TestThreads},
+      {"set_shares_starts_over", TestSetSharesStartsOver},
       {"measured_threshold", TestMeasuredThreshold}, {"profile_mode", TestProfileMode},
       {"seed", TestSeed},
       {"cache", TestCache},              {"cache_new_kinds", TestCacheNewKinds},

@@ -65,6 +65,7 @@ void GpuEngine::WatchLoop() {
     }
     // Old link sets' groups too: a hang there still needs its streams released.
     for (GpuExecutor* ex : groups) ex->Watch();
+    WatchGpuXprocGroups(*this);
     lock.lock();
   }
 }

@@ -80,6 +80,11 @@ class GpuEngine {
   // statistics now, rather than at each group's next call; never waits for the device.
   void PollTimings();
   SplitLog& splits() { return splits_; }
+  // The hang detector's thread (gpu_executor.h Watch, gpu_xproc.h Watch): started with the engine's
+  // first group (in process or across processes), it polls every group's pending events every
+  // kWatchTick, so that a hang is found even when no later call comes; stopped and joined by the
+  // destructor.
+  void StartWatchdog();
 
  private:
   Status RunOrThrow(const CollectiveArgs& args, Stream stream);
@@ -90,10 +95,6 @@ class GpuEngine {
   void ForEachCurrent(F&& f);
 
   static uint64_t NextSerial();
-  // The hang detector's thread (gpu_executor.h Watch): started with the engine's first group, it
-  // polls every group's pending events every kWatchTick, so that a hang is found even when no
-  // later call comes; stopped and joined by the destructor.
-  void StartWatchdog();
   void StopWatchdog();
   void WatchLoop();
   static constexpr double kWatchTick = 0.02;

@@ -94,6 +94,13 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     const uint64_t c = absent_calls_.Next(rank, *faults);
     if (faults->AbsentAt(rank, c)) return xproc::StayAway(&seg, rank, c, label);
   }
+  // Counted from here to the end of the enqueue: the watchdog aborts this process's communicators
+  // only when no local rank can be enqueuing on them.
+  inside_.fetch_add(1, std::memory_order_acq_rel);
+  struct Leave {
+    std::atomic<int>& inside;
+    ~Leave() { inside.fetch_sub(1, std::memory_order_acq_rel); }
+  } leave{inside_};
   const uint64_t call = seg.rank_calls(rank) + 1;  // Arrive counts it
   const size_t links = used_names_.size();
   const auto where = [&] {
@@ -158,13 +165,16 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   for (size_t i = 0; i < links; ++i)
     if (!ranges[i].empty()) work[i].push_back(ranges[i]);
   bool moved = false;
+  Effects effects(links);
   if (slot.unhealthy & kAgreeBit) {
     // Every rank of every process runs the same rounds and ends with the same assignment, or the
     // same error (nothing enqueued anywhere: the group stays usable).
-    FLEXLINK_RETURN_IF_ERROR(Agree(rank, desc, ranges, label, call, run_id, &work, &moved));
+    FLEXLINK_RETURN_IF_ERROR(Agree(rank, desc, ranges, label, call, run_id, &work, &moved, &effects));
   }
-  if (moved && rank == 0 && !planned_.empty()) planned_[call % planned_.size()].plan = nullptr;  // stage 2: not the plan's times
-  Status s = Enqueue(rank, desc, stream, ranges, work, label, call, run_id);
+  // Stage 2 learns from the plan's own ranges, slowed ones included (it moves load off a slow
+  // link), not from a call whose ranges moved.
+  if (moved && rank == 0 && !planned_.empty()) planned_[call % planned_.size()].plan = nullptr;
+  Status s = Enqueue(rank, desc, stream, ranges, work, effects, label, call, run_id);
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
   if (!s.ok()) seg.Abort(rank, s.message());
@@ -296,11 +306,16 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
       for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
     // Timing events (stage 2, stats): one call in flight per ring entry; they also fork and join
     // the side streams.
+    void* flag = nullptr;
+    FLEXLINK_RETURN_IF_ERROR(check(api_.AllocPinnedHost(sizeof(uint32_t), &flag)));
+    k.hang_flag = static_cast<uint32_t*>(flag);
+    *k.hang_flag = 0;  // nothing waits on it yet
     k.timed.assign(kTimed, Timed{});
     for (Timed& t : k.timed) {
       FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &t.start)));
       t.stop.assign(channels_.size(), nullptr);
       t.used.assign(channels_.size(), 0);
+      t.budget.assign(channels_.size(), 0.0);
       for (Event& e : t.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &e)));
     }
   }
@@ -308,7 +323,8 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
 }
 
 Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
-                              const Assignment& work, std::string_view label, uint64_t call, int64_t run_id) {
+                              const Assignment& work, const Effects& effects, std::string_view label, uint64_t call,
+                              int64_t run_id) {
   Rank& k = ranks_[rank];
   std::vector<size_t> used;
   for (size_t i = 0; i < work.size(); ++i)
@@ -322,22 +338,37 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
   const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
   // This call's timing entry; one still unread (its call not complete on the device after kTimed
   // later calls were enqueued) is given up: its events are recorded again for this call.
+  std::lock_guard<std::mutex> lock(k.timed_mu);  // the watchdog's PollHangs reads the entry
   Timed& t = k.timed[call % kTimed];
   t.call = 0;
+  t.kind = desc.kind;
+  t.started = false;
   FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.start, stream)));
   thread_local std::vector<Piece> pieces;
-  for (size_t i = 0; i < t.used.size(); ++i) t.used[i] = 0;
+  const uint64_t message = MessageBytes(desc, group_.size());
+  for (size_t i = 0; i < t.used.size(); ++i) t.used[i] = 0, t.budget[i] = 0;
   for (size_t i : used) {
     const Stream on = alone ? stream : k.side[i];
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, t.start)));
+    // An injected hang: the stream waits on this rank's flag, which only the hang detector sets;
+    // the device-side bound is the global timeout, far past the link's deadline.
+    if (effects[i].hang) FLEXLINK_RETURN_IF_ERROR(check(api_.WaitFlag(k.hang_flag, TimeoutSeconds(), on)));
     // Its own range, then any it carries for a refused link, in link order: the same on every rank.
     pieces.clear();
     thread_local std::vector<Piece> more;
+    uint64_t units = 0;
     for (const plan::UnitRange& r : work[i]) {
       desc.PiecesOf(UnitRange{r.begin, r.end}, &more);
       pieces.insert(pieces.end(), more.begin(), more.end());
+      units += r.size();
     }
     FLEXLINK_RETURN_IF_ERROR(check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label})));
+    const double predicted =
+        Predict(desc.kind, i, desc.virtual_bytes() ? double(message) * double(units) / double(desc.virtual_bytes()) : 0);
+    // An injected slow fault: a device-side delay after the range, K - 1 times its predicted time.
+    const double delay = effects[i].slow > 1 ? (effects[i].slow - 1) * predicted : 0;
+    if (delay > 0) FLEXLINK_RETURN_IF_ERROR(check(api_.Delay(delay, on)));
+    t.budget[i] = LinkBudgetSeconds(predicted) + delay;
     FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.stop[i], on)));
     if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, t.stop[i])));
     t.used[i] = 1;
@@ -352,7 +383,8 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
 }
 
 Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
-                            std::string_view label, uint64_t call, int64_t run_id, Assignment* work, bool* moved) {
+                            std::string_view label, uint64_t call, int64_t run_id, Assignment* work, bool* moved,
+                            Effects* effects) {
   xproc::ProcessGroup& seg = *segment_;
   const size_t links = used_names_.size();
   const std::shared_ptr<const FaultSet> none = std::make_shared<FaultSet>();
@@ -360,16 +392,26 @@ Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<pl
   if (!faults) faults = none;  // this process has none: it refuses nothing, but joins the rounds
   std::vector<std::string> errors(links);
   // Whether `link` refuses this rank's next range (the FaultyGpuChannel::Admit rule: an error
-  // fault of the link firing at its range count; slow and hang are not injected across processes).
+  // fault of the link firing at its range count). A slow or hang fault firing there goes with the
+  // range onto the device if it is admitted (*effects); one that fires on a refused range does not.
   auto refused = [&](size_t link) {
     const uint64_t n = fault_calls_[link].Next(rank, *faults);
-    for (const Fault& f : faults->faults)
-      if (f.kind == Fault::Kind::kError && f.link == used_names_[link] && f.FiresAt(n)) {
+    FaultyGpuChannel::Effect e;
+    for (const Fault& f : faults->faults) {
+      if (f.link != used_names_[link] || !f.FiresAt(n)) continue;
+      if (f.kind == Fault::Kind::kError) {
         if (errors[link].empty())
           errors[link] = ErrorPrefix(label) + "link " + used_names_[link] + ": injected error at its call " +
                          std::to_string(n) + " (FLEXLINK_FAULTS \"" + faults->text + "\")";
         return true;
       }
+      if (f.kind == Fault::Kind::kSlow) e.slow = std::max(e.slow, f.factor), e.call = n;
+      if (f.kind == Fault::Kind::kHang) e.hang = true, e.call = n;
+    }
+    FaultyGpuChannel::Effect& into = (*effects)[link];
+    into.slow = std::max(into.slow, e.slow);
+    into.hang = into.hang || e.hang;
+    if (e.call) into.call = e.call;
     return false;
   };
   // Every rank's mask of round `round`, ORed (written before the round's barrier, read after it;
@@ -434,6 +476,7 @@ Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<pl
 
 void GpuXprocGroup::WriteTimes(int rank, uint64_t call) {
   Rank& k = ranks_[rank];
+  std::lock_guard<std::mutex> lock(k.timed_mu);
   const size_t links = used_names_.size();
   xproc::TimesSlot& out = segment_->times_slot(rank, call);
   out.call = 0;  // none, unless a completed call is found below
@@ -485,6 +528,100 @@ void GpuXprocGroup::GatherTimes(uint64_t call) {
       if (p.seconds[i] > 0) RecordLinkCall(used_names_[i], p.link_bytes[i], p.seconds[i]);
     if (outcome.changed) LogInfo("group " + FormatIds(group_.ids) + " across processes: " + outcome.reason);
     p = Planned{};
+  }
+}
+
+double GpuXprocGroup::Predict(Kind kind, size_t link, double message_bytes) const {
+  thread_local std::vector<plan::AlphaBeta> fits;
+  if (balancer_.FitsFor(kind, &fits) && link < fits.size()) return fits[link].Predict(message_bytes);
+  constexpr double kUnfittedBytesPerSecond = 100e6;  // as the in-process executor: pessimistic
+  return message_bytes / kUnfittedBytesPerSecond;
+}
+
+// --- the hang detector ---------------------------------------------------------------------------
+
+void GpuXprocGroup::PollHangs(int rank) {
+  Rank& k = ranks_[rank];
+  std::lock_guard<std::mutex> lock(k.timed_mu);
+  // The oldest call still pending on the device (calls complete in order on XLA's stream): its
+  // ranges' clocks start once its start event is seen complete.
+  Timed* oldest = nullptr;
+  for (Timed& t : k.timed)
+    if (t.call != 0 && (!oldest || t.call < oldest->call)) oldest = &t;
+  while (oldest) {
+    std::string error;
+    bool pending = false;
+    for (size_t i = 0; i < oldest->used.size(); ++i)
+      if (oldest->used[i]) pending |= api_.Query(oldest->stop[i], &error) == Poll::kPending;
+    if (!pending) {  // done: the next one, if any, is the oldest pending
+      Timed* next = nullptr;
+      for (Timed& t : k.timed)
+        if (t.call > oldest->call && (!next || t.call < next->call)) next = &t;
+      oldest = next;
+      continue;
+    }
+    if (!oldest->started) {
+      if (api_.Query(oldest->start, &error) != Poll::kDone) return;
+      oldest->started = true;
+      oldest->started_at = std::chrono::steady_clock::now();
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest->started_at).count();
+    for (size_t i = 0; i < oldest->used.size(); ++i)
+      if (oldest->used[i] && oldest->budget[i] > 0 && waited > oldest->budget[i] &&
+          api_.Query(oldest->stop[i], &error) == Poll::kPending) {
+        Hung(*oldest, rank, i, waited);
+        return;
+      }
+    return;
+  }
+}
+
+void GpuXprocGroup::Hung(const Timed& t, int rank, size_t link, double waited) {
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (hung_) return;
+    hung_ = true;
+    broken_at_ = std::chrono::steady_clock::now();
+  }
+  char budget[64];
+  std::snprintf(budget, sizeof budget, "%.3g s (waited %.3g s)", t.budget[link], waited);
+  const std::string reason = "call " + std::to_string(t.call) + "'s " + used_names_[link] + " range on group " +
+                             FormatIds(group_.ids) + " (" + std::string(Name(t.kind)) + ", " +
+                             std::string(kGpuXprocLink) + ") did not complete on the device of " +
+                             segment_->DescribeRank(rank) + " within its deadline of " + budget +
+                             " (the hang detector); the results of call " + std::to_string(t.call) +
+                             " and of every call enqueued after it cannot be trusted, and the group runs nothing "
+                             "more (its streams released, its communicators aborted in every process)";
+  // Every process's later calls fail with this reason (the segment's abort word), and their
+  // watchdogs release their own streams.
+  segment_->Abort(rank, reason);
+  LogInfo("group " + FormatIds(group_.ids) + " across processes: " + reason);
+  for (int r : local_)
+    if (ranks_[r].hang_flag) std::atomic_ref<uint32_t>(*ranks_[r].hang_flag).store(1, std::memory_order_release);
+}
+
+void GpuXprocGroup::Watch() {
+  if (!setup_.ready()) return;
+  for (int r : local_) PollHangs(r);
+  // Broken here or in another process (a hang there, or a dead peer): this process's streams may
+  // wait on peers that will never come, and only aborting the communicators releases them.
+  if (!segment_->aborted()) return;
+  std::unique_lock<std::mutex> lock(broken_mu_);
+  if (released_) return;
+  if (!hung_ && broken_at_ == std::chrono::steady_clock::time_point{}) broken_at_ = std::chrono::steady_clock::now();
+  const double since = std::chrono::duration<double>(std::chrono::steady_clock::now() - broken_at_).count();
+  // Not while a local rank may be enqueuing on the communicators (as in one process); a rank that
+  // never comes back is waited for as long as the rendezvous would.
+  if (inside_.load(std::memory_order_acquire) > 0 && since < 1.5 * TimeoutSeconds()) return;
+  released_ = true;
+  lock.unlock();
+  for (int r : local_)
+    if (ranks_[r].hang_flag) std::atomic_ref<uint32_t>(*ranks_[r].hang_flag).store(1, std::memory_order_release);
+  for (auto& channel : channels_) {
+    Status s = channel->Abort();
+    if (!s.ok())
+      LogInfo("group " + FormatIds(group_.ids) + " across processes: releasing link " +
+              std::string(channel->link_name()) + " after the break: " + s.message());
   }
 }
 
@@ -545,6 +682,7 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
                                    " across processes is already registered in this process");
   reg.groups.emplace(std::move(key), std::move(group));
   reg.generation.fetch_add(1);
+  engine.StartWatchdog();  // the hang detector's thread (Watch)
   return Status::Ok();
 }
 
@@ -712,6 +850,17 @@ std::vector<GpuXprocInfo> GpuXprocGroups(const GpuEngine& engine) {
     out.push_back(std::move(info));
   }
   return out;
+}
+
+void WatchGpuXprocGroups(const GpuEngine& engine) {
+  std::vector<GpuXprocGroup*> groups;
+  {
+    Registry& reg = TheRegistry();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    for (auto& [key, group] : reg.groups)  // never erased while the process lives
+      if (key.first == engine.serial()) groups.push_back(group.get());
+  }
+  for (GpuXprocGroup* g : groups) g->Watch();
 }
 
 }  // namespace flexlink::gpu

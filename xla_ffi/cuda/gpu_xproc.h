@@ -28,10 +28,13 @@
 // the segment itself (pcie_xproc.h: registered as pinned memory in every process, devices ordered
 // with stream memory operations on flags in it). Stage 2: every rank's event times reach the
 // leader's balancer through the segment's times slots (WriteTimes/GatherTimes below), and stats()
-// counts the calls there; `error` faults fail over across processes (Agree). Not here yet: stage
-// 1's profiling, `slow`/`hang` injection and the hang detector.
+// counts the calls there; `error` faults fail over across processes (Agree), `slow` and `hang` go on
+// the device as in one process, and a hang detector breaks the group in every process. Not here
+// yet: stage 1's profiling.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -49,6 +52,7 @@
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/cuda/comm_api.h"
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/gpu_link_set.h"
 #include "xla_ffi/cuda/setup_once.h"
@@ -81,6 +85,11 @@ class GpuXprocGroup {
 
   // Local rank `rank`'s part of one call: returns once its work is enqueued on `stream`.
   Status Run(int rank, const CallDesc& desc, Stream stream, std::string_view label, int64_t run_id);
+  // The watchdog's tick (GpuEngine): every local rank's pending ranges against their deadlines, and
+  // once the group is broken (here or in another process), this process's communicators aborted
+  // when none of its ranks is inside a call (or 1.5 x the timeout after the break). Never blocks on
+  // the device.
+  void Watch();
 
   const GroupInfo& group() const { return group_; }
   xproc::ProcessGroup& segment() { return *segment_; }
@@ -98,8 +107,10 @@ class GpuXprocGroup {
   std::vector<int> NotJoining(size_t link) const;  // other processes' ranks that have not
   // Per used link: the ranges it runs this call (its own; after a failover, others' too).
   using Assignment = std::vector<std::vector<plan::UnitRange>>;
+  using Effects = std::vector<FaultyGpuChannel::Effect>;  // per used link, this rank's injected device work
   Status Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
-                 const Assignment& work, std::string_view label, uint64_t call, int64_t run_id);
+                 const Assignment& work, const Effects& effects, std::string_view label, uint64_t call,
+                 int64_t run_id);
   // `error` faults and failover across processes (docs/faults.md, "GPU links"): the in-process
   // GpuExecutor::Agree's rounds with the segment's barrier in place of process memory. Round 0: each
   // rank asks each of its ranges' links whether it may enqueue (the injected error refuses at the
@@ -110,8 +121,10 @@ class GpuXprocGroup {
   // rank fails the call alike, enqueuing nothing, and the group stays usable). Run only when the
   // leader's process has faults injected (it says so in the plan slot, kAgreeBit of `unhealthy`),
   // so every rank runs the same barriers.
+  // An admitted range's injected slow and hang faults go into *effects (FaultyGpuChannel::Admit's
+  // rule), as in one process.
   Status Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges, std::string_view label,
-               uint64_t call, int64_t run_id, Assignment* work, bool* moved);
+               uint64_t call, int64_t run_id, Assignment* work, bool* moved, Effects* effects);
   static constexpr uint32_t kAgreeBit = 1u << 31;
 
   // Stage 2 across processes. Every local rank times its calls with its own events (a ring of
@@ -127,11 +140,21 @@ class GpuXprocGroup {
     Event start = nullptr;
     std::vector<Event> stop;  // per used link
     std::vector<char> used;   // per used link: had a range
+    // The hang detector's (as the in-process executor's slots): the call's kind, each used link's
+    // deadline (seconds from the moment a poll first saw the start event complete), and that moment.
+    Kind kind = Kind::kAllReduce;
+    std::vector<double> budget;
+    bool started = false;
+    std::chrono::steady_clock::time_point started_at;
   };
   struct Rank {
     std::vector<Stream> side;  // per used link
+    std::mutex timed_mu;       // the device thread and the engine's watchdog read `timed`
     std::vector<Timed> timed;  // kTimed, by call % kTimed
     bool ready = false;        // passed the set-up barrier (only its own device thread reads it)
+    // Pinned host word an injected hang's stream waits on (DeviceApi::WaitFlag): 0 until the hang
+    // detector releases it, then 1 for good (the group is broken).
+    uint32_t* hang_flag = nullptr;
   };
   struct Planned {  // the leader's record of a call it planned, until every rank reported it
     uint64_t call = 0;
@@ -142,6 +165,14 @@ class GpuXprocGroup {
     std::vector<double> seconds;       // per used link: the slowest rank's so far
     double call_seconds = 0;
   };
+  // Predicted seconds of `message_bytes` on used link i (stage 1's fit where this process's
+  // balancer has one, else a pessimistic 100 MB/s), for the injected delays and the deadlines.
+  double Predict(Kind kind, size_t link, double message_bytes) const;
+  // The hang detector (docs/faults.md, "GPU links"): the rank's oldest pending call's ranges
+  // against their deadlines; past it, Hung breaks the group in every process (the segment's abort
+  // word, whose reason every later call of every process reports) and releases the hang flags.
+  void PollHangs(int rank);
+  void Hung(const Timed& t, int rank, size_t link, double waited);
   void WriteTimes(int rank, uint64_t call);   // before the arrival of `call`
   void GatherTimes(uint64_t call);            // the leader, after the arrival of `call`
   std::vector<Planned> planned_;              // ring of 2 * kTimed + 2, by call
@@ -162,7 +193,18 @@ class GpuXprocGroup {
   FaultCounter absent_calls_;  // the group's calls per local rank, for injected rank:absent
 
   SetupOnce setup_;  // this process's part of the set-up (SetupLocal)
+
+  // The break (this process's hang detector, or another process's through the segment) and the
+  // release of this process's communicators once none of its ranks is inside a call (Watch).
+  std::atomic<int> inside_{0};  // local ranks between their arrival and the end of their enqueue
+  std::mutex broken_mu_;
+  bool hung_ = false;       // this process's detector fired (once)
+  bool released_ = false;   // communicators aborted
+  std::chrono::steady_clock::time_point broken_at_;
 };
+
+// The hang detector's tick for the GPU groups across processes of `engine` (its watchdog thread).
+void WatchGpuXprocGroups(const GpuEngine& engine);
 
 // The links of a link set a group across processes uses (nccl, one pcie) and the rest with the reason.
 struct GpuXprocLinks {

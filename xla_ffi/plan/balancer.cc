@@ -254,7 +254,15 @@ Status Balancer::SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double>
   if (pinned) {
     Install(e, PlanMode::kPinned, std::move(shares));
   } else {
+    // A new starting point: stage 2 starts over, including what it measured of single links alone
+    // (a rate measured before may be of other conditions; kept, it could send the new split back
+    // to a link that has since slowed down).
     e.seed = shares;
+    e.single_rate = e.single_sum = 0;
+    e.single_calls = 0;
+    e.single_fresh = false;
+    e.link_rate.assign(links_.size(), 0.0);
+    e.retry_calls = options_.retry_calls;
     Reconverge(e, std::move(shares));
   }
   return Status::Ok();

@@ -148,7 +148,8 @@ class Balancer {
                  double call_seconds);
 
   // Sets a bucket's shares (one per link, >= 0, positive sum; normalised). Pinned: kept as given
-  // until SetShares(pinned=false) or Clear; not pinned: a starting point that stage 2 adapts.
+  // until SetShares(pinned=false) or Clear; not pinned: a starting point that stage 2 adapts,
+  // having forgotten what it measured of the bucket before (single links' rates included).
   Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned);
   void Clear();  // forgets every plan (the model stays)
 
