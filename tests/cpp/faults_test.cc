@@ -250,6 +250,7 @@ void TestRealTcpStallFailsOverAtTheLinksDeadline() {
   Rig rig(4, std::move(tcp), {0.5, 0.5}, 1 << 18, "tcp");
   HealthOptions o = GetHealthOptions();
   o.link_timeout_s = 0.3;
+  o.probe_calls = 2;  // probed 2 group calls after the failure (below)
   SetHealthOptions(o);
   bool exact = false;
   auto st = rig.AllReduce(count, false, &exact);
@@ -272,6 +273,29 @@ void TestRealTcpStallFailsOverAtTheLinksDeadline() {
          "the ring is unhealthy, its reason names collective, group, link and peer: " + h.reason);
   st = rig.AllReduce(count, false, &exact);
   Expect(exact, "the next call runs on shm: " + Messages(st));
+  Expect(!ring->health().ok() && ring->reconnects() == 0, "the ring stays broken while the link is excluded (call 3)");
+  // The health probe (probe_calls group calls after the failure) gives the link a small range again:
+  // the ring is connected anew (fresh listeners and token) by that call, the probe succeeds and the
+  // link is re-admitted; the calls after it split over both links again, exactly.
+  int calls = 0;
+  while (HealthOf(rig, "tcp").state != LinkState::kHealthy && calls < 8) {
+    st = rig.AllReduce(count, false, &exact);
+    Expect(exact, "exact while the link is probed: " + Messages(st));
+    ++calls;
+  }
+  const LinkHealthSnapshot back = HealthOf(rig, "tcp");
+  std::printf("  real tcp stall: re-admitted after %d more calls (%llu reconnect): %s\n", calls,
+              static_cast<unsigned long long>(ring->reconnects()), back.reason.c_str());
+  Expect(back.state == LinkState::kHealthy && back.probes >= 1 && Contains(back.reason, "re-admitted") &&
+             ring->reconnects() == 1 && ring->health().ok(),
+         "the probe reconnected the ring and re-admitted the link: " + back.reason);
+  const uint64_t now = FailoverCount();
+  for (int i = 0; i < 3; ++i) {
+    st = rig.AllReduce(count, false, &exact);
+    Expect(exact, "a split call over the reconnected ring: " + Messages(st));
+  }
+  Expect(FailoverCount() == now && HealthOf(rig, "tcp").state == LinkState::kHealthy,
+         "the reconnected ring carries its ranges (no failover)");
   SetHealthOptions(HealthOptions{});
 }
 

@@ -51,16 +51,20 @@ TcpChannel::TcpChannel(std::string name, std::span<const int64_t> devices, std::
 TcpChannel::TcpChannel(std::string name, std::span<const int64_t> devices)
     : name_(std::move(name)), devices_(devices.begin(), devices.end()), ranks_(devices.size()),
       local_(devices.size(), 1) {
-  const int n = static_cast<int>(devices.size());
   if (!MakeAbortFd()) return;
-  if (n < 2) return;  // a group of one never runs a range (the engine copies)
+  if (devices_.size() < 2) return;  // a group of one never runs a range (the engine copies)
+  Status s = ConnectRing();
+  if (!s.ok()) Break(std::move(s));
+}
+
+Status TcpChannel::ConnectRing() {
+  const int n = static_cast<int>(devices_.size());
   // The token makes the hello unguessable for anything outside this process (getrandom: the
-  // kernel's CSPRNG; 16 bytes never block or come back short once the pool is initialised).
+  // kernel's CSPRNG; 16 bytes never block or come back short once the pool is initialised). A new
+  // one per connection: a stale connection of a broken ring can never pass as the new one's.
   uint8_t token[16];
-  if (getrandom(token, sizeof token, 0) != static_cast<ssize_t>(sizeof token)) {
-    Break(Status::Internal("tcp: " + net::ErrnoText("getrandom")));
-    return;
-  }
+  if (getrandom(token, sizeof token, 0) != static_cast<ssize_t>(sizeof token))
+    return Status::Internal("tcp: " + net::ErrnoText("getrandom"));
   std::vector<int> listeners(n, -1);
   std::vector<uint16_t> ports(n);
   const auto deadline = net::DeadlineIn(TimeoutSeconds());
@@ -77,8 +81,45 @@ TcpChannel::TcpChannel(std::string name, std::span<const int64_t> devices)
   }
   for (int fd : listeners)
     if (fd >= 0) close(fd);
-  if (!s.ok()) Break(Status(s.code(), "flexlink: tcp link \"" + name_ + "\" on group " + FormatIds(devices_) +
-                                          ": connecting the ring failed: " + s.message()));
+  if (!s.ok())
+    return Status(s.code(), "flexlink: tcp link \"" + name_ + "\" on group " + FormatIds(devices_) +
+                                ": connecting the ring failed: " + s.message());
+  return Status::Ok();
+}
+
+Status TcpChannel::Reconnect(uint64_t seen) {
+  std::lock_guard<std::mutex> lock(reconnect_mu_);
+  if (generation_.load(std::memory_order_acquire) != seen) return health();  // another rank did it
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (first_error_.ok()) return Status::Ok();
+  }
+  // Every rank of the call is past the rendezvous and none is inside a run of this channel (the
+  // failed call's ranks all returned before this call could arrive), so the ring can be rebuilt
+  // from this thread, as the constructor built it.
+  for (RankState& r : ranks_) {
+    for (int* fd : {&r.send_fd, &r.recv_fd})
+      if (*fd >= 0) close(*fd), *fd = -1;
+    r.runs.store(0);
+  }
+  Status s = ConnectRing();
+  if (!s.ok()) {
+    // Still broken, with the new reason; the next probe tries again.
+    std::lock_guard<std::mutex> l(mu_);
+    first_error_ = Status(s.code(), s.message() + " (reconnecting after: " + first_error_.message() + ")");
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+    return first_error_;
+  }
+  uint64_t count = 0;
+  if (read(abort_fd_, &count, sizeof count) < 0) { /* not readable: nothing was written */ }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    first_error_ = Status::Ok();
+    reconnects_.fetch_add(1);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+    broken_.store(false, std::memory_order_release);
+  }
+  return Status::Ok();
 }
 
 TcpChannel::~TcpChannel() {
@@ -130,6 +171,13 @@ Status TcpChannel::Run(CallContext& ctx, int rank, int lane, std::span<const Pie
   TcpLimits limits;
   limits.deadline = ctx.LaneDeadlineFor(lane, &limits.budget_s);
   limits.label = ctx.label();
+  // A ring broken by an earlier call (a stall past its deadline, a peer's error) is rebuilt by the
+  // first of this call's ranks to get here; the executor gives a broken link a range again only to
+  // probe it (or as a one-link group's next call), so that is where it is re-admitted.
+  if (all_local_ && broken_.load(std::memory_order_acquire)) {
+    const uint64_t seen = generation_.load(std::memory_order_acquire);
+    if (broken_.load(std::memory_order_acquire)) FLEXLINK_RETURN_IF_ERROR(Reconnect(seen));
+  }
   return RunPieces(ctx.desc(rank), ctx.size(), rank, pieces, limits);
 }
 

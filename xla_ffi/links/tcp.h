@@ -32,7 +32,10 @@
 // tcp_exchange.cc); the same ring across processes (tcp_xproc.h: connected there, run with
 // RunPieces). Any failure (deadline, peer gone, mismatch) breaks the channel for all ranks (peers
 // blocked in poll wake at once; in other processes, through the closed sockets) and later runs fail
-// fast, so the engine can move the bytes to another link.
+// fast, so the engine can move the bytes to another link. An in-process ring is connected again
+// (fresh listeners and token) by the next call that gives it a range, i.e. the health probe that
+// re-admits it (docs/faults.md); a ring across processes stays broken (its ports and token came
+// through jax.distributed's store at lowering).
 #pragma once
 
 #include <atomic>
@@ -97,6 +100,8 @@ class TcpChannel final : public Channel {
 
   // OK, or why the channel cannot be used (connection failure, or the first failure of a run).
   Status health() const;
+  // How many times a broken ring was connected again (in-process rings only; Run does it).
+  uint64_t reconnects() const { return reconnects_.load(); }
   std::span<const int64_t> devices() const { return devices_; }
   bool is_local(int rank) const { return local_[rank] != 0; }
 
@@ -110,6 +115,11 @@ class TcpChannel final : public Channel {
     std::vector<char> scratch;  // partials / forwarded blocks; grows to the largest range seen
   };
   bool MakeAbortFd();
+  // Listens, connects and accepts the whole ring with a fresh token (every rank in this process).
+  Status ConnectRing();
+  // Rebuilds a broken in-process ring, once per break whichever ranks ask (`seen`: the generation
+  // the caller saw broken); the channel is usable again when it returns OK.
+  Status Reconnect(uint64_t seen);
   // Records the first failure and wakes every local rank; across processes it also shuts this
   // process's sockets down, so the neighbours in other processes see the ring end at once instead of
   // waiting for their deadline (the abort eventfd reaches only this process).
@@ -126,6 +136,8 @@ class TcpChannel final : public Channel {
   bool all_local_ = true;
   int abort_fd_ = -1;             // eventfd, readable once the channel is broken
   std::atomic<bool> broken_{false};
+  std::mutex reconnect_mu_;
+  std::atomic<uint64_t> generation_{0}, reconnects_{0};
   std::atomic<int> stall_rank_{-1}, stall_runs_{0};  // StallSendsForTest
   mutable std::mutex mu_;
   Status first_error_;

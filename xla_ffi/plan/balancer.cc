@@ -141,6 +141,7 @@ void Balancer::Install(Entry& e, PlanMode mode, std::vector<double> shares) {
   plan->shares = std::move(shares);
   e.plan = std::move(plan);
   e.recent.clear();  // times of the previous plan say nothing about this one
+  e.single_recent.clear();
   e.settled_calls = 0;
 }
 

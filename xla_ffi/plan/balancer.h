@@ -86,6 +86,7 @@ struct BalancerOptions {
   double min_share = 0.005;        // a share below this is set to 0 (the link is dropped from the plan)
   double min_split_gain = 0.02;    // keep a split only if it is this much faster than the best single link
   double fallback_margin = 0.03;   // a settled split this much slower than the single link is re-checked
+  double fallback_slowdown = 0.5;  // a fallback's link alone this much slower than before: retry the split
   int trial_calls = 2;             // calls of a single-link trial
   int retry_calls = 64;            // first retry of a split after a fallback, or re-probe of dropped
   int max_retry_calls = 4096;      // links of a settled split; doubles each time up to max_retry_calls
@@ -178,6 +179,7 @@ class Balancer {
     bool single_fresh = false;    // measured since the last detected speed change
     double single_sum = 0;        // this trial/fallback phase: sum and count of rates
     int single_calls = 0;
+    std::vector<double> single_recent;  // fallback: the rates of its last change_calls calls
     int retry_calls = 0;          // length of the current / next fallback
   };
   using Key = std::pair<size_t, uint64_t>;

@@ -198,6 +198,30 @@ void Balancer::StartTrial(Entry& e, uint64_t /*bytes*/, Outcome* out, std::strin
 }
 
 void Balancer::OnSingleCall(Entry& e, uint64_t bytes, double rate, Outcome* out) {
+  // A fallback link that slows down (a degraded link) would otherwise carry every byte until the
+  // next retry, up to max_retry_calls later: when its last change_calls calls, averaged, run below
+  // fallback_slowdown x its rate over the phase before them, the split is retried at once.
+  if (e.plan->mode == PlanMode::kFallback) {
+    const size_t window = static_cast<size_t>(std::max(options_.change_calls, 1));
+    e.single_recent.push_back(rate);
+    if (e.single_recent.size() > window) e.single_recent.erase(e.single_recent.begin());
+    const int before = e.single_calls - static_cast<int>(e.single_recent.size()) + 1;
+    if (e.single_recent.size() == window && before >= static_cast<int>(window)) {
+      const double recent = Mean(e.single_recent);
+      double sum_before = e.single_sum;
+      for (size_t k = 0; k + 1 < e.single_recent.size(); ++k) sum_before -= e.single_recent[k];
+      const double earlier = sum_before / before;
+      if (recent < earlier * options_.fallback_slowdown) {
+        out->reason = links_[e.single_link] + " alone slowed down: retrying the split";
+        e.single_rate = e.single_sum = 0;
+        e.single_calls = 0;
+        e.single_fresh = false;
+        e.single_recent.clear();
+        Reconverge(e, Reopen(e));
+        return;
+      }
+    }
+  }
   ++e.single_calls;
   e.single_sum += rate;
   e.single_rate = e.single_sum / e.single_calls;
