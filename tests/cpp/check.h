@@ -29,16 +29,24 @@ inline int64_t NextRunId() {
 }
 
 // Test selection from the command line (reproducing a failure, or a sanitizer run's subset): no
-// arguments select every test; "=Name" selects one by its whole name, any other argument every test
-// whose name contains it.
+// arguments select every test; "=Name" selects one by its whole name, "-PART" leaves out every test
+// whose name contains PART, any other argument selects every test whose name contains it (only
+// exclusions: everything else is selected).
 inline std::vector<std::string> g_only;
 
 inline void SelectTests(int argc, char** argv) { g_only.assign(argv + 1, argv + argc); }
 
 inline bool Selected(std::string_view name) {
-  return g_only.empty() || std::any_of(g_only.begin(), g_only.end(), [&](const std::string& s) {
-           return s.starts_with("=") ? name == std::string_view(s).substr(1) : name.find(s) != std::string_view::npos;
-         });
+  bool any_include = false, included = false;
+  for (const std::string& s : g_only) {
+    if (s.starts_with("-")) {
+      if (name.find(std::string_view(s).substr(1)) != std::string_view::npos) return false;
+      continue;
+    }
+    any_include = true;
+    included |= s.starts_with("=") ? name == std::string_view(s).substr(1) : name.find(s) != std::string_view::npos;
+  }
+  return !any_include || included;
 }
 
 // Runs `test` if it is selected and prints its time.

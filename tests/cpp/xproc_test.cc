@@ -896,6 +896,7 @@ std::vector<std::string> ShmEntries() {
 }
 
 void RunScenario(const Scenario& s) {
+  if (!Selected(s.what)) return;
   const auto start = Clock::now();
   std::fflush(stdout);
   std::vector<Child> kids(s.procs);
@@ -1147,6 +1148,8 @@ int main(int argc, char** argv) {
     RunScenario(s);
     return Summary();
   }
+  // Scenarios are selected by name (check.h: "-4 processes" leaves out the 4-process ones).
+  SelectTests(argc, argv);
   const auto start = Clock::now();
   std::printf("xproc_test\n");
   RunScenario({"2 processes x 1 rank: every kind x dtype x op", 2, 1, 64 << 10, 30, {}, false,
