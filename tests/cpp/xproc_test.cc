@@ -634,6 +634,7 @@ void MultiLinkRealStall(Proc& p) {
   Expect(SetShares(Kind::kAllReduce, count * 4, {0.5, 0.5}, true).ok(), "pinned split");
   HealthOptions o = GetHealthOptions();
   o.link_timeout_s = 0.3;
+  o.probe_calls = 2;  // the probe (below): 2 group calls after the failure
   SetHealthOptions(o);
   const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 21};
   CheckCase(p, c);
@@ -658,6 +659,27 @@ void MultiLinkRealStall(Proc& p) {
                Has(h.reason, "waiting for rank 1 (device " + std::to_string(p.devices[1]) + ", another process)"),
            "the reason names the link's deadline and the peer waited for: " + h.reason);
   CheckCase(p, c);  // the next call: the segment alone (the broken ring is out until its probe)
+  TcpChannel* ring = CrossProcessTcp(p.devices, "tcp");
+  Expect(ring && !ring->health().ok() && ring->reconnects() == 0, "the ring stays broken while tcp is out");
+  // The probe's call rebuilds the ring in every process (new listeners, ports through the segment,
+  // the job's token), the probe succeeds and tcp is re-admitted everywhere; the calls after it split
+  // over both links again, exactly and without a failover.
+  int calls = 0;
+  while (HealthOf(p, "tcp").state != LinkState::kHealthy && calls < 6) {
+    CheckCase(p, c);
+    ++calls;
+  }
+  const LinkHealthSnapshot back = HealthOf(p, "tcp");
+  if (p.index == 0)
+    std::printf("    the probe %d call(s) later reconnected the ring (%llu local reconnects): %s\n", calls,
+                static_cast<unsigned long long>(ring ? ring->reconnects() : 0), back.reason.c_str());
+  Expect(back.state == LinkState::kHealthy && Has(back.reason, "re-admitted") && ring &&
+             ring->reconnects() == static_cast<uint64_t>(p.per_proc) && ring->health().ok(),
+         "the probe reconnected the ring and re-admitted tcp: " + back.reason);
+  const uint64_t now = FailoverCount();
+  for (int i = 0; i < 3; ++i) CheckCase(p, c);
+  Expect(FailoverCount() == now && HealthOf(p, "tcp").state == LinkState::kHealthy,
+         "the reconnected ring carries its ranges (no failover)");
   SetHealthOptions(HealthOptions{});
 }
 

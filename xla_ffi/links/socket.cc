@@ -168,4 +168,12 @@ Status AcceptHello(int listen_fd, std::span<const uint8_t> hello, Clock::time_po
   }
 }
 
+std::vector<uint8_t> RingHello(std::span<const uint8_t> token, int from, int to) {
+  std::vector<uint8_t> h(kRingTokenBytes + 8, 0);
+  const uint32_t ids[2] = {static_cast<uint32_t>(from), static_cast<uint32_t>(to)};
+  std::memcpy(h.data(), token.data(), std::min(token.size(), kRingTokenBytes));
+  std::memcpy(h.data() + kRingTokenBytes, ids, sizeof ids);
+  return h;
+}
+
 }  // namespace flexlink::net

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "xla_ffi/core/status.h"
 
@@ -21,6 +22,12 @@ int PollMillis(Clock::time_point deadline);
 
 // A non-blocking, close-on-exec TCP listener on 127.0.0.1, port chosen by the kernel.
 Status Listen(int* fd, uint16_t* port);
+
+// The first bytes a ring's rank `from` sends to rank `to` (the tcp link, in one process and across
+// processes): the ring's 16-byte random token, then both ranks, so that a connection is taken only
+// from the expected neighbour of the expected ring.
+inline constexpr size_t kRingTokenBytes = 16;
+std::vector<uint8_t> RingHello(std::span<const uint8_t> token, int from, int to);
 
 // Connects to 127.0.0.1:`port` (non-blocking connect, bounded by `deadline`), sets TCP_NODELAY and
 // large buffers, and writes `hello` as the connection's first bytes. The fd is left non-blocking.

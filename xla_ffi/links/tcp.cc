@@ -25,9 +25,9 @@ bool TcpChannel::MakeAbortFd() {
 }
 
 TcpChannel::TcpChannel(std::string name, std::span<const int64_t> devices, std::span<const int> local_ranks,
-                       std::span<const RankFds> fds, Status error)
+                       std::span<const RankFds> fds, Status error, std::span<const uint8_t> token)
     : name_(std::move(name)), devices_(devices.begin(), devices.end()), ranks_(devices.size()),
-      local_(devices.size(), 0) {
+      local_(devices.size(), 0), token_(token.begin(), token.end()) {
   const int n = static_cast<int>(devices.size());
   for (size_t i = 0; i < local_ranks.size(); ++i) {
     const int r = local_ranks[i];
@@ -72,10 +72,7 @@ Status TcpChannel::ConnectRing() {
   for (int r = 0; r < n && s.ok(); ++r) s = net::Listen(&listeners[r], &ports[r]);
   for (int r = 0; r < n && s.ok(); ++r) {
     const int to = (r + 1) % n;
-    uint8_t hello[24];
-    const uint32_t ids[2] = {static_cast<uint32_t>(r), static_cast<uint32_t>(to)};
-    std::memcpy(hello, token, 16);
-    std::memcpy(hello + 16, ids, 8);
+    const std::vector<uint8_t> hello = net::RingHello(token, r, to);
     s = net::ConnectHello(ports[to], hello, deadline, &ranks_[r].send_fd);
     if (s.ok()) s = net::AcceptHello(listeners[to], hello, deadline, &ranks_[to].recv_fd);
   }
@@ -123,11 +120,62 @@ Status TcpChannel::Reconnect(uint64_t seen) {
 }
 
 TcpChannel::~TcpChannel() {
-  for (RankState& r : ranks_) {
-    if (r.send_fd >= 0) close(r.send_fd);
-    if (r.recv_fd >= 0) close(r.recv_fd);
-  }
+  for (RankState& r : ranks_)
+    for (int fd : {r.send_fd, r.recv_fd, r.listen_fd})
+      if (fd >= 0) close(fd);
   if (abort_fd_ >= 0) close(abort_fd_);
+}
+
+Status TcpChannel::ListenAgain(int rank, uint16_t* port) {
+  if (rank < 0 || rank >= static_cast<int>(devices_.size()) || !local_[rank] || token_.size() != net::kRingTokenBytes)
+    return Status::InvalidArgument("flexlink: tcp link \"" + name_ + "\" on group " + FormatIds(devices_) +
+                                   ": rank " + std::to_string(rank) + " cannot reconnect here");
+  {
+    // The first local rank clears the failure: no local rank is inside a run (the executor calls
+    // this before any link of the call runs, and every earlier call's runs have returned).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!first_error_.ok()) {
+      first_error_ = Status::Ok();
+      uint64_t count = 0;
+      if (read(abort_fd_, &count, sizeof count) < 0) { /* not readable: nothing was written */ }
+      broken_.store(false, std::memory_order_release);
+    }
+  }
+  RankState& r = ranks_[rank];
+  for (int* fd : {&r.send_fd, &r.recv_fd, &r.listen_fd})
+    if (*fd >= 0) close(*fd), *fd = -1;
+  r.runs.store(0);
+  Status s = net::Listen(&r.listen_fd, port);
+  if (!s.ok()) Break(Status(s.code(), "flexlink: tcp link \"" + name_ + "\" on group " + FormatIds(devices_) +
+                                          ": reconnecting: " + s.message()));
+  return s.ok() ? s : health();
+}
+
+Status TcpChannel::ConnectAgain(int rank, std::span<const uint16_t> ports,
+                                std::chrono::steady_clock::time_point deadline) {
+  const int n = static_cast<int>(devices_.size());
+  RankState& r = ranks_[rank];
+  const std::string where = "flexlink: tcp link \"" + name_ + "\" across processes on group " + FormatIds(devices_) +
+                            ": reconnecting " + RankName(rank) + ": ";
+  Status s;
+  if (ports.size() != static_cast<size_t>(n) || r.listen_fd < 0) s = Status::Internal(where + "no listener or ports");
+  const int to = (rank + 1) % n, from = (rank + n - 1) % n;
+  if (s.ok()) {
+    // Connect first (the successor's backlog holds it), then accept: no process waits for another.
+    s = net::ConnectHello(ports[to], net::RingHello(token_, rank, to), deadline, &r.send_fd);
+    if (!s.ok()) s = Status(s.code(), where + "connecting to " + RankName(to) + ": " + s.message());
+  }
+  if (s.ok()) {
+    s = net::AcceptHello(r.listen_fd, net::RingHello(token_, from, rank), deadline, &r.recv_fd);
+    if (!s.ok()) s = Status(s.code(), where + "accepting " + RankName(from) + ": " + s.message());
+  }
+  if (r.listen_fd >= 0) close(r.listen_fd), r.listen_fd = -1;
+  if (!s.ok()) {
+    Break(s);
+    return s;
+  }
+  reconnects_.fetch_add(1);
+  return Status::Ok();
 }
 
 Status TcpChannel::health() const {

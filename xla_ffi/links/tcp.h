@@ -32,10 +32,10 @@
 // tcp_exchange.cc); the same ring across processes (tcp_xproc.h: connected there, run with
 // RunPieces). Any failure (deadline, peer gone, mismatch) breaks the channel for all ranks (peers
 // blocked in poll wake at once; in other processes, through the closed sockets) and later runs fail
-// fast, so the engine can move the bytes to another link. An in-process ring is connected again
-// (fresh listeners and token) by the next call that gives it a range, i.e. the health probe that
-// re-admits it (docs/faults.md); a ring across processes stays broken (its ports and token came
-// through jax.distributed's store at lowering).
+// fast, so the engine can move the bytes to another link. The health probe that re-admits the link
+// (docs/faults.md) connects the ring again: in one process the probe's Run does it (fresh listeners
+// and token); across processes the executor does it with ListenAgain / ConnectAgain around a
+// barrier of the group's segment, through which the new ports travel.
 #pragma once
 
 #include <atomic>
@@ -74,9 +74,10 @@ class TcpChannel final : public Channel {
   TcpChannel(std::string name, std::span<const int64_t> devices);
   // A ring already connected elsewhere (tcp_xproc.cc: across processes) of which only `local_ranks`
   // live in this process; `fds[i]` are local_ranks[i]'s sockets, owned from now on (also on error).
-  // A non-OK `error` makes a broken channel whose runs return it.
+  // A non-OK `error` makes a broken channel whose runs return it. `token`: the job's hello token,
+  // kept for reconnecting (ListenAgain/ConnectAgain).
   TcpChannel(std::string name, std::span<const int64_t> devices, std::span<const int> local_ranks,
-             std::span<const RankFds> fds, Status error);
+             std::span<const RankFds> fds, Status error, std::span<const uint8_t> token = {});
   ~TcpChannel() override;
 
   std::string_view link_name() const override { return name_; }
@@ -100,14 +101,26 @@ class TcpChannel final : public Channel {
 
   // OK, or why the channel cannot be used (connection failure, or the first failure of a run).
   Status health() const;
-  // How many times a broken ring was connected again (in-process rings only; Run does it).
+  // How many times the ring was connected again (in process: by Run, once per break; across
+  // processes: by ConnectAgain, counted per local rank).
   uint64_t reconnects() const { return reconnects_.load(); }
+
+  // Across processes (tcp_xproc.h), at a health probe of the link: every rank of the group, in every
+  // process, rebuilds the ring in two phases around a barrier of the caller's (the cross-process
+  // executor's segment), because the new ports must travel between processes. ListenAgain closes
+  // local rank `rank`'s sockets, clears the channel's failure (the first local rank to call it; no
+  // local rank is inside a run then) and returns a new listener's port; ConnectAgain, once every
+  // rank's port is known (`ports`, rank order), connects to the successor and accepts the
+  // predecessor with the job's token, by `deadline`. An error breaks the channel again.
+  Status ListenAgain(int rank, uint16_t* port);
+  Status ConnectAgain(int rank, std::span<const uint16_t> ports, std::chrono::steady_clock::time_point deadline);
   std::span<const int64_t> devices() const { return devices_; }
   bool is_local(int rank) const { return local_[rank] != 0; }
 
  private:
   struct RankState {
     int send_fd = -1, recv_fd = -1;
+    int listen_fd = -1;  // between ListenAgain and ConnectAgain
     // Ranges started so far: the header's sequence number. Atomic because a rank that times out reads
     // its peers' counters to name the ones that never started (diagnostics only; bytes still move
     // only through the sockets).
@@ -137,6 +150,7 @@ class TcpChannel final : public Channel {
   int abort_fd_ = -1;             // eventfd, readable once the channel is broken
   std::atomic<bool> broken_{false};
   std::mutex reconnect_mu_;
+  std::vector<uint8_t> token_;  // across processes: the job's hello token
   std::atomic<uint64_t> generation_{0}, reconnects_{0};
   std::atomic<int> stall_rank_{-1}, stall_runs_{0};  // StallSendsForTest
   mutable std::mutex mu_;

@@ -68,15 +68,6 @@ Status LocalRanks(std::span<const int64_t> devices, std::span<const int64_t> loc
   return Status::Ok();
 }
 
-// The hello rank `from` sends to rank `to`: the token, then both ranks (tcp.cc's layout).
-std::vector<uint8_t> Hello(std::span<const uint8_t> token, int from, int to) {
-  std::vector<uint8_t> h(kTcpTokenBytes + 8);
-  const uint32_t ids[2] = {static_cast<uint32_t>(from), static_cast<uint32_t>(to)};
-  std::memcpy(h.data(), token.data(), kTcpTokenBytes);
-  std::memcpy(h.data() + kTcpTokenBytes, ids, sizeof ids);
-  return h;
-}
-
 }  // namespace
 
 Status ListenCrossProcessTcp(std::span<const int64_t> devices, std::span<const int64_t> local_devices,
@@ -160,7 +151,7 @@ Status ConnectCrossProcessTcp(std::span<const int64_t> devices, std::span<const 
     // Every connect first: the successor's backlog holds it, so no process waits for another here.
     for (size_t i = 0; i < ranks.size() && s.ok(); ++i) {
       const int r = ranks[i], to = (r + 1) % n;
-      const Status c = net::ConnectHello(ports[to], Hello(token, r, to), deadline, &fds[i].send_fd);
+      const Status c = net::ConnectHello(ports[to], net::RingHello(token, r, to), deadline, &fds[i].send_fd);
       if (!c.ok())
         s = Status(c.code(), where + ": " + Rank(devices, r) + " could not connect to " + Rank(devices, to) +
                                  " at 127.0.0.1:" + std::to_string(ports[to]) + ": " + c.message());
@@ -168,7 +159,7 @@ Status ConnectCrossProcessTcp(std::span<const int64_t> devices, std::span<const 
     for (size_t i = 0; i < ranks.size() && s.ok(); ++i) {
       const int r = ranks[i], from = (r + n - 1) % n;
       int rejected = 0;
-      const Status a = net::AcceptHello(listeners[i], Hello(token, from, r), deadline, &fds[i].recv_fd, &rejected);
+      const Status a = net::AcceptHello(listeners[i], net::RingHello(token, from, r), deadline, &fds[i].recv_fd, &rejected);
       rejected_total += rejected;
       if (!a.ok()) {
         char t[32];
@@ -183,7 +174,7 @@ Status ConnectCrossProcessTcp(std::span<const int64_t> devices, std::span<const 
     if (l >= 0) close(l);
   *refused = rejected_total;
 
-  auto channel = std::make_unique<TcpChannel>(std::string(link_name), devices, ranks, fds, s);
+  auto channel = std::make_unique<TcpChannel>(std::string(link_name), devices, ranks, fds, s, token);
   Registry& reg = Reg();
   std::lock_guard<std::mutex> lock(reg.mu);
   Group& g = reg.groups[key];

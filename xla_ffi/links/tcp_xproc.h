@@ -28,7 +28,7 @@
 
 namespace flexlink {
 
-inline constexpr size_t kTcpTokenBytes = 16;
+inline constexpr size_t kTcpTokenBytes = 16;  // net::kRingTokenBytes
 
 // Phase 1 for the group `devices` (global ids, rank order) of which `local_devices` live in this
 // process: `*ports` gets one port per local device, in the order of `local_devices`. Listening again

@@ -226,9 +226,10 @@ class XprocExecutor {
         std::this_thread::sleep_for((Clock::now() - start) * (fault[i]->factor - 1));
     };
     std::vector<Status> link_status(L);
+    FLEXLINK_RETURN_IF_ERROR(RebuildProbedRings(rank, desc, label, run_id, c, ranges, unhealthy, budget, &link_status));
     std::vector<size_t> posted;
     for (size_t i = 0; i < L; ++i) {
-      if (!r_.tcp[i] || ranges[i].empty()) continue;
+      if (!r_.tcp[i] || ranges[i].empty() || !link_status[i].ok()) continue;
       if (fault[i] && fault[i]->kind == Fault::Kind::kError) {
         link_status[i] = Injected(label, i, *fault[i], fault_call[i], *faults, budget[i]);
         continue;
@@ -290,6 +291,42 @@ class XprocExecutor {
   }
 
  private:
+  // A probe of an unhealthy tcp ring (health_->Effective gave it a small range) rebuilds the ring
+  // first (docs/faults.md, "Across processes"): a ring that failed for real has its streams out of
+  // step, and only new connections can carry the probe. Every rank of every process reads the same
+  // unhealthy bits and ranges from the leader's slot, so all take part: each local rank listens
+  // anew (TcpChannel::ListenAgain) and publishes its port in its times slot of this call (free until
+  // the call's end: the leader read it for call c - 2 before this call's arrival), a barrier of the
+  // segment, then each connects to its successor and accepts its predecessor with the job's token
+  // (ConnectAgain) by the link's deadline. A rank that cannot leaves its error in *link_status: the
+  // range fails over like any failed range and the link stays unhealthy.
+  Status RebuildProbedRings(int rank, const CallDesc& desc, std::string_view label, int64_t run_id, uint64_t c,
+                            const std::vector<plan::UnitRange>& ranges, uint32_t unhealthy,
+                            const std::vector<double>& budget, std::vector<Status>* link_status) {
+    const size_t L = r_.info.links.size();
+    std::vector<size_t> rebuild;
+    for (size_t i = 0; i < L; ++i)
+      if (r_.tcp[i] && !ranges[i].empty() && ((unhealthy >> i) & 1)) rebuild.push_back(i);
+    if (rebuild.empty()) return Status::Ok();
+    TimesSlot& mine = g_->times_slot(rank, c);
+    for (size_t i : rebuild) {
+      uint16_t port = 0;
+      (*link_status)[i] = r_.tcp[i]->ListenAgain(rank, &port);
+      mine.seconds[i] = (*link_status)[i].ok() ? port : 0;  // 0: this rank has no listener
+    }
+    FLEXLINK_RETURN_IF_ERROR(g_->Sync(rank, desc, label, run_id));
+    const int n = g_->size();
+    for (size_t i : rebuild) {
+      if (!(*link_status)[i].ok()) continue;
+      std::vector<uint16_t> ports(n, 0);
+      for (int q = 0; q < n; ++q) ports[q] = static_cast<uint16_t>(g_->times_slot(q, c).seconds[i]);
+      // A rank without a listener cannot be reached; its own error says why, and every rank that
+      // connects to it fails at the deadline, so the range fails over everywhere.
+      (*link_status)[i] = r_.tcp[i]->ConnectAgain(rank, ports, Deadline(budget[i]));
+    }
+    return Status::Ok();
+  }
+
   static Clock::time_point Deadline(double seconds) { return Clock::now() + Seconds(seconds); }
   static Clock::duration Seconds(double s) {
     return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
