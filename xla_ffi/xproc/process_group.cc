@@ -199,9 +199,17 @@ std::optional<std::string> ProcessGroup::broken() const {
 }
 
 std::vector<int> ProcessGroup::ExitedRanks() const {
+  // One verdict per process, so that a process exiting during the scan is named with all its ranks
+  // (checked rank by rank, its first ranks could pass as alive and its last as gone).
+  std::vector<std::pair<int32_t, bool>> verdicts;
   std::vector<int> gone;
-  for (int r = 0; r < size(); ++r)
-    if (!is_local(r) && ProcessGone(ranks_[r].pid.load(std::memory_order_relaxed))) gone.push_back(r);
+  for (int r = 0; r < size(); ++r) {
+    if (is_local(r)) continue;
+    const int32_t pid = ranks_[r].pid.load(std::memory_order_relaxed);
+    auto it = std::find_if(verdicts.begin(), verdicts.end(), [&](const auto& v) { return v.first == pid; });
+    if (it == verdicts.end()) it = verdicts.insert(verdicts.end(), {pid, ProcessGone(pid)});
+    if (it->second) gone.push_back(r);
+  }
   return gone;
 }
 
