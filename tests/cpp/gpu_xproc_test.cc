@@ -556,16 +556,25 @@ uint64_t gpu_failovers() { return FailoverCount(); }
     const auto status = L.Run(c, &out, ++run);
     const double took = Seconds(t0);
     if (p == victim) _exit(44);  // not reached: the fault ends the victim inside the join
-    const std::string dead = "rank " + std::to_string(victim * s.per_process);
+    // Any rank of the victim's process may be the one named: with 2 ranks per process, one of its
+    // threads can be joining the communicators while the other has not arrived yet when the process
+    // exits, and the survivors then see the exit at the call's arrival (named there, "exited
+    // before arriving") rather than in the join (seen once in CI under ASan).
+    auto names_dead = [&](const std::string& m) {
+      for (int q = 0; q < s.per_process; ++q)
+        if (m.find("rank " + std::to_string(victim * s.per_process + q) + " (device") != std::string::npos) return true;
+      return false;
+    };
     if (s.mode == 7)
       Expect(took >= 2.9 && took < 10, s.what + ": the survivors fail at the 3 s deadline (" + std::to_string(took) + " s)");
     else
       Expect(took < 10, s.what + ": the survivors fail long before the 60 s deadline (" + std::to_string(took) + " s)");
     for (size_t i = 0; i < status.size(); ++i) {
       const std::string& m = status[i].message();
-      const bool named = m.find(dead) != std::string::npos && m.find("pid") != std::string::npos &&
+      const bool named = names_dead(m) && m.find("pid") != std::string::npos &&
                          m.find("xtest") != std::string::npos && m.find("all_reduce") != std::string::npos &&
-                         m.find(FormatIds(L.group)) != std::string::npos && m.find("communicator") != std::string::npos;
+                         m.find(FormatIds(L.group)) != std::string::npos &&
+                         (s.per_process > 1 || m.find("communicator") != std::string::npos);
       const bool why = s.mode == 7 ? status[i].code() == StatusCode::kDeadlineExceeded && m.find("timed out") != std::string::npos
                                    : m.find("exited") != std::string::npos;
       Expect(!status[i].ok() && named && why,
