@@ -596,6 +596,11 @@ void GpuXprocGroup::Hung(const Timed& t, int rank, size_t link, double waited) {
   // watchdogs release their own streams.
   segment_->Abort(rank, reason);
   LogInfo("group " + FormatIds(group_.ids) + " across processes: " + reason);
+  ReleaseHangFlags();
+}
+
+void GpuXprocGroup::ReleaseHangFlags() {
+  // A host write; WaitFlag's device-side poll sees it. Set for good: the group is broken.
   for (int r : local_)
     if (ranks_[r].hang_flag) std::atomic_ref<uint32_t>(*ranks_[r].hang_flag).store(1, std::memory_order_release);
 }
@@ -615,8 +620,7 @@ void GpuXprocGroup::Watch() {
   if (inside_.load(std::memory_order_acquire) > 0 && since < 1.5 * TimeoutSeconds()) return;
   released_ = true;
   lock.unlock();
-  for (int r : local_)
-    if (ranks_[r].hang_flag) std::atomic_ref<uint32_t>(*ranks_[r].hang_flag).store(1, std::memory_order_release);
+  ReleaseHangFlags();
   for (auto& channel : channels_) {
     Status s = channel->Abort();
     if (!s.ok())

@@ -173,6 +173,7 @@ class GpuXprocGroup {
   // word, whose reason every later call of every process reports) and releases the hang flags.
   void PollHangs(int rank);
   void Hung(const Timed& t, int rank, size_t link, double waited);
+  void ReleaseHangFlags();  // every local rank's flag, for good
   void WriteTimes(int rank, uint64_t call);   // before the arrival of `call`
   void GatherTimes(uint64_t call);            // the leader, after the arrival of `call`
   std::vector<Planned> planned_;              // ring of 2 * kTimed + 2, by call

@@ -107,16 +107,20 @@ Status TcpChannel::Reconnect(uint64_t seen) {
     generation_.fetch_add(1, std::memory_order_acq_rel);
     return first_error_;
   }
-  uint64_t count = 0;
-  if (read(abort_fd_, &count, sizeof count) < 0) { /* not readable: nothing was written */ }
   {
     std::lock_guard<std::mutex> l(mu_);
-    first_error_ = Status::Ok();
+    ClearBreakLocked();
     reconnects_.fetch_add(1);
     generation_.fetch_add(1, std::memory_order_acq_rel);
-    broken_.store(false, std::memory_order_release);
   }
   return Status::Ok();
+}
+
+void TcpChannel::ClearBreakLocked() {
+  first_error_ = Status::Ok();
+  uint64_t count = 0;
+  if (read(abort_fd_, &count, sizeof count) < 0) { /* not readable: nothing was written */ }
+  broken_.store(false, std::memory_order_release);
 }
 
 TcpChannel::~TcpChannel() {
@@ -134,12 +138,7 @@ Status TcpChannel::ListenAgain(int rank, uint16_t* port) {
     // The first local rank clears the failure: no local rank is inside a run (the executor calls
     // this before any link of the call runs, and every earlier call's runs have returned).
     std::lock_guard<std::mutex> lock(mu_);
-    if (!first_error_.ok()) {
-      first_error_ = Status::Ok();
-      uint64_t count = 0;
-      if (read(abort_fd_, &count, sizeof count) < 0) { /* not readable: nothing was written */ }
-      broken_.store(false, std::memory_order_release);
-    }
+    if (!first_error_.ok()) ClearBreakLocked();
   }
   RankState& r = ranks_[rank];
   for (int* fd : {&r.send_fd, &r.recv_fd, &r.listen_fd})

@@ -133,6 +133,8 @@ class TcpChannel final : public Channel {
   // Rebuilds a broken in-process ring, once per break whichever ranks ask (`seen`: the generation
   // the caller saw broken); the channel is usable again when it returns OK.
   Status Reconnect(uint64_t seen);
+  // Undoes Break (under mu_): no error, the abort eventfd drained, runs allowed again.
+  void ClearBreakLocked();
   // Records the first failure and wakes every local rank; across processes it also shuts this
   // process's sockets down, so the neighbours in other processes see the ring end at once instead of
   // waiting for their deadline (the abort eventfd reaches only this process).

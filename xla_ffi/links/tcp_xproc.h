@@ -24,11 +24,12 @@
 #include <vector>
 
 #include "xla_ffi/core/status.h"
+#include "xla_ffi/links/socket.h"
 #include "xla_ffi/links/tcp.h"
 
 namespace flexlink {
 
-inline constexpr size_t kTcpTokenBytes = 16;  // net::kRingTokenBytes
+inline constexpr size_t kTcpTokenBytes = net::kRingTokenBytes;
 
 // Phase 1 for the group `devices` (global ids, rank order) of which `local_devices` live in this
 // process: `*ports` gets one port per local device, in the order of `local_devices`. Listening again
