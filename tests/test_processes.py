@@ -151,11 +151,32 @@ def test_no_carrier_across_processes_names_every_link():
     assert "tcp: " in err and "injected error at its call 2" in err, err
 
 
+
+@pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
+def test_stage1_across_processes(n, k):
+  """The first psum of the autotune size profiles shm and tcp across the processes inside the call
+  (docs/xproc.md, "Stage 1 across processes"): every process ends with the same fits and measured
+  threshold, and tune() of another collective returns the same in every process."""
+  outs = _run(n, k, "stage1", FLEXLINK_LINKS="shm;tcp", FLEXLINK_TUNE_MAX_BYTES="2M")
+  fits = [json.loads(re.search(r"^FITS (.*)$", out, re.M).group(1)) for out in outs]
+  assert fits[0] is not None and "all_reduce" in fits[0]["fits"], outs[0][-3000:]
+  assert all(f == fits[0] for f in fits), fits  # every process computed the same model
+  ar = fits[0]["fits"]["all_reduce"]
+  assert len(ar) == 2 and all(beta > 0 for _, beta in ar), ar
+  assert fits[0]["profiled_bytes"]["all_reduce"] == 1 << 20, fits[0]  # the call's bucket
+  assert "all_reduce" in fits[0]["split_min_bytes"], fits[0]
+  tuned = [json.loads(re.search(r"^TUNED (.*)$", out, re.M).group(1)) for out in outs]
+  assert all(t == tuned[0] for t in tuned), tuned
+  assert len(tuned[0]["fits"]["all_gather"]) == 2, tuned[0]
+  assert "all_gather" in tuned[0]["split_min_bytes"], tuned[0]
+  assert re.search(r"^PLANS .*all_reduce", outs[0], re.M), outs[0][-3000:]
+
 @pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
 def test_several_links_split_agreed_across_processes(n, k):
   """FLEXLINK_LINKS="shm;tcp": cross-process calls split across the segment and the tcp ring by the
   leader's plan; every rank of every process cut the same ranges at every call, and the plan moved."""
-  outs = _run(n, k, "multilink", FLEXLINK_LINKS="shm;tcp")
+  # Stage 2 alone, from equal shares (stage 1 across processes: test_stage1_across_processes).
+  outs = _run(n, k, "multilink", FLEXLINK_LINKS="shm;tcp", FLEXLINK_AUTOTUNE_MIN_BYTES="0")
   by_call = {}
   for out in outs:
     splits = json.loads(re.search(r"^SPLITS (.*)$", out, re.M).group(1))

@@ -26,7 +26,7 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     the tuning cache if it has this host, link set and group size, else every link profiled alone and
     the split timed against the best link alone, cached. 0: stage 1 only from tune(); plans start
     from equal shares. Default FLEXLINK_AUTOTUNE_MIN_BYTES or 1 MiB. Smaller calls use the primary
-    link alone until stage 1 ran.
+    link alone until stage 1 ran. Groups spanning processes profile across them (no cache).
   tune_max_bytes: the largest size that in-engine stage 1 profiles (default FLEXLINK_TUNE_MAX_BYTES
     or 16 MiB); the fits extrapolate beyond it and stage 2 corrects.
   link_timeout_s: the floor of a link's own deadline for its range (FLEXLINK_LINK_TIMEOUT_S, default

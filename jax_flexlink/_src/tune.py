@@ -117,6 +117,9 @@ def tune(*, collectives=COLLECTIVES, max_bytes: int | str = 16 << 20, devices=No
   alone (which decides the size from which calls are split), stored in the tuning cache. With
   `use_cache`, a cached entry for this host, link set and group size is installed instead (one
   this machine and engine made: anything else in the cache is ignored with a warning).
+  A group spanning processes (every process calls tune() with the same devices, as it would call the
+  collective) runs stage 1 across processes (docs/xproc.md) and returns the same fits in every
+  process; the tuning cache is not used for it.
 
   collectives: one or more of all_reduce, all_gather, reduce_scatter; devices: distinct jax devices;
   max_bytes: a byte count of at least 128K; use_cache: a bool. Anything else is a TypeError or

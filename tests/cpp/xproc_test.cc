@@ -39,6 +39,7 @@
 #include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/link_set.h"
+#include "xla_ffi/core/profile_calls.h"
 #include "xla_ffi/links/tcp.h"
 #include "xla_ffi/links/tcp_xproc.h"
 #include "xla_ffi/plan/cost_model.h"
@@ -454,6 +455,7 @@ uint64_t LinkBytes(const std::string& name) {
 // reference, then the same cases on the segment alone: bit for bit the same.
 void MultiLinkCorrectness(Proc& p) {
   Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  SetAutotune(0);  // no stage 1: every call split from equal shares, so that both links carry bytes
   xproc::ProcessGroup* g = xproc::FindProcessGroup(p.devices);
   Expect(g != nullptr, "the group is registered");
   if (!g) return;
@@ -527,6 +529,7 @@ void MultiLinkPinned(Proc& p) {
 // moved at least once.
 void MultiLinkAgreement(Proc& p) {
   Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  SetAutotune(0);  // stage 2 alone, from equal shares (stage 1 on this host says: never split)
   SetRecordSplits(true);
   (void)TakeSplitRecords();
   const int calls = 40;
@@ -783,6 +786,98 @@ void MultiLinkDegraded(Proc& p) {
                                                            std::to_string(first) + " -> " + std::to_string(last));
   }
   Expect(SetFaults("").ok(), "clear faults");
+}
+
+// The leader's model of the cross-process group (empty links: none; only the leader's process has one).
+plan::CostModel LeaderModel(const Proc& p) {
+  plan::CostModel model;
+  (void)xproc::ForEachXprocBalancer([&](plan::Balancer& b) {
+    model = b.Model();
+    return Status::Ok();
+  });
+  (void)p;
+  return model;
+}
+
+bool LeaderPlans(const Proc& p, plan::PlanMode mode) {
+  for (const auto& snap : SnapshotPlans())
+    if (snap.group == p.devices && snap.plan.mode == mode) return true;
+  return false;
+}
+
+// Stage 1 across processes: the first large all_reduce profiles shm and tcp in every process inside
+// the call (xproc_profile.h); the leader ends with fits for both links, the profiled size and a
+// measured threshold; the call and the next ones are exact, and the next ones do not profile again.
+void MultiLinkStageOne(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  SetAutotune(1 << 20);
+  SetTuneMax(2 << 20);
+  SetRecordSplits(true);
+  (void)TakeSplitRecords();
+  const int64_t count = int64_t{1} << 19;  // 2 MiB f32
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 61};
+  const auto t0 = Clock::now();
+  CheckCase(p, c);
+  const double first = Since(t0);
+  if (p.index == 0) {
+    const plan::CostModel m = LeaderModel(p);
+    Expect(m.links() == std::vector<std::string>{"shm", "tcp"} && m.Has(Kind::kAllReduce),
+           "the leader has stage-1 fits for all_reduce on shm and tcp");
+    if (m.Has(Kind::kAllReduce)) {
+      const auto fits = m.Fits(Kind::kAllReduce);
+      Expect(fits[0].beta > 0 && fits[1].beta > 0, "both fits have a bandwidth");
+      Expect(m.ProfiledBytes(Kind::kAllReduce) == (2u << 20), "profiled up to 2 MiB (tune max): " +
+                                                                   std::to_string(m.ProfiledBytes(Kind::kAllReduce)));
+      Expect(m.MeasuredThreshold(Kind::kAllReduce).has_value(), "the split threshold was measured");
+      std::printf("    stage 1 across processes (%.3f s for the first call): shm %.3g GB/s, tcp %.3g GB/s, %s\n",
+                  first, fits[0].bytes_per_second() * 1e-9, fits[1].bytes_per_second() * 1e-9,
+                  SplitThresholdText(m.MeasuredThreshold(Kind::kAllReduce).value_or(0)).c_str());
+    }
+  } else {
+    Expect(LeaderModel(p).links().empty(), "only the leader's process has a balancer");
+  }
+  for (int i = 0; i < 4; ++i) CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false,
+                                            static_cast<uint32_t>(62 + i)});
+  if (p.index == 0) {
+    Expect(!LeaderPlans(p, plan::PlanMode::kProfile),
+           "the calls after stage 1 are planned from its fits (no kProfile plan left)");
+  }
+  // Every rank of this process cut the same ranges at every call.
+  std::map<uint64_t, std::set<std::vector<std::pair<uint64_t, uint64_t>>>> by_call;
+  for (const auto& r : TakeSplitRecords()) by_call[r.call].insert(r.ranges);
+  bool agree = by_call.size() == 5;
+  for (const auto& [call, sets] : by_call) agree &= sets.size() == 1;
+  Expect(agree, "every local rank cut the same ranges at each of the 5 calls");
+  SetRecordSplits(false);
+}
+
+// Stage 1 when tcp fails inside it (a real stall from its first run on, in one process): every
+// rank learns it in the same round, the leader installs nothing and turns stage 1 off for the group,
+// and the call itself and the next ones are exact.
+void MultiLinkStageOneFails(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  SetAutotune(1 << 20);
+  SetTuneMax(2 << 20);
+  HealthOptions o = GetHealthOptions();
+  o.link_timeout_s = 0.3;
+  SetHealthOptions(o);
+  if (p.index == 1)
+    if (TcpChannel* ring = CrossProcessTcp(p.devices, "tcp")) ring->StallSendsForTest(p.ranks[0], 1);
+  const int64_t count = int64_t{1} << 19;
+  const auto t0 = Clock::now();
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 71});
+  const double secs = Since(t0);
+  Expect(secs < TimeoutSeconds(), "the failed profile ended at the link's deadlines, not the group's (" +
+                                      std::to_string(secs) + " s)");
+  if (p.index == 0) {
+    std::printf("    stage 1 with a stalled tcp ring: the call returned after %.3f s\n", secs);
+    Expect(!LeaderModel(p).Has(Kind::kAllReduce), "no fits installed");
+  }
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 72});
+  if (p.index == 0) {
+    Expect(!LeaderPlans(p, plan::PlanMode::kProfile), "stage 1 is off for the group after it failed");
+  }
+  SetHealthOptions(HealthOptions{});
 }
 
 // --bench-multilink: all_reduce f32 at 16 and 64 MiB per process, the segment alone against shm+tcp
@@ -1219,6 +1314,9 @@ int main(int argc, char** argv) {
     RunScenario(s);
   }
   multi("shm+tcp: tcp slowed with fits installed: degraded, load moved", 2, 1, 30, {}, true, MultiLinkDegraded);
+  multi("shm+tcp: stage 1 across processes, 2 processes", 2, 1, 30, {}, false, MultiLinkStageOne);
+  multi("shm+tcp: stage 1 across processes, 2 processes x 2 ranks", 2, 2, 30, {}, false, MultiLinkStageOne);
+  multi("shm+tcp: stage 1 with a stalled tcp ring installs nothing", 2, 1, 30, {}, false, MultiLinkStageOneFails);
   RunScenario({"stragglers: the last process sleeps 5 ms before each call", 3, 1, 64 << 10, 30, {}, false, Stragglers});
   AttachChecks();
   const auto after = ShmEntries();

@@ -5,6 +5,7 @@ Every collective over a mesh of all processes' devices, FlexLink against jax.lax
 inside one process and across processes. Prints one line per check and exits non-zero on the first
 mismatch. Modes (argv[1]): `collectives` (the checks), `kill` (process 1 dies at a collective, the
 others must fail naming it), `plan` (repeated calls: every rank's result identical, stats agree),
+`stage1` (FLEXLINK_LINKS="shm;tcp": stage 1 across processes, in the engine and by tune()),
 `multilink` (run with FLEXLINK_LINKS="shm;tcp": every kind against lax while cross-process calls are
 split across the segment and the tcp ring, then converging calls; prints this process's split records
 of the cross-process group, its xproc_groups() entry and, on process 0, the group's plans).
@@ -233,6 +234,34 @@ def multilink():
   say(f"ALL OK multilink {checks} checks")
 
 
+def stage1():
+  """FLEXLINK_LINKS="shm;tcp": stage 1 across processes. The first large psum profiles both links in
+  every process inside the call; then jax_flexlink.tune() of all_gather does it on purpose. Prints
+  this process's view of the group's fits (every process computed the same), the results' check and,
+  on process 0, the leader's plans."""
+  from jax_flexlink import _flexlink  # noqa: PLC0415
+  mesh = Mesh(np.array(DEVICES), ("x",))
+  host = data((N * 256, 1024), np.int32, 5)  # 1 MiB per device: the autotune size
+  x = global_array(mesh, P("x"), host)
+  f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  want = host.reshape(N, 256, 1024).sum(0, dtype=np.int32)
+  for _ in range(3):
+    for shard in local_values(f(x)):
+      assert np.array_equal(shard, want)
+  ids = [d.id for d in DEVICES]
+  say("FITS " + json.dumps(_flexlink.group_fits(ids), sort_keys=True))
+  tuned = flx.tune(collectives="all_gather", devices=DEVICES, max_bytes="1M", use_cache=False)
+  say("TUNED " + json.dumps(tuned, sort_keys=True))
+  g = jax.jit(jax.shard_map(lambda v: flx.all_gather(v, "x", tiled=True), mesh=mesh, in_specs=P("x"),
+                            out_specs=P("x")))
+  for shard in local_values(g(x)):  # every device's block is the whole gathered array
+    assert np.array_equal(shard, host), "all_gather after tune()"
+  if ME == 0:
+    plans = [p for p in flx.stats()["plans"] if list(p.get("group", [])) == ids]
+    say("PLANS " + json.dumps(plans, default=str)[:3000])
+  say("ALL OK stage1 3 checks")
+
+
 def linkfault():
   """FLEXLINK_LINKS="shm;tcp" and FLEXLINK_FAULTS naming one of them: the cross-process calls, split
   50/50, fail over to the other link and stay exact; prints this process's failover count and the
@@ -278,4 +307,4 @@ def nocarrier():
 
 
 if __name__ == "__main__":
-  {"collectives": collectives, "kill": kill, "absent": absent, "linkfault": linkfault, "nocarrier": nocarrier, "plan": plan, "multilink": multilink}[sys.argv[1]]()
+  {"collectives": collectives, "kill": kill, "absent": absent, "linkfault": linkfault, "nocarrier": nocarrier, "plan": plan, "multilink": multilink, "stage1": stage1}[sys.argv[1]]()

@@ -128,4 +128,6 @@ void LogInfo(const std::string& msg) {
   if (DebugLevel() >= kDebugInfo) std::fprintf(stderr, "flexlink: %s\n", msg.c_str());
 }
 
+void LogWarning(const std::string& msg) { std::fprintf(stderr, "flexlink: warning: %s\n", msg.c_str()); }
+
 }  // namespace flexlink

@@ -81,5 +81,8 @@ int DebugLevel();
 void SetDebugLevel(int level);
 // "flexlink: <msg>" on stderr at kDebugInfo and above.
 void LogInfo(const std::string& msg);
+// "flexlink: warning: <msg>" on stderr whatever the level: what the user must learn (something did
+// not run as configured).
+void LogWarning(const std::string& msg);
 
 }  // namespace flexlink

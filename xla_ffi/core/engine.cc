@@ -146,6 +146,7 @@ void ForgetModel(Kind kind) {
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups)
     if (key.first == version) group->balancer->ForgetKind(kind);
+  xproc::ForgetXprocKind(kind);
 }
 
 std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices) {
@@ -153,7 +154,7 @@ std::optional<plan::CostModel> GroupModel(std::span<const int64_t> devices) {
   GroupRegistry& reg = Registry();
   std::lock_guard<std::mutex> lock(reg.mu);
   auto it = reg.groups.find({version, std::vector<int64_t>(devices.begin(), devices.end())});
-  if (it == reg.groups.end()) return std::nullopt;
+  if (it == reg.groups.end()) return xproc::XprocGroupModel(devices);
   return it->second->balancer->Model();
 }
 
@@ -162,6 +163,10 @@ void SetTuneMax(uint64_t max_bytes) {
   GroupRegistry& reg = Registry();
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups) group->balancer->SetProfileMaxBytes(max_bytes);
+  (void)xproc::ForEachXprocBalancer([&](plan::Balancer& b) {
+    b.SetProfileMaxBytes(max_bytes);
+    return Status::Ok();
+  });
 }
 
 void SetAutotune(uint64_t min_bytes) {
@@ -169,6 +174,10 @@ void SetAutotune(uint64_t min_bytes) {
   GroupRegistry& reg = Registry();
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups) group->balancer->SetProfileFromBytes(min_bytes);
+  (void)xproc::ForEachXprocBalancer([&](plan::Balancer& b) {
+    b.SetProfileFromBytes(min_bytes);
+    return Status::Ok();
+  });
 }
 
 std::vector<PlanSnapshot> SnapshotPlans() {

@@ -26,27 +26,6 @@
 #include "xla_ffi/plan/tuning_cache.h"
 
 namespace flexlink {
-namespace {
-
-std::string ThresholdText(uint64_t t) {
-  return t == plan::kNeverSplit ? std::string("never split (one link alone is faster)")
-                                : "split from " + std::to_string(t) + " B per call";
-}
-
-// A zeroed, cache-line-aligned buffer (zeros: sums and gathers of them are exact, whatever the split).
-struct Buffer {
-  explicit Buffer(size_t bytes) {
-    const size_t rounded = std::max<size_t>(64, (bytes + 63) / 64 * 64);
-    ptr = std::aligned_alloc(64, rounded);
-    if (ptr) std::memset(ptr, 0, rounded);
-  }
-  ~Buffer() { std::free(ptr); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  void* ptr = nullptr;
-};
-
-}  // namespace
 
 uint64_t ProfileTopBytes(uint64_t message_bytes) {
   return plan::BucketOf(std::max<uint64_t>(
@@ -64,7 +43,7 @@ bool Executor::LoadCachedFits(Kind kind, int n, uint64_t needed_bytes) {
   if (!balancer_->MergeModel(rec.model).ok()) return false;
   LogInfo("stage 1 for " + std::string(Name(kind)) + " on group " + FormatIds(comm_->devices()) +
       " from cache " + path + ": " + DescribeFits(link_names_, rec.model.Fits(kind)) + "; " +
-      ThresholdText(balancer_->SplitThresholdBytes(kind)));
+      SplitThresholdText(balancer_->SplitThresholdBytes(kind)));
   return true;
 }
 
@@ -96,7 +75,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
 
   // This rank's scratch, sized for the largest profiled call.
   const CallDesc largest = ProfileDesc(p->kind, p->sizes.back(), n, nullptr, nullptr);
-  Buffer in(largest.in_count(largest.parts[0], n) * sizeof(float)),
+  ProfileBuffer in(largest.in_count(largest.parts[0], n) * sizeof(float)),
       out(largest.out_count(largest.parts[0], n) * sizeof(float));
   if (!in.ptr || !out.ptr)
     return Status::Internal("flexlink: stage 1: out of memory for the profiling buffers");
@@ -196,7 +175,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
   }
   LogInfo("stage 1 for " + std::string(Name(p->kind)) + " on group " + FormatIds(comm_->devices()) + " (" +
       std::to_string(Since(p->started)).substr(0, 5) + " s): " + DescribeFits(link_names_, model.Fits(p->kind)) +
-      "; best alone/split: " + timings + "; " + ThresholdText(threshold) + "; plan " +
+      "; best alone/split: " + timings + "; " + SplitThresholdText(threshold) + "; plan " +
       balancer_->Describe(*state.plan));
   if (!merged.ok()) return merged;
 

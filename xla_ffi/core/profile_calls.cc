@@ -32,6 +32,11 @@ CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
   return d;
 }
 
+std::string SplitThresholdText(uint64_t t) {
+  return t == plan::kNeverSplit ? std::string("never split (one link alone is faster)")
+                                : "split from " + std::to_string(t) + " B per call";
+}
+
 std::string DescribeFits(const std::vector<std::string>& names, std::span<const plan::AlphaBeta> fits) {
   std::string s;
   for (size_t i = 0; i < names.size(); ++i) {

@@ -3,7 +3,10 @@
 // tuning cache it reads and writes, and the fits' one-line description in the log.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -26,6 +29,23 @@ std::string ProfileCachePath();
 // A float32 sum (for the kinds that do not reduce: their data movement) of `message` nccl-tests bytes
 // for a group of n; ppermute as a ring shift by one, the common case (pipelines, halos).
 CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out);
+
+// A profile's scratch: zeroed (sums and gathers of zeros are exact whatever the split) and
+// cache-line aligned; ptr is null when out of memory.
+struct ProfileBuffer {
+  explicit ProfileBuffer(size_t bytes) {
+    const size_t rounded = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+    ptr = std::aligned_alloc(64, rounded);
+    if (ptr) std::memset(ptr, 0, rounded);
+  }
+  ~ProfileBuffer() { std::free(ptr); }
+  ProfileBuffer(const ProfileBuffer&) = delete;
+  ProfileBuffer& operator=(const ProfileBuffer&) = delete;
+  void* ptr = nullptr;
+};
+
+// "split from N B per call" or "never split (...)", for the log.
+std::string SplitThresholdText(uint64_t threshold);
 
 // "name a=..us bw=..GB/s, ..." for the log.
 std::string DescribeFits(const std::vector<std::string>& names, std::span<const plan::AlphaBeta> fits);

@@ -23,6 +23,8 @@
 #include "xla_ffi/plan/ranges.h"
 #include "xla_ffi/xproc/layout.h"
 #include "xla_ffi/xproc/process_group.h"
+#include "xla_ffi/xproc/registry.h"
+#include "xla_ffi/xproc/xproc_profile.h"
 
 namespace flexlink::xproc {
 namespace {
@@ -100,7 +102,8 @@ class XprocExecutor {
     health_ = std::make_shared<GroupHealth>(FormatIds(g_->devices()), r_.info.links);
     if (g_->is_local(0)) {
       plan::BalancerOptions options;
-      options.profile_from_bytes = 0;  // no engine stage 1 across processes
+      // Stage 1 across processes (xproc_profile.h) from the same size as in one process.
+      options.profile_from_bytes = AutotuneMinBytes();
       options.profile_max_bytes = TuneMaxBytes();
       balancer_ = std::make_unique<plan::Balancer>(r_.info.links, options);
       if (auto model = CurrentModel(); model && model->links() == r_.info.links) (void)balancer_->SetModel(*model);
@@ -110,6 +113,21 @@ class XprocExecutor {
   }
 
   plan::Balancer* balancer() { return balancer_.get(); }
+  // The group's model in this process: the leader's balancer's, else what stage 1 across processes
+  // computed here (every rank computes the same fits; only the leader plans with them). Empty links:
+  // nothing for any kind.
+  plan::CostModel Model() const {
+    if (balancer_) return balancer_->Model();
+    std::lock_guard<std::mutex> lock(profiled_mu_);
+    for (size_t k = 0; k < plan::kNumKinds; ++k)
+      if (profiled_.Has(static_cast<Kind>(k))) return profiled_;
+    return plan::CostModel{};
+  }
+  void ForgetKind(Kind kind) {
+    if (balancer_) balancer_->ForgetKind(kind);
+    std::lock_guard<std::mutex> lock(profiled_mu_);
+    profiled_.ClearKind(kind);
+  }
   const std::shared_ptr<GroupHealth>& health() const { return health_; }
   const std::vector<std::string>& links() const { return r_.info.links; }
 
@@ -177,6 +195,7 @@ class XprocExecutor {
     }
     // Copied now: the slot is rewritten for call c + 2 once the leader passed c + 1's arrival.
     const uint32_t unhealthy = slot.unhealthy;
+    const bool profile = slot.mode == static_cast<uint32_t>(plan::PlanMode::kProfile);
     std::vector<plan::AlphaBeta> fits;
     if (slot.has_fits)
       for (size_t i = 0; i < L; ++i) {
@@ -189,6 +208,8 @@ class XprocExecutor {
       }
     if (rank == 0 && c > 1) ReportCall(c - 1);
     if (rank == FirstLocalRank() && c > 1) ObserveCall(c - 1);
+    // After ReportCall and ObserveCall: the profile's rounds reuse the times slots they read.
+    if (profile) FLEXLINK_RETURN_IF_ERROR(Profile(rank, desc, c, label, run_id));
 
     const std::vector<plan::UnitRange> ranges = plan::CutRanges(desc.virtual_bytes(), 1, shares);
     if (rank == 0)
@@ -291,6 +312,35 @@ class XprocExecutor {
   }
 
  private:
+  // Stage 1 in this call, on every rank (xproc_profile.h); the call itself then runs on the kProfile
+  // plan's shares (the segment alone). The leader installs the fits; a profile that a link failed
+  // installs nothing and turns stage 1 off for the group (its calls are then planned from equal
+  // shares by stage 2, as before stage 1 existed here), with a warning that says why.
+  Status Profile(int rank, const CallDesc& desc, uint64_t c, std::string_view label, int64_t run_id) {
+    ProfiledLinks links{g_, r_.info.links, r_.tcp, &workers_};
+    plan::BalancerOptions options;  // the thresholds only: every rank must use the same
+    ProfileOutcome outcome;
+    FLEXLINK_RETURN_IF_ERROR(ProfileAcrossProcesses(links, rank, c, desc.kind, MessageBytes(desc, g_->size()),
+                                                    options, label, run_id, &outcome));
+    if (rank == FirstLocalRank() && outcome.ok) {  // every rank computed the same model
+      std::lock_guard<std::mutex> lock(profiled_mu_);
+      profiled_.CopyKind(outcome.model, desc.kind);
+    }
+    if (rank != 0) return Status::Ok();
+    const std::string group = "stage 1 for " + std::string(Name(desc.kind)) + " on cross-process group " +
+                              FormatIds(g_->devices()) + " (links " + Join(r_.info.links) + ")";
+    if (!outcome.ok) {
+      balancer_->SetProfileFromBytes(0);
+      balancer_->ForgetKind(desc.kind);  // its kProfile plans with it
+      LogWarning(group + " did not complete, so none of its calls profiles again and stage 2 "
+                 "plans them from equal shares: " + outcome.why_not);
+      return Status::Ok();
+    }
+    Status merged = balancer_->MergeModel(outcome.model);
+    LogInfo(group + ": " + outcome.summary);
+    return merged;
+  }
+
   // A probe of an unhealthy tcp ring (health_->Effective gave it a small range) rebuilds the ring
   // first (docs/faults.md, "Across processes"): a ring that failed for real has its streams out of
   // step, and only new connections can carry the probe. Every rank of every process reads the same
@@ -563,6 +613,8 @@ class XprocExecutor {
   ProcessGroup* const g_;
   const Resolved r_;
   std::unique_ptr<plan::Balancer> balancer_;  // the leader's process only
+  mutable std::mutex profiled_mu_;
+  plan::CostModel profiled_{r_.info.links};  // stage 1's results in this process (Model())
   std::vector<std::vector<std::unique_ptr<LinkWorker>>> workers_;  // [link][rank]: tcp links, local ranks
   Held held_[2];                 // leader (rank 0's thread) only: the plans of the last two calls
   struct Observation {           // a call's facts for ObserveCall (the first local rank's thread only)
@@ -697,6 +749,27 @@ std::vector<PlanSnapshot> SnapshotXprocPlans() {
       out.push_back(PlanSnapshot{key.first->devices(), *p, e->executor->links()});
   }
   return out;
+}
+
+std::optional<plan::CostModel> XprocGroupModel(std::span<const int64_t> devices) {
+  ProcessGroup* group = FindProcessGroup(devices);
+  if (!group) return std::nullopt;
+  const uint64_t version = CurrentLinkSet()->version;
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.entries.find({group, version});
+  if (it == reg.entries.end() || !it->second->executor) return std::nullopt;
+  plan::CostModel model = it->second->executor->Model();
+  if (model.links().empty()) return std::nullopt;
+  return model;
+}
+
+void ForgetXprocKind(Kind kind) {
+  const uint64_t version = CurrentLinkSet()->version;
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, e] : reg.entries)
+    if (key.second == version && e->executor) e->executor->ForgetKind(kind);
 }
 
 Status ForEachXprocBalancer(const std::function<Status(plan::Balancer&)>& f) {

@@ -23,6 +23,8 @@
 #include <functional>
 #include <string_view>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +59,12 @@ Status StayAway(ProcessGroup* group, int rank, uint64_t call, std::string_view l
 // The leader's plans of this process's cross-process groups (those whose rank 0 is local) under the
 // current link set, for SnapshotPlans.
 std::vector<PlanSnapshot> SnapshotXprocPlans();
+// The cross-process group's model as this process knows it (GroupModel, jax_flexlink.tune()): the
+// leader's balancer's in the leader's process; elsewhere the fits stage 1 across processes computed
+// (the same in every process). nullopt: not such a group, one link, or nothing known.
+std::optional<plan::CostModel> XprocGroupModel(std::span<const int64_t> devices);
+// Forgets `kind`'s fits of every cross-process group of the current link set (ForgetModel).
+void ForgetXprocKind(Kind kind);
 // Applies `f` to every leader balancer of the current link set (SetShares, InstallModel, ...).
 Status ForEachXprocBalancer(const std::function<Status(plan::Balancer&)>& f);
 
