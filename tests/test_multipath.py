@@ -332,7 +332,9 @@ def test_stage1_runs_in_the_engine_on_the_first_large_call(tmp_path):
         assert mode in ("converging", "settled"), out
         assert abs(_share_ran(out["AFTER_RANGES"], 1 << 18) - _equal_finish_share(a, b, 1 << 18)) < 0.01, (out, entry)
     else:
-        assert (mode, share_a) == ("single", 1.0) and len(eval(out["AFTER_RANGES"])[0]) == 1, out
+        # One link ran the whole call (the records list every link's range, the others empty).
+        ran = [r for r in eval(out["AFTER_RANGES"])[0] if r[1] > r[0]]
+        assert (mode, share_a) == ("single", 1.0) and len(ran) == 1, out
 
     second = run_python(ENGINE_STAGE1, env_extra=env)
     assert second.returncode == 0, second.stderr[-3000:]

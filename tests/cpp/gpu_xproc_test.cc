@@ -94,7 +94,8 @@ struct Scenario {
                  // 8: stats, set_shares through the engine and stage 2 across processes;
                  // 9: error faults and failover across processes; 10: rank:absent across processes;
                  // 11: slow faults across processes (stage 2 moves share off); 12: a hang across
-                 // processes (the hang detector breaks the group in every process)
+                 // processes (the hang detector breaks the group in every process); 13: stage 1
+                 // across processes
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -251,12 +252,45 @@ struct Local {
 
 uint64_t gpu_failovers() { return FailoverCount(); }
 
+// This process's split records (two links), for the parent's agreement checks.
+void ShareSplits(const std::vector<SplitRecord>& records, int process, Shared* shared) {
+  for (const SplitRecord& rec : records) {
+    const int32_t at = shared->rows.fetch_add(1);
+    if (at >= 4096 || rec.ranges.size() != 2) continue;
+    SplitRow& row = shared->row[at];
+    row.process = process;
+    row.rank = rec.rank;
+    row.call = rec.call;
+    for (int l = 0; l < 2; ++l) row.r[l][0] = rec.ranges[l].first, row.r[l][1] = rec.ranges[l].second;
+  }
+}
+
+// The parent: the processes' split rows by call, and how many calls every one of the n ranks cut
+// identically.
+std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared, int n, int* agreed) {
+  const int rows = std::min<int>(shared->rows.load(), 4096);
+  std::map<uint64_t, std::vector<const SplitRow*>> by_call;
+  for (int i = 0; i < rows; ++i) by_call[shared->row[i].call].push_back(&shared->row[i]);
+  *agreed = 0;
+  for (auto& [call, of] : by_call) {
+    bool same = static_cast<int>(of.size()) == n;
+    for (const SplitRow* r : of) same = same && std::memcmp(r->r, of[0]->r, sizeof r->r) == 0;
+    *agreed += same;
+  }
+  return by_call;
+}
+
 // The body of process `p`: set-up through the pipes, then the scenario. Exit status: 0 passed.
 [[noreturn]] void Child(const Scenario& s, int p, int up, const std::vector<int>& down, Shared* shared) {
   alarm(120);
   g_passed = g_failed = 0;  // fork copied the parent's counts
   // The stalled-join scenario waits for the deadline itself: a short one keeps it quick.
   SetTimeoutSeconds(s.mode == 7 ? 3 : s.mode == 10 ? 1 : 60);
+  // Stage 1 only where it is the subject: with it on, calls below autotune_min_bytes take the
+  // primary link alone until a large call has profiled (as in one process), and the other modes
+  // test the split and stage 2 from equal shares at every size. Read when the group registers.
+  SetAutotuneMinBytes(s.mode == 13 ? uint64_t{1} << 20 : 0);
+  if (s.mode == 13) SetTuneMaxBytes(uint64_t{1} << 20);  // stage 1's sizes: 64 KiB to 1 MiB
   Local L(s, p);
   Status st = L.engine->ConfigureLinks(s.links);
   if (!st.ok()) {
@@ -324,15 +358,7 @@ uint64_t gpu_failovers() { return FailoverCount(); }
     (void)g;
     L.engine->splits().SetEnabled(true);
     for (size_t i = 0; i < cases.size(); i += 3) L.Check(cases[i], ++run, s.what);
-    for (const SplitRecord& rec : L.engine->splits().Take()) {
-      const int32_t at = shared->rows.fetch_add(1);
-      if (at >= 4096 || rec.ranges.size() != 2) continue;
-      SplitRow& row = shared->row[at];
-      row.process = p;
-      row.rank = rec.rank;
-      row.call = rec.call;
-      for (int l = 0; l < 2; ++l) row.r[l][0] = rec.ranges[l].first, row.r[l][1] = rec.ranges[l].second;
-    }
+    ShareSplits(L.engine->splits().Take(), p, shared);
   } else if (s.mode == 2) {
     // No link of the set can span processes (a second pcie link is left out, and with it nothing is
     // left): every rank says so with the reason, nothing hangs. Here: "pcie:a;pcie:b" keeps a.
@@ -356,15 +382,7 @@ uint64_t gpu_failovers() { return FailoverCount(); }
     L.engine->splits().SetEnabled(true);
     const int calls = 40;
     for (int i = 0; i < calls; ++i) L.Check(c, ++run, s.what);
-    for (const SplitRecord& rec : L.engine->splits().Take()) {
-      const int32_t at = shared->rows.fetch_add(1);
-      if (at >= 4096 || rec.ranges.size() != 2) continue;
-      SplitRow& row = shared->row[at];
-      row.process = p;
-      row.rank = rec.rank;
-      row.call = rec.call;
-      for (int l = 0; l < 2; ++l) row.r[l][0] = rec.ranges[l].first, row.r[l][1] = rec.ranges[l].second;
-    }
+    ShareSplits(L.engine->splits().Take(), p, shared);
     uint64_t nccl_calls = 0, pcie_calls = 0, nccl_bytes = 0;
     for (const LinkStatsSnapshot& st : SnapshotLinkStats()) {
       if (st.name == "nccl") nccl_calls = st.calls, nccl_bytes = st.bytes;
@@ -386,8 +404,8 @@ uint64_t gpu_failovers() { return FailoverCount(); }
              s.what + ": the leader's plan is listed and moved share off the slow pcie link (pcie " +
                  std::to_string(pcie_share) + ", " + std::to_string(plans) + " plans)");
       if (getenv("GPU_XPROC_DEBUG")) std::printf("leader: pcie share %.3f, nccl calls %d\n", pcie_share, int(nccl_calls));
-      // No stage 1 across processes: a large call's plan must not be a profile plan (the primary
-      // alone until a profile nobody runs), but a split stage 2 can correct.
+      // With stage 1 off (autotune_min_bytes 0), a large call's plan is not a profile plan (the
+      // primary alone until a profile runs), but a split stage 2 can correct.
       gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
       const auto big = g ? g->balancer().PlanFor(Kind::kAllGather, uint64_t{64} << 20) : nullptr;
       Expect(big && big->mode != plan::PlanMode::kProfile && big->shares.size() == 2 && big->shares[0] > 0 &&
@@ -468,6 +486,39 @@ uint64_t gpu_failovers() { return FailoverCount(); }
       Expect(clean > 0.4 && slowed >= 0 && slowed <= 0.5 * clean,
              s.what + ": stage 2 moved share off the slowed nccl link (clean " + std::to_string(clean) + ", slowed " +
                  std::to_string(slowed) + ")");
+    }
+  } else if (s.mode == 13) {
+    // Stage 1 across processes: a 1 MiB all_reduce (autotune_min_bytes) makes the leader's first
+    // plan a profile; every rank enqueues each phase in the call the leader's slot names, the times
+    // come back through the segment, and within a few calls the leader installs the fits of both
+    // links. Every call exact; every rank's ranges identical per call (the parent checks), the
+    // calls while profiling on nccl alone.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{262144}}, 0, {}, false};
+    const uint64_t bytes = CaseBytes(c, N);
+    L.engine->splits().SetEnabled(true);
+    const int calls = 12;
+    for (int i = 0; i < calls; ++i) L.Check(c, ++run, s.what);
+    ShareSplits(L.engine->splits().Take(), p, shared);
+    gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+    // The profile's NCCL operations ran in every process: phase 1 alone times nccl at 5 sizes,
+    // 14 runs, beside the 12 calls' own.
+    Expect(L.comm.operations() >= size_t{calls} + 14,
+           s.what + ": process " + std::to_string(p) + " enqueued the profile (" +
+               std::to_string(L.comm.operations()) + " NCCL operations)");
+    if (p == 0 && g) {
+      const plan::CostModel m = g->balancer().Model();
+      const auto fits = m.Has(c.kind) ? m.Fits(c.kind) : std::span<const plan::AlphaBeta>();
+      Expect(!g->profiler().busy() && fits.size() == 2 && fits[0].beta > 0 && fits[1].beta > 0 &&
+                 m.ProfiledBytes(c.kind) == bytes,
+             s.what + ": the leader installed both links' fits up to " + std::to_string(bytes) + " B (profiled " +
+                 std::to_string(m.Has(c.kind) ? m.ProfiledBytes(c.kind) : 0) + ")");
+      const auto pl = g->balancer().PlanFor(c.kind, bytes);
+      Expect(pl && pl->mode != plan::PlanMode::kProfile,
+             s.what + ": the kind is planned from the fits (" + (pl ? std::string(plan::Name(pl->mode)) : "-") + ")");
+      if (m.Has(c.kind))
+        std::printf("  %s: leader's fits: nccl %.3g GB/s, pcie %.3g GB/s; plan %s\n", s.what.c_str(),
+                    fits[0].bytes_per_second() / 1e9, fits[1].bytes_per_second() / 1e9,
+                    pl ? std::string(plan::Name(pl->mode)).c_str() : "-");
     }
   } else if (s.mode == 12) {
     // nccl:hang@at_call=2 in every process, link deadline 0.3 s: call 2's nccl range waits on each
@@ -759,19 +810,24 @@ void RunScenario(const Scenario& s) {
     Expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
            s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
   }
+  if (s.mode == 13) {
+    // Identical ranges on every rank for each call; the first ones (profiling) on nccl alone.
+    const int n = s.processes * s.per_process;
+    int agreed = 0;
+    const auto by_call = RowsByCall(shared, n, &agreed);
+    Expect(by_call.size() == 12 && agreed == 12,
+           s.what + ": identical ranges on all " + std::to_string(n) + " ranks for " + std::to_string(agreed) + " of " +
+               std::to_string(by_call.size()) + " calls");
+    const SplitRow* first = by_call.empty() ? nullptr : by_call.begin()->second[0];
+    Expect(first && first->r[1][0] == first->r[1][1] && first->r[0][1] > 0,
+           s.what + ": the first call (profiling) ran on nccl alone");
+  }
   if (s.mode == 8) {
     // Identical ranges on every rank of every process for each call, and the pcie link's range
     // shrinking from the leader's 0.5 as stage 2 learns from every rank's times.
-    const int rows = std::min<int>(shared->rows.load(), 4096);
     const int n = s.processes * s.per_process;
-    std::map<uint64_t, std::vector<const SplitRow*>> by_call;
-    for (int i = 0; i < rows; ++i) by_call[shared->row[i].call].push_back(&shared->row[i]);
     int agreed = 0;
-    for (auto& [call, of] : by_call) {
-      bool same = static_cast<int>(of.size()) == n;
-      for (const SplitRow* r : of) same = same && std::memcmp(r->r, of[0]->r, sizeof r->r) == 0;
-      agreed += same;
-    }
+    const auto by_call = RowsByCall(shared, n, &agreed);
     auto pcie_fraction = [](const SplitRow* r) {
       const double total = static_cast<double>(r->r[1][1]);
       return total > 0 ? static_cast<double>(r->r[1][1] - r->r[1][0]) / total : -1.0;
@@ -850,6 +906,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "rank:absent", 2, per, "nccl;pcie", 10});
     RunScenario({shape + "nccl;pcie slow faults", 2, per, "nccl@staging_mib=0.0625;pcie", 11, 0, 0.05});
     RunScenario({shape + "nccl;pcie hang", 2, per, "nccl@staging_mib=0.0625;pcie", 12});
+    RunScenario({shape + "nccl;pcie stage 1 across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 13});
   }
   const auto after = ShmEntries();
   std::string left;

@@ -788,14 +788,14 @@ void MultiLinkDegraded(Proc& p) {
   Expect(SetFaults("").ok(), "clear faults");
 }
 
-// The leader's model of the cross-process group (empty links: none; only the leader's process has one).
-plan::CostModel LeaderModel(const Proc& p) {
+// This process's leader model of its cross-process group (empty links: none; only the leader's
+// process has one).
+plan::CostModel LeaderModel() {
   plan::CostModel model;
   (void)xproc::ForEachXprocBalancer([&](plan::Balancer& b) {
     model = b.Model();
     return Status::Ok();
   });
-  (void)p;
   return model;
 }
 
@@ -820,7 +820,7 @@ void MultiLinkStageOne(Proc& p) {
   CheckCase(p, c);
   const double first = Since(t0);
   if (p.index == 0) {
-    const plan::CostModel m = LeaderModel(p);
+    const plan::CostModel m = LeaderModel();
     Expect(m.links() == std::vector<std::string>{"shm", "tcp"} && m.Has(Kind::kAllReduce),
            "the leader has stage-1 fits for all_reduce on shm and tcp");
     if (m.Has(Kind::kAllReduce)) {
@@ -834,7 +834,7 @@ void MultiLinkStageOne(Proc& p) {
                   SplitThresholdText(m.MeasuredThreshold(Kind::kAllReduce).value_or(0)).c_str());
     }
   } else {
-    Expect(LeaderModel(p).links().empty(), "only the leader's process has a balancer");
+    Expect(LeaderModel().links().empty(), "only the leader's process has a balancer");
   }
   for (int i = 0; i < 4; ++i) CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false,
                                             static_cast<uint32_t>(62 + i)});
@@ -871,7 +871,7 @@ void MultiLinkStageOneFails(Proc& p) {
                                       std::to_string(secs) + " s)");
   if (p.index == 0) {
     std::printf("    stage 1 with a stalled tcp ring: the call returned after %.3f s\n", secs);
-    Expect(!LeaderModel(p).Has(Kind::kAllReduce), "no fits installed");
+    Expect(!LeaderModel().Has(Kind::kAllReduce), "no fits installed");
   }
   CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 72});
   if (p.index == 0) {

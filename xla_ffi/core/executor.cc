@@ -107,12 +107,9 @@ bool AnyAliased(CallContext& ctx, plan::UnitRange range) {
   return false;
 }
 
-// A link's predicted time for `bytes` (nccl-tests bytes): its stage-1 fit's, or without fits a
-// deliberately pessimistic 100 MB/s, so that a large call without fits is not declared hung at the
-// floor of the link's deadline (docs/faults.md).
+// A link's predicted time for `bytes` (nccl-tests bytes): its stage-1 fit's, else the unfitted one.
 double Predicted(const std::vector<plan::AlphaBeta>& fits, size_t link, double bytes) {
-  constexpr double kUnfittedBytesPerSecond = 100e6;
-  return fits.empty() ? bytes / kUnfittedBytesPerSecond : fits[link].Predict(bytes);
+  return plan::PredictOrUnfitted(fits, link, bytes);
 }
 
 uint64_t RangeMessageBytes(uint64_t message_bytes, plan::UnitRange r, uint64_t virtual_bytes) {

@@ -56,10 +56,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
     if (!state.profiling) {
       auto prof = std::make_unique<Profile>();
       prof->kind = call.kind;
-      const uint64_t top = ProfileTopBytes(MessageBytes(call, n));
-      for (uint64_t s = kMinProfileBytes; s <= top; s *= s < kCoarseProfileBytes ? 2 : 4)
-        prof->sizes.push_back(s);
-      if (prof->sizes.back() != top) prof->sizes.push_back(top);
+      prof->sizes = StageOneSizes(ProfileTopBytes(MessageBytes(call, n)));
       prof->run_id = std::numeric_limits<int64_t>::min() + static_cast<int64_t>(state.plan->epoch);
       prof->label = "stage 1 of " + ctx.label();
       prof->started = Clock::now();
@@ -130,10 +127,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
       samples.push_back({message[i], t});
       best_alone[i] = std::min(best_alone[i], t);
     }
-    plan::AlphaBeta fit;
-    if (!plan::FitAlphaBeta(samples, &fit).ok())  // cannot happen with >= 2 sizes; keep a usable line
-      fit = plan::AlphaBeta{0, samples.back().seconds / samples.back().bytes};
-    model.Set(p->kind, l, fit);
+    model.Set(p->kind, l, plan::FitOrLine(samples));
   }
   // Each split repetition is paired with one of the fastest link alone just before it, and the two
   // are compared with each other: load that comes and goes while stage 1 runs then weighs on both.

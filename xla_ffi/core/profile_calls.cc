@@ -8,6 +8,13 @@
 
 namespace flexlink {
 
+std::vector<uint64_t> StageOneSizes(uint64_t top) {
+  std::vector<uint64_t> sizes;
+  for (uint64_t s = kMinProfileBytes; s <= top; s *= s < kCoarseProfileBytes ? 2 : 4) sizes.push_back(s);
+  if (sizes.empty() || sizes.back() != top) sizes.push_back(top);
+  return sizes;
+}
+
 std::string ProfileCachePath() {
   std::string path = TuneCachePath();
   return path.empty() ? plan::DefaultCachePath() : path;

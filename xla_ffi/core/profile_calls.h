@@ -23,6 +23,10 @@ inline constexpr uint64_t kMinProfileBytes = 64 << 10;
 // smaller sizes before them have warmed every buffer already (the best of the timed runs is kept).
 inline constexpr uint64_t kCoarseProfileBytes = 1 << 20;
 
+// Stage 1's message sizes up to `top` (ProfileTopBytes): from kMinProfileBytes doubling, then by 4x
+// above kCoarseProfileBytes, and `top` itself last; every executor profiles exactly these.
+std::vector<uint64_t> StageOneSizes(uint64_t top);
+
 // The tuning cache file: the configured one, else plan::DefaultCachePath().
 std::string ProfileCachePath();
 

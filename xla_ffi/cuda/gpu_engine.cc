@@ -266,12 +266,14 @@ void GpuEngine::SetTuneMax(uint64_t bytes) {
   SetTuneMaxBytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [key, ex] : groups_) ex->balancer().SetProfileMaxBytes(bytes);
+  SetGpuXprocProfileBytes(*this, AutotuneMinBytes(), bytes);
 }
 
 void GpuEngine::SetAutotune(uint64_t bytes) {
   SetAutotuneMinBytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [key, ex] : groups_) ex->balancer().SetProfileFromBytes(bytes);
+  SetGpuXprocProfileBytes(*this, bytes, TuneMaxBytes());
 }
 
 std::vector<PlanSnapshot> GpuEngine::SnapshotPlans() {

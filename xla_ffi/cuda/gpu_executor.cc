@@ -58,10 +58,7 @@ double GpuExecutor::Predict(const CallState& state, size_t link, double message_
     std::lock_guard<std::mutex> lock(rate_mu_);
     if (clean_rate_[link] > 0) return clean_rate_[link] * message_bytes;
   }
-  // As the CPU executor: pessimistic, so that a large call without fits is not declared hung at
-  // the floor of its deadline.
-  constexpr double kUnfittedBytesPerSecond = 100e6;
-  return message_bytes / kUnfittedBytesPerSecond;
+  return plan::UnfittedSeconds(message_bytes);
 }
 
 Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream stream) {

@@ -104,9 +104,7 @@ class GpuExecutor {
     // The rank's timing slots are read by its device thread and by PollAll (another thread).
     std::mutex slots_mu;
     std::vector<Stream> side;  // per link
-    Stream profile = nullptr;
-    Event profile_fork = nullptr, profile_join = nullptr;
-    std::vector<Event> profile_events;  // stage 1's timing events, made when a profile first needs them
+    ProfileRank profile;  // stage 1's stream and events
     std::vector<Slot> slots;
     size_t next_slot = 0;
     // Pinned host word an injected hang's stream waits on (DeviceApi::WaitFlag); 0 until the hang

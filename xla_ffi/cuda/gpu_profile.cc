@@ -19,52 +19,109 @@
 
 namespace flexlink::gpu {
 
-struct ProfileStep {
-  size_t size = 0;              // index into sizes
-  size_t rep = 0;
-  size_t link = 0;              // alone: the link
-  std::vector<double> shares;   // split steps: the fitted split
-  bool paired = false;          // phase 1: the fastest link alone, paired with the split after it
-};
-
-struct ProfileSession {
-  Kind kind = Kind::kAllReduce;
-  std::vector<uint64_t> sizes;  // message sizes (nccl-tests bytes), ascending
-  int warmup = 1, iters = 2;
-  int phase = 0;
-  std::vector<ProfileStep> steps;    // of the current phase
-  std::vector<double> times;         // per step: the slowest rank's seconds
-  std::vector<int> enqueued;         // per rank: the phase it enqueued (-1: none yet)
-  std::vector<char> read;            // per rank: read its events of the current phase
-  std::vector<double> alone;         // [link][size][rep]
-  std::vector<double> split, paired; // [size][rep]
-  plan::CostModel model;
-  std::chrono::steady_clock::time_point started;
-  bool failed = false;
-  size_t reps() const { return static_cast<size_t>(warmup + iters); }
-};
-
 namespace {
 
-size_t FirstRep(const ProfileSession& s, size_t size) {
-  return s.sizes[size] > kCoarseProfileBytes ? static_cast<size_t>(s.warmup) : 0;
+size_t FirstRep(std::span<const uint64_t> sizes, size_t size) {
+  return sizes[size] > kCoarseProfileBytes ? static_cast<size_t>(ProfileSession::kWarmup) : 0;
 }
 
-double Best(const ProfileSession& s, const std::vector<double>& table, size_t first) {
+double Best(const std::vector<double>& table, size_t first) {
   double b = std::numeric_limits<double>::infinity();
-  for (size_t r = s.warmup; r < s.reps(); ++r) b = std::min(b, table[first + r]);
+  for (size_t r = ProfileSession::kWarmup; r < ProfileSession::reps(); ++r) b = std::min(b, table[first + r]);
   return b;
 }
 
 // Message sizes of the profiled calls.
-std::vector<double> Messages(const ProfileSession& s, int n) {
+std::vector<double> Messages(Kind kind, std::span<const uint64_t> sizes, int n) {
   std::vector<double> m;
-  for (uint64_t size : s.sizes)
-    m.push_back(static_cast<double>(MessageBytes(ProfileDesc(s.kind, size, n, nullptr, nullptr), n)));
+  for (uint64_t size : sizes)
+    m.push_back(static_cast<double>(MessageBytes(ProfileDesc(kind, size, n, nullptr, nullptr), n)));
   return m;
 }
 
 }  // namespace
+
+void ProfileSession::Begin(Kind k, uint64_t top, const std::vector<std::string>& names) {
+  kind = k;
+  sizes = StageOneSizes(top);
+  model = plan::CostModel(names);
+  const size_t links = names.size();
+  alone.assign(links * sizes.size() * reps(), 0.0);
+  split.assign(sizes.size() * reps(), 0.0);
+  paired.assign(sizes.size() * reps(), 0.0);
+  steps = AloneSteps(links, sizes);
+  times.assign(steps.size(), 0.0);
+  phase = 0;
+  started = std::chrono::steady_clock::now();
+}
+
+std::vector<ProfileStep> AloneSteps(size_t links, std::span<const uint64_t> sizes) {
+  std::vector<ProfileStep> steps;
+  for (size_t l = 0; l < links; ++l)
+    for (size_t i = 0; i < sizes.size(); ++i)
+      for (size_t r = FirstRep(sizes, i); r < ProfileSession::reps(); ++r) steps.push_back({i, r, l, {}, false});
+  return steps;
+}
+
+std::vector<ProfileStep> SplitSteps(Kind kind, std::span<const plan::AlphaBeta> fits, std::span<const uint64_t> sizes,
+                                    int n, double min_share) {
+  const std::vector<double> message = Messages(kind, sizes, n);
+  std::vector<ProfileStep> steps;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    std::vector<double> shares = plan::EqualFinishShares(fits, message[i]);
+    plan::DropBelow(shares, min_share);
+    if (plan::CountUsed(shares) < 2) continue;
+    const size_t fastest = plan::FastestSingle(fits, message[i]);
+    for (size_t r = FirstRep(sizes, i); r < ProfileSession::reps(); ++r) {
+      steps.push_back({i, r, fastest, {}, true});
+      steps.push_back({i, r, 0, shares, false});
+    }
+  }
+  return steps;
+}
+
+bool ProfileSession::FitAlone(int n, double min_share) {
+  for (size_t t = 0; t < steps.size(); ++t) {
+    const ProfileStep& st = steps[t];
+    alone[(st.link * sizes.size() + st.size) * reps() + st.rep] = times[t];
+  }
+  const std::vector<double> message = Messages(kind, sizes, n);
+  for (size_t l = 0; l < model.links().size(); ++l) {
+    std::vector<plan::Sample> samples;
+    for (size_t i = 0; i < sizes.size(); ++i)
+      samples.push_back({message[i], Best(alone, (l * sizes.size() + i) * reps())});
+    model.Set(kind, l, plan::FitOrLine(samples));
+  }
+  std::vector<ProfileStep> next = SplitSteps(kind, model.Fits(kind), sizes, n, min_share);
+  if (next.empty()) return false;
+  phase = 1;
+  steps = std::move(next);
+  times.assign(steps.size(), 0.0);
+  return true;
+}
+
+uint64_t ProfileSession::Finish(int n, const plan::BalancerOptions& options) {
+  if (phase == 1)
+    for (size_t t = 0; t < steps.size(); ++t) {
+      const ProfileStep& st = steps[t];
+      (st.paired ? paired : split)[st.size * reps() + st.rep] = times[t];
+    }
+  const size_t links = model.links().size();
+  const std::vector<double> message = Messages(kind, sizes, n);
+  std::vector<double> best_split(sizes.size()), best_paired(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    double best_alone = std::numeric_limits<double>::infinity();
+    for (size_t l = 0; l < links; ++l) best_alone = std::min(best_alone, Best(alone, (l * sizes.size() + i) * reps()));
+    best_split[i] = Best(split, i * reps());
+    best_paired[i] = best_split[i] > 0 ? Best(paired, i * reps()) : best_alone;
+  }
+  const uint64_t threshold =
+      plan::MeasuredSplitThreshold(message, best_paired, best_split, options.min_split_gain,
+                                   plan::SplitThreshold(model.Fits(kind), options.split_overhead_s));
+  model.SetMeasuredThreshold(kind, threshold);
+  model.SetProfiledBytes(kind, sizes.back());
+  return threshold;
+}
 
 bool GpuProfiler::busy() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -88,7 +145,6 @@ bool GpuProfiler::LoadCachedFits(Kind kind, uint64_t needed_bytes) {
 ProfileAction GpuProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared_ptr<const plan::Plan>* plan) {
   if ((*plan)->mode != plan::PlanMode::kProfile) return {};
   const int n = ex_.group_.size();
-  const size_t links = ex_.names_.size();
   std::lock_guard<std::mutex> lock(mu_);
   if (!session_) {
     if (failed_[static_cast<size_t>(kind)]) return {};
@@ -97,22 +153,9 @@ ProfileAction GpuProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared
       return {};
     }
     auto s = std::make_shared<ProfileSession>();
-    s->kind = kind;
-    const uint64_t top = ProfileTopBytes(message_bytes);
-    for (uint64_t size = kMinProfileBytes; size <= top; size *= size < kCoarseProfileBytes ? 2 : 4)
-      s->sizes.push_back(size);
-    if (s->sizes.back() != top) s->sizes.push_back(top);
-    s->model = plan::CostModel(ex_.names_);
-    s->alone.assign(links * s->sizes.size() * s->reps(), 0.0);
-    s->split.assign(s->sizes.size() * s->reps(), 0.0);
-    s->paired.assign(s->sizes.size() * s->reps(), 0.0);
-    for (size_t l = 0; l < links; ++l)
-      for (size_t i = 0; i < s->sizes.size(); ++i)
-        for (size_t r = FirstRep(*s, i); r < s->reps(); ++r) s->steps.push_back({i, r, l, {}, false});
-    s->times.assign(s->steps.size(), 0.0);
+    s->Begin(kind, ProfileTopBytes(message_bytes), ex_.names_);
     s->enqueued.assign(n, -1);
     s->read.assign(n, 0);
-    s->started = std::chrono::steady_clock::now();
     session_ = s;
     return {s, 0};
   }
@@ -126,44 +169,9 @@ ProfileAction GpuProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared
     return {};
   }
   if (std::count(s.read.begin(), s.read.end(), 1) < n) return {};  // still on the device
-  if (s.phase == 0) {
-    // Fit every link from the alone phase, then plan the split check.
-    for (size_t t = 0; t < s.steps.size(); ++t) {
-      const ProfileStep& st = s.steps[t];
-      s.alone[(st.link * s.sizes.size() + st.size) * s.reps() + st.rep] = s.times[t];
-    }
-    const std::vector<double> message = Messages(s, n);
-    for (size_t l = 0; l < links; ++l) {
-      std::vector<plan::Sample> samples;
-      for (size_t i = 0; i < s.sizes.size(); ++i)
-        samples.push_back({message[i], Best(s, s.alone, (l * s.sizes.size() + i) * s.reps())});
-      plan::AlphaBeta fit;
-      if (!plan::FitAlphaBeta(samples, &fit).ok()) fit = plan::AlphaBeta{0, samples.back().seconds / samples.back().bytes};
-      s.model.Set(kind, l, fit);
-    }
-    std::vector<ProfileStep> steps;
-    for (size_t i = 0; i < s.sizes.size(); ++i) {
-      std::vector<double> shares = plan::EqualFinishShares(s.model.Fits(kind), message[i]);
-      plan::DropBelow(shares, ex_.balancer_.options().min_share);
-      if (plan::CountUsed(shares) < 2) continue;
-      const size_t fastest = plan::FastestSingle(s.model.Fits(kind), message[i]);
-      for (size_t r = FirstRep(s, i); r < s.reps(); ++r) {
-        steps.push_back({i, r, fastest, {}, true});
-        steps.push_back({i, r, 0, shares, false});
-      }
-    }
-    if (!steps.empty()) {
-      s.phase = 1;
-      s.steps = std::move(steps);
-      s.times.assign(s.steps.size(), 0.0);
-      std::fill(s.read.begin(), s.read.end(), 0);
-      return {session_, 1};
-    }
-  } else {
-    for (size_t t = 0; t < s.steps.size(); ++t) {
-      const ProfileStep& st = s.steps[t];
-      (st.paired ? s.paired : s.split)[st.size * s.reps() + st.rep] = s.times[t];
-    }
+  if (s.phase == 0 && s.FitAlone(n, ex_.balancer_.options().min_share)) {
+    std::fill(s.read.begin(), s.read.end(), 0);
+    return {session_, 1};
   }
   Finish(s);
   session_.reset();
@@ -173,21 +181,7 @@ ProfileAction GpuProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared
 
 void GpuProfiler::Finish(ProfileSession& s) {
   const int n = ex_.group_.size();
-  const size_t links = ex_.names_.size();
-  const std::vector<double> message = Messages(s, n);
-  std::vector<double> split(s.sizes.size()), paired(s.sizes.size());
-  for (size_t i = 0; i < s.sizes.size(); ++i) {
-    double best_alone = std::numeric_limits<double>::infinity();
-    for (size_t l = 0; l < links; ++l)
-      best_alone = std::min(best_alone, Best(s, s.alone, (l * s.sizes.size() + i) * s.reps()));
-    split[i] = Best(s, s.split, i * s.reps());
-    paired[i] = split[i] > 0 ? Best(s, s.paired, i * s.reps()) : best_alone;
-  }
-  const auto& opts = ex_.balancer_.options();
-  const uint64_t threshold = plan::MeasuredSplitThreshold(
-      message, paired, split, opts.min_split_gain, plan::SplitThreshold(s.model.Fits(s.kind), opts.split_overhead_s));
-  s.model.SetMeasuredThreshold(s.kind, threshold);
-  s.model.SetProfiledBytes(s.kind, s.sizes.back());
+  const uint64_t threshold = s.Finish(n, ex_.balancer_.options());
   Status merged = ex_.balancer_.MergeModel(s.model);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - s.started).count();
   LogInfo("stage 1 for " + std::string(Name(s.kind)) + " on GPU group " + FormatIds(ex_.group_.ids) + " (" +
@@ -210,68 +204,85 @@ void GpuProfiler::Finish(ProfileSession& s) {
   plan::ReportCacheProblem(saved.ok() ? warning : saved.message());
 }
 
-Status GpuProfiler::Enqueue(const ProfileAction& action, int rank, Stream stream, std::string_view label) {
-  ProfileSession& s = *action.session;
-  GpuExecutor::Rank& k = ex_.ranks_[rank];
-  DeviceApi& api = ex_.api_;
-  const int n = ex_.group_.size();
-  const int dev = ex_.group_.devices[rank];
-  const size_t links = ex_.names_.size();
-  const std::vector<ProfileStep>& steps = s.steps;  // fixed for this phase (Decide made it)
+Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::span<const Stream> side,
+                           const std::function<Status(size_t, const GpuWork&)>& enqueue, Kind kind,
+                           std::span<const uint64_t> sizes, std::span<const ProfileStep> steps, int n, int rank,
+                           Stream stream, std::string_view label) {
+  const size_t links = side.size();
   // Events: start and stop per step, then one per link of each split step.
   const size_t needed = 2 * steps.size() + steps.size() * links;
-  const std::string where = ErrorPrefix(label) + "stage 1 on group " + FormatIds(ex_.group_.ids) + ": ";
-  auto check = [&](Status st) {
-    if (st.ok()) return st;
-    std::lock_guard<std::mutex> lock(mu_);
-    s.failed = true;
-    return st.message().rfind("flexlink:", 0) == 0 ? st : Status(st.code(), where + st.message());
-  };
-  while (k.profile_events.size() < needed) {
+  while (pr.events.size() < needed) {
     Event e = nullptr;
-    FLEXLINK_RETURN_IF_ERROR(check(api.CreateEvent(dev, true, &e)));
-    k.profile_events.push_back(e);
+    FLEXLINK_RETURN_IF_ERROR(api.CreateEvent(device, true, &e));
+    pr.events.push_back(e);
   }
-  const CallDesc largest = ProfileDesc(s.kind, s.sizes.back(), n, nullptr, nullptr);
+  const CallDesc largest = ProfileDesc(kind, sizes.back(), n, nullptr, nullptr);
   const size_t in_bytes = largest.in_count(largest.parts[0], n) * sizeof(float);
   const size_t out_bytes = largest.out_count(largest.parts[0], n) * sizeof(float);
   void *in = nullptr, *out = nullptr;
-  FLEXLINK_RETURN_IF_ERROR(check(api.Record(k.profile_fork, stream)));
-  FLEXLINK_RETURN_IF_ERROR(check(api.Wait(k.profile, k.profile_fork)));
-  FLEXLINK_RETURN_IF_ERROR(check(api.MallocAsync(in_bytes, k.profile, &in)));
-  FLEXLINK_RETURN_IF_ERROR(check(api.MallocAsync(out_bytes, k.profile, &out)));
+  FLEXLINK_RETURN_IF_ERROR(api.Record(pr.fork, stream));
+  FLEXLINK_RETURN_IF_ERROR(api.Wait(pr.stream, pr.fork));
+  FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(in_bytes, pr.stream, &in));
+  FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(out_bytes, pr.stream, &out));
   // Zeros: sums and gathers of them are exact, whatever the split.
-  FLEXLINK_RETURN_IF_ERROR(check(api.Zero(in, in_bytes, k.profile)));
-  FLEXLINK_RETURN_IF_ERROR(check(api.Zero(out, out_bytes, k.profile)));
+  FLEXLINK_RETURN_IF_ERROR(api.Zero(in, in_bytes, pr.stream));
+  FLEXLINK_RETURN_IF_ERROR(api.Zero(out, out_bytes, pr.stream));
   const std::string step_label = "stage 1 of " + std::string(label);
   std::vector<Piece> pieces;
   for (size_t t = 0; t < steps.size(); ++t) {
     const ProfileStep& st = steps[t];
-    const CallDesc d = ProfileDesc(s.kind, s.sizes[st.size], n, in, out);
-    Event start = k.profile_events[2 * t], stop = k.profile_events[2 * t + 1];
-    FLEXLINK_RETURN_IF_ERROR(check(api.Record(start, k.profile)));
+    const CallDesc d = ProfileDesc(kind, sizes[st.size], n, in, out);
+    Event start = pr.events[2 * t], stop = pr.events[2 * t + 1];
+    FLEXLINK_RETURN_IF_ERROR(api.Record(start, pr.stream));
     if (st.shares.empty()) {
       d.AllPieces(&pieces);
-      FLEXLINK_RETURN_IF_ERROR(check(ex_.channels_[st.link]->Enqueue(GpuWork{&d, rank, pieces, k.profile, step_label})));
+      FLEXLINK_RETURN_IF_ERROR(enqueue(st.link, GpuWork{&d, rank, pieces, pr.stream, step_label}));
     } else {
       const auto ranges = plan::CutRanges(d.virtual_bytes(), 1, st.shares);
       for (size_t l = 0; l < links; ++l) {
         if (ranges[l].empty()) continue;
-        Event end = k.profile_events[2 * steps.size() + t * links + l];
+        Event end = pr.events[2 * steps.size() + t * links + l];
         d.PiecesOf(UnitRange{ranges[l].begin, ranges[l].end}, &pieces);
-        FLEXLINK_RETURN_IF_ERROR(check(api.Wait(k.side[l], start)));
-        FLEXLINK_RETURN_IF_ERROR(check(ex_.channels_[l]->Enqueue(GpuWork{&d, rank, pieces, k.side[l], step_label})));
-        FLEXLINK_RETURN_IF_ERROR(check(api.Record(end, k.side[l])));
-        FLEXLINK_RETURN_IF_ERROR(check(api.Wait(k.profile, end)));
+        FLEXLINK_RETURN_IF_ERROR(api.Wait(side[l], start));
+        FLEXLINK_RETURN_IF_ERROR(enqueue(l, GpuWork{&d, rank, pieces, side[l], step_label}));
+        FLEXLINK_RETURN_IF_ERROR(api.Record(end, side[l]));
+        FLEXLINK_RETURN_IF_ERROR(api.Wait(pr.stream, end));
       }
     }
-    FLEXLINK_RETURN_IF_ERROR(check(api.Record(stop, k.profile)));
+    FLEXLINK_RETURN_IF_ERROR(api.Record(stop, pr.stream));
   }
-  FLEXLINK_RETURN_IF_ERROR(check(api.FreeAsync(in, k.profile)));
-  FLEXLINK_RETURN_IF_ERROR(check(api.FreeAsync(out, k.profile)));
-  FLEXLINK_RETURN_IF_ERROR(check(api.Record(k.profile_join, k.profile)));
-  FLEXLINK_RETURN_IF_ERROR(check(api.Wait(stream, k.profile_join)));
+  FLEXLINK_RETURN_IF_ERROR(api.FreeAsync(in, pr.stream));
+  FLEXLINK_RETURN_IF_ERROR(api.FreeAsync(out, pr.stream));
+  FLEXLINK_RETURN_IF_ERROR(api.Record(pr.join, pr.stream));
+  return api.Wait(stream, pr.join);
+}
+
+Poll ReadProfileTimes(DeviceApi& api, const ProfileRank& pr, size_t steps, std::vector<double>* times) {
+  if (steps == 0 || pr.events.size() < 2 * steps) return Poll::kError;
+  std::string error;
+  const Poll p = api.Query(pr.events[2 * steps - 1], &error);  // the phase's last stop
+  if (p != Poll::kDone) return p;
+  times->assign(steps, 0.0);
+  for (size_t t = 0; t < steps; ++t)
+    if (!api.ElapsedSeconds(pr.events[2 * t], pr.events[2 * t + 1], &(*times)[t]).ok()) return Poll::kError;
+  return Poll::kDone;
+}
+
+Status GpuProfiler::Enqueue(const ProfileAction& action, int rank, Stream stream, std::string_view label) {
+  ProfileSession& s = *action.session;
+  GpuExecutor::Rank& k = ex_.ranks_[rank];
+  Status st = EnqueueProfileSteps(
+      ex_.api_, ex_.group_.devices[rank], k.profile, k.side,
+      [&](size_t link, const GpuWork& w) { return ex_.channels_[link]->Enqueue(w); }, s.kind, s.sizes, s.steps,
+      ex_.group_.size(), rank, stream, label);
   std::lock_guard<std::mutex> lock(mu_);
+  if (!st.ok()) {
+    s.failed = true;
+    return st.message().rfind("flexlink:", 0) == 0
+               ? st
+               : Status(st.code(), ErrorPrefix(label) + "stage 1 on group " + FormatIds(ex_.group_.ids) + ": " +
+                                       st.message());
+  }
   s.enqueued[rank] = action.phase;
   return Status::Ok();
 }
@@ -283,19 +294,12 @@ void GpuProfiler::Poll(int rank) {
     s = session_;
     if (!s || s->enqueued[rank] != s->phase || s->read[rank]) return;
   }
-  GpuExecutor::Rank& k = ex_.ranks_[rank];
-  DeviceApi& api = ex_.api_;
-  std::string error;
-  const size_t steps = s->steps.size();
-  const gpu::Poll p = api.Query(k.profile_events[2 * steps - 1], &error);  // the phase's last stop
+  std::vector<double> times;
+  const gpu::Poll p = ReadProfileTimes(ex_.api_, ex_.ranks_[rank].profile, s->steps.size(), &times);
   if (p == gpu::Poll::kPending) return;
-  std::vector<double> times(steps, 0.0);
-  bool ok = p == gpu::Poll::kDone;
-  for (size_t t = 0; ok && t < steps; ++t)
-    ok = api.ElapsedSeconds(k.profile_events[2 * t], k.profile_events[2 * t + 1], &times[t]).ok();
   std::lock_guard<std::mutex> lock(mu_);
-  if (!ok) s->failed = true;
-  for (size_t t = 0; t < steps; ++t) s->times[t] = std::max(s->times[t], times[t]);
+  if (p != gpu::Poll::kDone) s->failed = true;
+  for (size_t t = 0; t < times.size(); ++t) s->times[t] = std::max(s->times[t], times[t]);
   s->read[rank] = 1;
 }
 

@@ -10,21 +10,92 @@
 // with the new plan. One profile runs at a time per group.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/core/types.h"
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/gpu_link.h"
+#include "xla_ffi/plan/cost_model.h"
 #include "xla_ffi/plan/balancer.h"
 
 namespace flexlink::gpu {
 
 class GpuExecutor;
-struct ProfileSession;
+
+// One timed run of stage 1.
+struct ProfileStep {
+  size_t size = 0;              // index into the session's sizes
+  size_t rep = 0;
+  size_t link = 0;              // alone: the link
+  std::vector<double> shares;   // split steps: the fitted split
+  bool paired = false;          // phase 1: the fastest link alone, paired with the split after it
+};
+
+// Stage 1's arithmetic on the device, whoever gathers the times: the in-process profiler below and
+// the one of GPU groups across processes (gpu_xproc_profile.h). `times` holds, per step of the
+// current phase, the slowest rank's seconds (a collective is as fast as its slowest rank).
+struct ProfileSession {
+  static constexpr int kWarmup = 1, kIters = 2;
+  Kind kind = Kind::kAllReduce;
+  std::vector<uint64_t> sizes;  // message sizes (nccl-tests bytes), ascending
+  int phase = 0;                // 0: every link alone; 1: the fitted split against the fastest link alone
+  std::vector<ProfileStep> steps;    // of the current phase
+  std::vector<double> times;         // per step: the slowest rank's seconds
+  std::vector<int> enqueued;         // in-process: per rank, the phase it enqueued (-1: none yet)
+  std::vector<char> read;            // in-process: per rank, read its events of the current phase
+  std::vector<double> alone;         // [link][size][rep]
+  std::vector<double> split, paired; // [size][rep]
+  plan::CostModel model;
+  std::chrono::steady_clock::time_point started;
+  bool failed = false;
+
+  static size_t reps() { return static_cast<size_t>(kWarmup + kIters); }
+  // Phase 0 for `kind` up to `top` (ProfileTopBytes) over `names`: sizes, tables and steps.
+  void Begin(Kind k, uint64_t top, const std::vector<std::string>& names);
+  // Phase 0's times are in: fits every link (into `model`) and, when a size splits, makes phase 1
+  // (true); false: nothing to time against the fastest link, Finish next.
+  bool FitAlone(int n, double min_share);
+  // The last phase's times are in: the measured split threshold, set in `model` with the profiled
+  // size; the model is then complete for `kind`.
+  uint64_t Finish(int n, const plan::BalancerOptions& options);
+};
+
+// Phase 0's steps: every link alone at every size, each size's repetitions (the untimed warm-up
+// only below kCoarseProfileBytes).
+std::vector<ProfileStep> AloneSteps(size_t links, std::span<const uint64_t> sizes);
+// Phase 1's steps from phase 0's fits: at each size whose equal-finish split uses two links or
+// more, each timed repetition of the fastest link alone followed by the split. A function of its
+// arguments only, so that every process of a group across processes derives the same steps from
+// the fits the leader hands out.
+std::vector<ProfileStep> SplitSteps(Kind kind, std::span<const plan::AlphaBeta> fits, std::span<const uint64_t> sizes,
+                                    int n, double min_share);
+
+// A rank's means of running stage 1: a stream of its own, forked from XLA's stream and joined back,
+// and start/stop events per step (made when a phase first needs them).
+struct ProfileRank {
+  Stream stream = nullptr;
+  Event fork = nullptr, join = nullptr;
+  std::vector<Event> events;
+};
+// Enqueues `steps` (of sizes `sizes`) for `rank` of a group of n on device `device`: on pr's stream,
+// forked from `stream` and joined back into it, split steps' links on `side`; `enqueue(link, work)`
+// puts one link's pieces on a stream. Scratch in and out buffers come from the stream's pool.
+Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::span<const Stream> side,
+                           const std::function<Status(size_t, const GpuWork&)>& enqueue, Kind kind,
+                           std::span<const uint64_t> sizes, std::span<const ProfileStep> steps, int n, int rank,
+                           Stream stream, std::string_view label);
+// kPending while the phase's last step is on the device; kDone with each step's seconds; kError
+// when the device failed it (*times then unset).
+Poll ReadProfileTimes(DeviceApi& api, const ProfileRank& pr, size_t steps, std::vector<double>* times);
 
 // What stage 1 enqueues in one call (nothing when `session` is null).
 struct ProfileAction {

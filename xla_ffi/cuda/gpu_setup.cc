@@ -45,9 +45,9 @@ Status GpuExecutor::SetupAll() {
     k.side.assign(names_.size(), nullptr);
     if (names_.size() > 1)
       for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
-    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &k.profile)));
-    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile_fork)));
-    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile_join)));
+    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &k.profile.stream)));
+    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile.fork)));
+    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile.join)));
     void* flag = nullptr;
     FLEXLINK_RETURN_IF_ERROR(check(api_.AllocPinnedHost(sizeof(uint32_t), &flag)));
     k.hang_flag = static_cast<uint32_t*>(flag);

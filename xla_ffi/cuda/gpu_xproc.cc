@@ -79,6 +79,7 @@ GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, Group
   }
   for (int r = 0; r < group_.size(); ++r)
     if (segment_->is_local(r)) local_.push_back(r);
+  profiler_ = std::make_unique<GpuXprocProfiler>(segment_.get(), &balancer_, &group_, used_names_, &api_);
   fault_calls_.assign(used_names_.size(), FaultCounter(group_.size()));
 }
 
@@ -113,15 +114,23 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
                                       "(nccl and pcie can)");
   // Stage 2: this rank's latest completed call's event times, for the leader to read after this
   // arrival (a rank not set up yet has none).
-  if (ranks_[rank].ready) WriteTimes(rank, call);
+  // Stage 1: this rank's times of a profile phase completed on its device, for the leader.
+  if (ranks_[rank].ready) {
+    WriteTimes(rank, call);
+    profiler_->Publish(rank);
+  }
   // 1. The leader's plan, written before its arrival: the barrier's release/acquire makes it
   // visible to every rank after the arrival. Rewritten for call + 2 only after the leader passed
   // call + 1's arrival, by which every rank has read it (layout.h, PlanSlot).
   std::shared_ptr<const plan::Plan> planned;
   if (rank == 0) {
-    std::shared_ptr<const plan::Plan> plan = balancer_.PlanFor(desc.kind, MessageBytes(desc, group_.size()));
-    planned = plan;
+    const uint64_t bytes = MessageBytes(desc, group_.size());
+    std::shared_ptr<const plan::Plan> plan = balancer_.PlanFor(desc.kind, bytes);
     xproc::PlanSlot& slot = seg.plan_slot(call);
+    // A kProfile plan: stage 1's phase for every rank to enqueue in this call, or the plan made
+    // from the model it just finished.
+    profiler_->Decide(desc.kind, bytes, &plan, &slot);
+    planned = plan;
     slot.epoch = plan->epoch;
     slot.mode = static_cast<uint32_t>(plan->mode);
     slot.links = static_cast<uint32_t>(links);
@@ -160,6 +169,17 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     p.message_bytes = MessageBytes(desc, group_.size());
     for (const auto& r : ranges) p.link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()));
     p.seconds.assign(links, 0);
+  }
+  // Stage 1's phase, on every rank before the call's own work (the same NCCL operations in the same
+  // order everywhere, or none: a rank that could not enqueue fails the group for every process).
+  if (slot.profile_phase) {
+    Status ps = profiler_->Enqueue(
+        rank, desc.kind, slot, ranks_[rank].side,
+        [&](size_t link, const GpuWork& w) { return channels_[link]->Enqueue(w); }, stream, label);
+    if (!ps.ok()) {
+      seg.Abort(rank, ps.message());
+      return ps;
+    }
   }
   Assignment work(links);
   for (size_t i = 0; i < links; ++i)
@@ -302,8 +322,10 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
     const int dev = group_.devices[r];
     Rank& k = ranks_[r];
     k.side.assign(channels_.size(), nullptr);
-    if (channels_.size() > 1)
+    if (channels_.size() > 1) {
       for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
+      FLEXLINK_RETURN_IF_ERROR(check(profiler_->SetupRank(r, dev)));  // stage 1 needs two links
+    }
     // Timing events (stage 2, stats): one call in flight per ring entry; they also fork and join
     // the side streams.
     void* flag = nullptr;
@@ -534,8 +556,7 @@ void GpuXprocGroup::GatherTimes(uint64_t call) {
 double GpuXprocGroup::Predict(Kind kind, size_t link, double message_bytes) const {
   thread_local std::vector<plan::AlphaBeta> fits;
   if (balancer_.FitsFor(kind, &fits) && link < fits.size()) return fits[link].Predict(message_bytes);
-  constexpr double kUnfittedBytesPerSecond = 100e6;  // as the in-process executor: pessimistic
-  return message_bytes / kUnfittedBytesPerSecond;
+  return plan::UnfittedSeconds(message_bytes);
 }
 
 // --- the hang detector ---------------------------------------------------------------------------
@@ -661,10 +682,8 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
                                      std::to_string(devices[r]) + " is not a CUDA device of this process (" +
                                      std::to_string(count) + " visible" + (why.empty() ? "" : ": " + why) + ")");
   plan::BalancerOptions options;
-  // No stage-1 profiling runs across processes: a kProfile plan (the primary link alone until the
-  // profile's fits arrive) would never end. Off, so that calls of every size start from the seed or
-  // equal shares and stage 2 (GatherTimes) corrects them; configure's autotune sizes do not apply.
-  options.profile_from_bytes = 0;
+  // Stage 1 from the same size as in one process (gpu_xproc_profile.h).
+  options.profile_from_bytes = AutotuneMinBytes();
   options.profile_max_bytes = TuneMaxBytes();
   std::shared_ptr<const GpuLinkSet> links = engine.CurrentLinks();
   auto group = std::make_unique<GpuXprocGroup>(std::move(segment), std::move(info), links, std::move(ids), options,
@@ -754,6 +773,16 @@ void SetGpuXprocSeed(const GpuEngine& engine, int ranks, const plan::CostModel& 
     if (key.first != engine.serial() || group->group().size() != ranks) continue;
     if (std::optional<plan::CostModel> mine = SeedForGroup(*group, seed)) (void)group->balancer().SetSeed(*mine);
   }
+}
+
+void SetGpuXprocProfileBytes(const GpuEngine& engine, uint64_t from_bytes, uint64_t max_bytes) {
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups)
+    if (key.first == engine.serial()) {
+      group->balancer().SetProfileFromBytes(from_bytes);
+      group->balancer().SetProfileMaxBytes(max_bytes);
+    }
 }
 
 void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind) {

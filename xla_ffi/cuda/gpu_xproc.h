@@ -29,8 +29,9 @@
 // with stream memory operations on flags in it). Stage 2: every rank's event times reach the
 // leader's balancer through the segment's times slots (WriteTimes/GatherTimes below), and stats()
 // counts the calls there; `error` faults fail over across processes (Agree), `slow` and `hang` go on
-// the device as in one process, and a hang detector breaks the group in every process. Not here
-// yet: stage 1's profiling.
+// the device as in one process, and a hang detector breaks the group in every process. Stage 1:
+// gpu_xproc_profile.h (the leader decides, every rank enqueues the same profile phase in the same
+// call, the times come back through the segment).
 #pragma once
 
 #include <atomic>
@@ -55,6 +56,7 @@
 #include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/gpu_link_set.h"
+#include "xla_ffi/cuda/gpu_xproc_profile.h"
 #include "xla_ffi/cuda/setup_once.h"
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/plan/ranges.h"
@@ -99,6 +101,8 @@ class GpuXprocGroup {
   const std::vector<std::pair<std::string, std::string>>& left_out() const { return left_out_; }
   bool leader() const;
   std::optional<std::string> broken() const;
+  // Stage 1 (the leader's decisions, every rank's enqueue and times).
+  GpuXprocProfiler& profiler() { return *profiler_; }
 
  private:
   Status EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
@@ -189,6 +193,7 @@ class GpuXprocGroup {
   std::vector<std::string> used_names_;
   std::vector<std::pair<std::string, std::string>> left_out_;
   plan::Balancer balancer_;
+  std::unique_ptr<GpuXprocProfiler> profiler_;
   std::vector<int> local_;  // local ranks, ascending
   std::vector<Rank> ranks_;
   FaultCounter absent_calls_;  // the group's calls per local rank, for injected rank:absent
@@ -236,6 +241,8 @@ void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind);
 // seed_model's fits for groups of `ranks` GPUs (`seed` over the engine's current links): each such
 // group gets the fits of the links it uses, the plans it makes from then on start from them.
 void SetGpuXprocSeed(const GpuEngine& engine, int ranks, const plan::CostModel& seed);
+// configure's autotune_min_bytes and tune_max_bytes (stage 1's sizes) for these groups' balancers.
+void SetGpuXprocProfileBytes(const GpuEngine& engine, uint64_t from_bytes, uint64_t max_bytes);
 void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out);
 
 struct GpuXprocInfo {

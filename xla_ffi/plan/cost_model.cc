@@ -56,6 +56,13 @@ Status FitAlphaBeta(std::span<const Sample> samples, AlphaBeta* out) {
   return Status::Ok();
 }
 
+AlphaBeta FitOrLine(std::span<const Sample> samples) {
+  AlphaBeta fit;
+  if (FitAlphaBeta(samples, &fit).ok() || samples.empty()) return fit;
+  const Sample& last = samples.back();
+  return AlphaBeta{0, last.bytes > 0 ? last.seconds / last.bytes : 0};
+}
+
 std::vector<uint64_t> ProfileSizes(uint64_t min_bytes, uint64_t max_bytes) {
   std::vector<uint64_t> sizes;
   uint64_t b = std::max<uint64_t>(BucketOf(std::max<uint64_t>(min_bytes, 1)), 1);

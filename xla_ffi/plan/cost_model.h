@@ -43,6 +43,19 @@ struct Sample {
 // something per byte or the split degenerates). Needs samples at two or more distinct sizes.
 Status FitAlphaBeta(std::span<const Sample> samples, AlphaBeta* out);
 
+// FitAlphaBeta's fit, else (fewer than two distinct sizes, which stage 1's size lists never give) a
+// line through the origin and the last sample, so that a profile always leaves a usable fit.
+AlphaBeta FitOrLine(std::span<const Sample> samples);
+
+// A link's time for `bytes` without a fit: a deliberately pessimistic 100 MB/s, so that a large call
+// run before any fit exists is not declared hung at the floor of its link's deadline (docs/faults.md).
+inline constexpr double kUnfittedBytesPerSecond = 100e6;
+inline double UnfittedSeconds(double bytes) { return bytes / kUnfittedBytesPerSecond; }
+// fits[link]'s prediction, or UnfittedSeconds when there are no fits.
+inline double PredictOrUnfitted(std::span<const AlphaBeta> fits, size_t link, double bytes) {
+  return link < fits.size() ? fits[link].Predict(bytes) : UnfittedSeconds(bytes);
+}
+
 // Powers of two in [min_bytes, max_bytes] (the profiling sizes); max_bytes is included when it is
 // not a power of two so the largest size seen is profiled too.
 std::vector<uint64_t> ProfileSizes(uint64_t min_bytes, uint64_t max_bytes);

@@ -5,6 +5,7 @@
 //   devices   int64[n]           the group's global device ids in rank order
 //   RankBlock[n]                 one cache line each: arrival counter, pid, device, arrival times
 //   TimesSlot[n][2]              several links: each rank's per-link seconds of a call, by parity
+//   ProfileTimes[n]              GPU groups: each rank's times of stage 1's latest phase
 //   data      [2][n] slots       slot = Fingerprint area + slot_bytes of staged data
 //   results   [2] slot_bytes     two-phase all_reduce: rank r's reduced slice of each step
 #pragma once
@@ -18,8 +19,9 @@ namespace flexlink::xproc {
 inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-endian
 // 2: plan slots in the header, times slots per rank; 3: failover masks in the times slots;
 // 4: arrival times in the rank blocks (straggler detection); 5: the leader's unhealthy links and
-// stage-1 fits in the plan slot, failover masks per round parity (several failover rounds)
-inline constexpr uint32_t kLayoutVersion = 5;
+// stage-1 fits in the plan slot, failover masks per round parity (several failover rounds);
+// 6: GPU groups' stage 1 (the profile fields of the plan slot, ProfileTimes)
+inline constexpr uint32_t kLayoutVersion = 6;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -46,6 +48,15 @@ struct PlanSlot {
   uint32_t unhealthy;
   uint32_t has_fits;
   double alpha[kMaxXprocLinks], beta[kMaxXprocLinks];
+  // GPU groups' stage 1 (cuda/gpu_xproc_profile.h): every rank enqueues phase `profile_phase` (0:
+  // none, 1: every link alone, 2: the split check from the fits in alpha/beta, has_fits set) of
+  // profile `profile_id` for the call's kind up to `profile_top` bytes, dropping shares below
+  // `profile_min_share`: the leader's numbers, so that every process enqueues the same NCCL
+  // operations in the same order.
+  uint32_t profile_phase;
+  uint32_t profile_id;
+  uint64_t profile_top;
+  double profile_min_share;
 };
 
 // One rank's times of call `call` (slot call & 1), written at the end of the call, before the rank
@@ -65,6 +76,18 @@ struct alignas(64) TimesSlot {
   double seconds[kMaxXprocLinks];
 };
 
+// One rank's times of a GPU group's stage-1 phase (cuda/gpu_xproc_profile.h): the rank writes
+// `ok`, `steps` and `seconds` once the phase's events completed on its device, then `tag` (release);
+// the leader reads them after an acquire of `tag`. A rank rewrites them only for a later phase,
+// which the leader starts only after it has read every rank's times of this one.
+inline constexpr size_t kMaxProfileSteps = 256;
+struct alignas(64) ProfileTimes {
+  uint64_t tag;    // (profile id << 2) | phase of the times below; 0: none yet
+  uint32_t ok;     // 0: the device failed the phase on this rank
+  uint32_t steps;  // the phase's steps (their count must match the leader's)
+  double seconds[kMaxProfileSteps];
+};
+
 inline constexpr uint32_t kAbortNone = 0, kAbortWriting = 1, kAbortSet = 2;
 
 struct Header {
@@ -74,7 +97,7 @@ struct Header {
   uint64_t slot_bytes;   // data bytes of one slot
   uint64_t slot_stride;  // kFingerprintBytes + slot_bytes
   uint64_t total_bytes;
-  uint64_t devices_offset, ranks_offset, times_offset, data_offset, results_offset;
+  uint64_t devices_offset, ranks_offset, times_offset, profile_offset, data_offset, results_offset;
   uint32_t creator_pid;
   uint32_t reserved;
   alignas(64) std::atomic<uint32_t> abort;  // kAbort*; a futex word nobody waits on, read between slices
@@ -103,7 +126,8 @@ static_assert(sizeof(RankBlock) == 64);
 inline constexpr size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
 struct Layout {
-  size_t devices_offset, ranks_offset, times_offset, data_offset, results_offset, slot_stride, total_bytes;
+  size_t devices_offset, ranks_offset, times_offset, profile_offset, data_offset, results_offset, slot_stride,
+      total_bytes;
 };
 
 inline Layout ComputeLayout(uint32_t n, size_t slot_bytes) {
@@ -111,7 +135,8 @@ inline Layout ComputeLayout(uint32_t n, size_t slot_bytes) {
   l.devices_offset = 4096;
   l.ranks_offset = RoundUp(l.devices_offset + n * sizeof(int64_t), 64);
   l.times_offset = RoundUp(l.ranks_offset + n * sizeof(RankBlock), 64);
-  l.data_offset = RoundUp(l.times_offset + 2 * size_t{n} * sizeof(TimesSlot), 4096);
+  l.profile_offset = RoundUp(l.times_offset + 2 * size_t{n} * sizeof(TimesSlot), 64);
+  l.data_offset = RoundUp(l.profile_offset + size_t{n} * sizeof(ProfileTimes), 4096);
   l.slot_stride = kFingerprintBytes + slot_bytes;
   l.results_offset = l.data_offset + 2 * size_t{n} * l.slot_stride;
   l.total_bytes = l.results_offset + 2 * slot_bytes;

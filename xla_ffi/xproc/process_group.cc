@@ -82,6 +82,7 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int
       stragglers_(devices) {
   ranks_ = reinterpret_cast<RankBlock*>(segment_->data() + header_->ranks_offset);
   times_ = reinterpret_cast<TimesSlot*>(segment_->data() + header_->times_offset);
+  profile_ = reinterpret_cast<ProfileTimes*>(segment_->data() + header_->profile_offset);
   data_ = segment_->data() + header_->data_offset;
   results_ = segment_->data() + header_->results_offset;
   for (size_t r = 0; r < devices_.size(); ++r) calls_[r].store(0);
@@ -107,6 +108,7 @@ Status ProcessGroup::Create(std::span<const int64_t> devices, std::span<const in
   h->devices_offset = layout.devices_offset;
   h->ranks_offset = layout.ranks_offset;
   h->times_offset = layout.times_offset;
+  h->profile_offset = layout.profile_offset;
   h->data_offset = layout.data_offset;
   h->results_offset = layout.results_offset;
   h->creator_pid = static_cast<uint32_t>(getpid());
@@ -152,6 +154,7 @@ Status ProcessGroup::Attach(const std::string& name, std::span<const int64_t> de
   if (h->slot_bytes == 0 || h->slot_bytes % 4096 || layout.total_bytes != h->total_bytes ||
       layout.total_bytes > segment->size() || layout.devices_offset != h->devices_offset ||
       layout.ranks_offset != h->ranks_offset || layout.times_offset != h->times_offset ||
+      layout.profile_offset != h->profile_offset ||
       layout.data_offset != h->data_offset ||
       layout.results_offset != h->results_offset ||
       layout.slot_stride != h->slot_stride)

@@ -81,6 +81,7 @@ class ProcessGroup {
   bool aborted() const { return header_->abort.load(std::memory_order_acquire) != kAbortNone; }
   PlanSlot& plan_slot(uint64_t call) { return header_->plans[call & 1]; }
   TimesSlot& times_slot(int rank, uint64_t call) { return times_[static_cast<size_t>(rank) * 2 + (call & 1)]; }
+  ProfileTimes& profile_times(int rank) { return profile_[rank]; }
   uint64_t rank_calls(int rank) const { return calls_[rank].load(std::memory_order_relaxed); }
 
   const std::string& name() const { return segment_->name(); }
@@ -132,6 +133,7 @@ class ProcessGroup {
   Header* header_;
   RankBlock* ranks_;
   TimesSlot* times_;
+  ProfileTimes* profile_;
   char* data_;
   char* results_;
   std::vector<int64_t> devices_, local_;

@@ -381,10 +381,9 @@ class XprocExecutor {
   static Clock::duration Seconds(double s) {
     return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
   }
-  // A link's predicted time for `bytes` (nccl-tests bytes): the leader's fit, else a pessimistic
-  // 100 MB/s (the in-process rule, core/executor.cc).
+  // A link's predicted time for `bytes` (nccl-tests bytes): the leader's fit, else the unfitted one.
   static double Predicted(const std::vector<plan::AlphaBeta>& fits, size_t link, double bytes) {
-    return fits.empty() ? bytes / 100e6 : fits[link].Predict(bytes);
+    return plan::PredictOrUnfitted(fits, link, bytes);
   }
   static uint64_t RangeBytes(const CallDesc& desc, uint64_t bytes, plan::UnitRange r) {
     return static_cast<uint64_t>(static_cast<double>(bytes) * r.size() / std::max<uint64_t>(1, desc.virtual_bytes()));
@@ -716,7 +715,7 @@ Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::st
         f && f->kind != Fault::Kind::kSlow) {
       double budget = 0;
       if (f->kind == Fault::Kind::kHang) {
-        budget = LinkBudgetSeconds(static_cast<double>(MessageBytes(desc, group->size())) / 100e6);
+        budget = LinkBudgetSeconds(plan::UnfittedSeconds(static_cast<double>(MessageBytes(desc, group->size()))));
         std::this_thread::sleep_for(std::chrono::duration<double>(budget));
       }
       char secs[32];

@@ -53,8 +53,8 @@ class Profiler {
         segment_link = i;
         continue;
       }
-      // The pessimistic prediction (100 MB/s): no fit exists yet for this kind.
-      const double budget = LinkBudgetSeconds(static_cast<double>(ranges[i].size()) / 100e6);
+      // No fit exists yet for this kind: the unfitted prediction.
+      const double budget = LinkBudgetSeconds(plan::UnfittedSeconds(static_cast<double>(ranges[i].size())));
       TcpLimits limits{t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(budget)),
                        budget, label_};
       TcpChannel* ch = l_.tcp[i];
@@ -126,10 +126,7 @@ Status ProfileAcrossProcesses(const ProfiledLinks& links, int rank, uint64_t cal
   *out = ProfileOutcome{};
   // The in-process stage 1's sizes and repetitions (core/executor_profile.cc): every rank computes
   // the same list from the same call.
-  std::vector<uint64_t> sizes;
-  const uint64_t top = ProfileTopBytes(message_bytes);
-  for (uint64_t s = kMinProfileBytes; s <= top; s *= s < kCoarseProfileBytes ? 2 : 4) sizes.push_back(s);
-  if (sizes.back() != top) sizes.push_back(top);
+  const std::vector<uint64_t> sizes = StageOneSizes(ProfileTopBytes(message_bytes));
   constexpr int kWarmup = 1, kIters = 2;
   auto first_rep = [&](size_t i) { return sizes[i] > kCoarseProfileBytes ? kWarmup : 0; };
 
@@ -190,10 +187,7 @@ Status ProfileAcrossProcesses(const ProfiledLinks& links, int rank, uint64_t cal
   for (size_t l = 0; l < L; ++l) {
     std::vector<plan::Sample> samples;
     for (size_t i = 0; i < sizes.size(); ++i) samples.push_back({message[i], alone[l][i]});
-    plan::AlphaBeta fit;
-    if (!plan::FitAlphaBeta(samples, &fit).ok())  // cannot happen with >= 2 sizes; keep a usable line
-      fit = plan::AlphaBeta{0, samples.back().seconds / samples.back().bytes};
-    model.Set(kind, l, fit);
+    model.Set(kind, l, plan::FitOrLine(samples));
   }
   // Each size: the fitted split against the fastest link alone, repetitions paired (load that comes
   // and goes weighs on both); one exchange per size.

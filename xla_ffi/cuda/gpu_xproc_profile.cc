@@ -1,0 +1,168 @@
+#include "xla_ffi/cuda/gpu_xproc_profile.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/core/executor_state.h"
+#include "xla_ffi/core/profile_calls.h"
+#include "xla_ffi/xproc/process_group.h"
+
+namespace flexlink::gpu {
+namespace {
+
+uint64_t Tag(uint32_t id, int phase) { return (uint64_t{id} << 2) | static_cast<uint64_t>(phase); }
+
+}  // namespace
+
+GpuXprocProfiler::GpuXprocProfiler(xproc::ProcessGroup* segment, plan::Balancer* balancer, const GroupInfo* group,
+                                   std::vector<std::string> names, DeviceApi* api)
+    : seg_(*segment), balancer_(*balancer), group_(*group), names_(std::move(names)), api_(*api),
+      ranks_(group->size()) {}
+
+Status GpuXprocProfiler::SetupRank(int rank, int device) {
+  ProfileRank& p = ranks_[rank].profile;
+  FLEXLINK_RETURN_IF_ERROR(api_.CreateStream(device, &p.stream));
+  FLEXLINK_RETURN_IF_ERROR(api_.CreateEvent(device, false, &p.fork));
+  return api_.CreateEvent(device, false, &p.join);
+}
+
+void GpuXprocProfiler::Ask(int phase, xproc::PlanSlot* slot) const {
+  slot->profile_phase = static_cast<uint32_t>(phase);
+  slot->profile_id = id_;
+  slot->profile_top = session_->sizes.back();
+  slot->profile_min_share = balancer_.options().min_share;
+  slot->has_fits = phase == 2;
+  const auto fits = session_->model.Fits(session_->kind);
+  for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) {
+    slot->alpha[i] = phase == 2 && i < fits.size() ? fits[i].alpha : 0;
+    slot->beta[i] = phase == 2 && i < fits.size() ? fits[i].beta : 0;
+  }
+}
+
+GpuXprocProfiler::Gathered GpuXprocProfiler::Gather(std::vector<double>* times, std::string* why) const {
+  const uint64_t want = Tag(id_, session_->phase + 1);
+  const size_t steps = session_->steps.size();
+  times->assign(steps, 0.0);
+  for (int r = 0; r < group_.size(); ++r) {
+    xproc::ProfileTimes& t = seg_.profile_times(r);
+    if (__atomic_load_n(&t.tag, __ATOMIC_ACQUIRE) != want) return Gathered::kPending;
+    // Another process wrote it: checked, not trusted.
+    if (!t.ok || t.steps != steps) {
+      *why = seg_.DescribeRank(r) + (t.ok ? " timed " + std::to_string(t.steps) + " steps, not " + std::to_string(steps)
+                                          : std::string(" could not time it on its device"));
+      return Gathered::kFailed;
+    }
+    for (size_t s = 0; s < steps; ++s) {
+      const double v = t.seconds[s];
+      if (!(v > 0) || !std::isfinite(v)) {
+        *why = seg_.DescribeRank(r) + " reported a time of " + std::to_string(v) + " s";
+        return Gathered::kFailed;
+      }
+      (*times)[s] = std::max((*times)[s], v);
+    }
+  }
+  return Gathered::kDone;
+}
+
+void GpuXprocProfiler::Fail(Kind kind, const std::string& why) {
+  session_.reset();
+  balancer_.SetProfileFromBytes(0);
+  balancer_.ForgetKind(kind);  // its kProfile plans with it
+  LogWarning("flexlink: stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(group_.ids) +
+             " across processes did not complete (" + why +
+             "), so none of its calls profiles again and stage 2 plans them from equal shares");
+}
+
+void GpuXprocProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared_ptr<const plan::Plan>* plan,
+                              xproc::PlanSlot* slot) {
+  slot->profile_phase = 0;
+  if ((*plan)->mode != plan::PlanMode::kProfile) return;
+  const int n = group_.size();
+  if (!session_) {
+    auto s = std::make_unique<ProfileSession>();
+    s->Begin(kind, ProfileTopBytes(message_bytes), names_);
+    if (s->steps.size() > xproc::kMaxProfileSteps) {
+      Fail(kind, std::to_string(s->steps.size()) + " timed steps, more than the segment's " +
+                     std::to_string(xproc::kMaxProfileSteps));
+      *plan = balancer_.PlanFor(kind, message_bytes);
+      return;
+    }
+    session_ = std::move(s);
+    ++id_;
+    Ask(1, slot);
+    return;
+  }
+  if (session_->kind != kind) return;  // one profile at a time; this call runs on the primary link
+  std::string why;
+  switch (Gather(&session_->times, &why)) {
+    case Gathered::kPending:
+      return;
+    case Gathered::kFailed:
+      Fail(kind, "phase " + std::to_string(session_->phase + 1) + ": " + why);
+      *plan = balancer_.PlanFor(kind, message_bytes);
+      return;
+    case Gathered::kDone:
+      break;
+  }
+  if (session_->phase == 0 && session_->FitAlone(n, balancer_.options().min_share)) {
+    Ask(2, slot);
+    return;
+  }
+  const uint64_t threshold = session_->Finish(n, balancer_.options());
+  const Status merged = balancer_.MergeModel(session_->model);
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%.3g s",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - session_->started).count());
+  LogInfo("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(group_.ids) + " across processes (" +
+          secs + ", " + std::to_string(session_->sizes.size()) + " sizes): " +
+          DescribeFits(names_, session_->model.Fits(kind)) + "; " + SplitThresholdText(threshold) +
+          (merged.ok() ? std::string() : "; not installed: " + merged.message()));
+  session_.reset();
+  *plan = balancer_.PlanFor(kind, message_bytes);
+}
+
+Status GpuXprocProfiler::Enqueue(int rank, Kind kind, const xproc::PlanSlot& slot, std::span<const Stream> side,
+                                 const std::function<Status(size_t, const GpuWork&)>& enqueue, Stream stream,
+                                 std::string_view label) {
+  const int phase = static_cast<int>(slot.profile_phase);
+  const size_t links = side.size();
+  const std::vector<uint64_t> sizes = StageOneSizes(slot.profile_top);
+  std::vector<ProfileStep> steps;
+  if (phase == 1) {
+    steps = AloneSteps(links, sizes);
+  } else {
+    std::vector<plan::AlphaBeta> fits(links);
+    for (size_t i = 0; i < links && i < xproc::kMaxXprocLinks; ++i) fits[i] = plan::AlphaBeta{slot.alpha[i], slot.beta[i]};
+    steps = SplitSteps(kind, fits, sizes, group_.size(), slot.profile_min_share);
+  }
+  const std::string where = ErrorPrefix(label) + "stage 1 on GPU group " + FormatIds(group_.ids) + " across processes: ";
+  if (steps.empty() || steps.size() > xproc::kMaxProfileSteps)
+    return Status::Internal(where + "phase " + std::to_string(phase) + " has " + std::to_string(steps.size()) +
+                            " steps (the leader's slot is inconsistent)");
+  RankState& k = ranks_[rank];
+  Status s = EnqueueProfileSteps(api_, group_.devices[rank], k.profile, side, enqueue, kind, sizes, steps,
+                                 group_.size(), rank, stream, label);
+  if (!s.ok()) return s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message());
+  k.tag = Tag(slot.profile_id, phase);
+  k.steps = steps.size();
+  return Status::Ok();
+}
+
+void GpuXprocProfiler::Publish(int rank) {
+  RankState& k = ranks_[rank];
+  if (k.tag == 0) return;
+  std::vector<double> times;
+  const Poll p = ReadProfileTimes(api_, k.profile, k.steps, &times);
+  if (p == Poll::kPending) return;
+  xproc::ProfileTimes& out = seg_.profile_times(rank);
+  out.ok = p == Poll::kDone;
+  out.steps = static_cast<uint32_t>(k.steps);
+  for (size_t s = 0; s < times.size() && s < xproc::kMaxProfileSteps; ++s) out.seconds[s] = times[s];
+  __atomic_store_n(&out.tag, k.tag, __ATOMIC_RELEASE);
+  k.tag = 0;
+}
+
+}  // namespace flexlink::gpu
