@@ -95,7 +95,7 @@ struct Scenario {
                  // 9: error faults and failover across processes; 10: rank:absent across processes;
                  // 11: slow faults across processes (stage 2 moves share off); 12: a hang across
                  // processes (the hang detector breaks the group in every process); 13: stage 1
-                 // across processes
+                 // across processes; 14: stage 1 with one process unable to time it
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -289,8 +289,8 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
   // Stage 1 only where it is the subject: with it on, calls below autotune_min_bytes take the
   // primary link alone until a large call has profiled (as in one process), and the other modes
   // test the split and stage 2 from equal shares at every size. Read when the group registers.
-  SetAutotuneMinBytes(s.mode == 13 ? uint64_t{1} << 20 : 0);
-  if (s.mode == 13) SetTuneMaxBytes(uint64_t{1} << 20);  // stage 1's sizes: 64 KiB to 1 MiB
+  SetAutotuneMinBytes(s.mode >= 13 ? uint64_t{1} << 20 : 0);
+  if (s.mode >= 13) SetTuneMaxBytes(uint64_t{1} << 20);  // stage 1's sizes: 64 KiB to 1 MiB
   Local L(s, p);
   Status st = L.engine->ConfigureLinks(s.links);
   if (!st.ok()) {
@@ -486,6 +486,26 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
       Expect(clean > 0.4 && slowed >= 0 && slowed <= 0.5 * clean,
              s.what + ": stage 2 moved share off the slowed nccl link (clean " + std::to_string(clean) + ", slowed " +
                  std::to_string(slowed) + ")");
+    }
+  } else if (s.mode == 14) {
+    // The last process's device cannot time the profile (ElapsedSeconds fails there, as
+    // cudaEventElapsedTime does after a device error): its ranks report the phase as failed, the
+    // leader installs nothing, turns stage 1 off for the group (with a warning on stderr) and the
+    // kind goes back to stage 2 from equal shares. Every call exact; every rank's ranges identical
+    // for each call, the first on nccl alone, later ones split (the parent checks).
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{262144}}, 0, {}, false};
+    const uint64_t bytes = CaseBytes(c, N);
+    if (p == s.processes - 1) L.device.SetTimingFails(true);
+    L.engine->splits().SetEnabled(true);
+    for (int i = 0; i < 12; ++i) L.Check(c, ++run, s.what);
+    ShareSplits(L.engine->splits().Take(), p, shared);
+    gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+    if (p == 0 && g) {
+      const plan::CostModel m = g->balancer().Model();
+      Expect(!g->profiler().busy() && !m.Has(c.kind), s.what + ": the leader installed nothing");
+      const auto pl = g->balancer().PlanFor(c.kind, bytes);
+      Expect(pl && pl->mode != plan::PlanMode::kProfile && pl->shares.size() == 2,
+             s.what + ": stage 1 is off for the group (" + (pl ? std::string(plan::Name(pl->mode)) : "-") + ")");
     }
   } else if (s.mode == 13) {
     // Stage 1 across processes: a 1 MiB all_reduce (autotune_min_bytes) makes the leader's first
@@ -810,8 +830,9 @@ void RunScenario(const Scenario& s) {
     Expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
            s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
   }
-  if (s.mode == 13) {
-    // Identical ranges on every rank for each call; the first ones (profiling) on nccl alone.
+  if (s.mode == 13 || s.mode == 14) {
+    // Identical ranges on every rank for each call; the first ones (profiling) on nccl alone; with
+    // the profile failed, stage 2 from equal shares splits later calls.
     const int n = s.processes * s.per_process;
     int agreed = 0;
     const auto by_call = RowsByCall(shared, n, &agreed);
@@ -821,6 +842,12 @@ void RunScenario(const Scenario& s) {
     const SplitRow* first = by_call.empty() ? nullptr : by_call.begin()->second[0];
     Expect(first && first->r[1][0] == first->r[1][1] && first->r[0][1] > 0,
            s.what + ": the first call (profiling) ran on nccl alone");
+    if (s.mode == 14) {
+      int split = 0;
+      for (const auto& [call, of] : by_call) split += of[0]->r[0][1] > of[0]->r[0][0] && of[0]->r[1][1] > of[0]->r[1][0];
+      Expect(split >= 1, s.what + ": after the failed profile, calls split from equal shares (" + std::to_string(split) +
+                             " of " + std::to_string(by_call.size()) + ")");
+    }
   }
   if (s.mode == 8) {
     // Identical ranges on every rank of every process for each call, and the pcie link's range
@@ -907,6 +934,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie slow faults", 2, per, "nccl@staging_mib=0.0625;pcie", 11, 0, 0.05});
     RunScenario({shape + "nccl;pcie hang", 2, per, "nccl@staging_mib=0.0625;pcie", 12});
     RunScenario({shape + "nccl;pcie stage 1 across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 13});
+    RunScenario({shape + "nccl;pcie stage 1, a process cannot time it", 2, per, "nccl@staging_mib=0.0625;pcie", 14});
   }
   const auto after = ShmEntries();
   std::string left;

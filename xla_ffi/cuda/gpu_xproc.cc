@@ -131,6 +131,17 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     // from the model it just finished.
     profiler_->Decide(desc.kind, bytes, &plan, &slot);
     planned = plan;
+    // The leader's stage-1 fits for the kind, so that every process predicts
+    // a range's time from the same numbers. Stage 1's phase 2 carries its own fits there already:
+    // the profile's, as good a prediction as any.
+    if (slot.profile_phase != 2) {
+      thread_local std::vector<plan::AlphaBeta> fits;
+      slot.has_fits = balancer_.FitsFor(desc.kind, &fits) && fits.size() == links;
+      for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) {
+        slot.alpha[i] = slot.has_fits && i < links ? fits[i].alpha : 0;
+        slot.beta[i] = slot.has_fits && i < links ? fits[i].beta : 0;
+      }
+    }
     slot.epoch = plan->epoch;
     slot.mode = static_cast<uint32_t>(plan->mode);
     slot.links = static_cast<uint32_t>(links);
@@ -194,7 +205,10 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   // Stage 2 learns from the plan's own ranges, slowed ones included (it moves load off a slow
   // link), not from a call whose ranges moved.
   if (moved && rank == 0 && !planned_.empty()) planned_[call % planned_.size()].plan = nullptr;
-  Status s = Enqueue(rank, desc, stream, ranges, work, effects, label, call, run_id);
+  std::vector<plan::AlphaBeta> fits;
+  if (slot.has_fits)
+    for (size_t i = 0; i < links; ++i) fits.push_back(plan::AlphaBeta{slot.alpha[i], slot.beta[i]});
+  Status s = Enqueue(rank, desc, stream, ranges, work, effects, fits, label, call, run_id);
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
   if (!s.ok()) seg.Abort(rank, s.message());
@@ -345,8 +359,8 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
 }
 
 Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
-                              const Assignment& work, const Effects& effects, std::string_view label, uint64_t call,
-                              int64_t run_id) {
+                              const Assignment& work, const Effects& effects, std::span<const plan::AlphaBeta> fits,
+                              std::string_view label, uint64_t call, int64_t run_id) {
   Rank& k = ranks_[rank];
   std::vector<size_t> used;
   for (size_t i = 0; i < work.size(); ++i)
@@ -385,8 +399,8 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
       units += r.size();
     }
     FLEXLINK_RETURN_IF_ERROR(check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label})));
-    const double predicted =
-        Predict(desc.kind, i, desc.virtual_bytes() ? double(message) * double(units) / double(desc.virtual_bytes()) : 0);
+    const double predicted = plan::PredictOrUnfitted(
+        fits, i, desc.virtual_bytes() ? double(message) * double(units) / double(desc.virtual_bytes()) : 0);
     // An injected slow fault: a device-side delay after the range, K - 1 times its predicted time.
     const double delay = effects[i].slow > 1 ? (effects[i].slow - 1) * predicted : 0;
     if (delay > 0) FLEXLINK_RETURN_IF_ERROR(check(api_.Delay(delay, on)));
@@ -551,12 +565,6 @@ void GpuXprocGroup::GatherTimes(uint64_t call) {
     if (outcome.changed) LogInfo("group " + FormatIds(group_.ids) + " across processes: " + outcome.reason);
     p = Planned{};
   }
-}
-
-double GpuXprocGroup::Predict(Kind kind, size_t link, double message_bytes) const {
-  thread_local std::vector<plan::AlphaBeta> fits;
-  if (balancer_.FitsFor(kind, &fits) && link < fits.size()) return fits[link].Predict(message_bytes);
-  return plan::UnfittedSeconds(message_bytes);
 }
 
 // --- the hang detector ---------------------------------------------------------------------------

@@ -112,9 +112,11 @@ class GpuXprocGroup {
   // Per used link: the ranges it runs this call (its own; after a failover, others' too).
   using Assignment = std::vector<std::vector<plan::UnitRange>>;
   using Effects = std::vector<FaultyGpuChannel::Effect>;  // per used link, this rank's injected device work
+  // `fits`: the leader's fits for the call's kind, from the plan slot (empty: none), from which every
+  // process predicts a range's time alike (injected slow delays, the hang detector's deadlines).
   Status Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
-                 const Assignment& work, const Effects& effects, std::string_view label, uint64_t call,
-                 int64_t run_id);
+                 const Assignment& work, const Effects& effects, std::span<const plan::AlphaBeta> fits,
+                 std::string_view label, uint64_t call, int64_t run_id);
   // `error` faults and failover across processes (docs/faults.md, "GPU links"): the in-process
   // GpuExecutor::Agree's rounds with the segment's barrier in place of process memory. Round 0: each
   // rank asks each of its ranges' links whether it may enqueue (the injected error refuses at the
@@ -169,9 +171,6 @@ class GpuXprocGroup {
     std::vector<double> seconds;       // per used link: the slowest rank's so far
     double call_seconds = 0;
   };
-  // Predicted seconds of `message_bytes` on used link i (stage 1's fit where this process's
-  // balancer has one, else a pessimistic 100 MB/s), for the injected delays and the deadlines.
-  double Predict(Kind kind, size_t link, double message_bytes) const;
   // The hang detector (docs/faults.md, "GPU links"): the rank's oldest pending call's ranges
   // against their deadlines; past it, Hung breaks the group in every process (the segment's abort
   // word, whose reason every later call of every process reports) and releases the hang flags.

@@ -71,7 +71,7 @@ void GpuXprocProfiler::Fail(Kind kind, const std::string& why) {
   session_.reset();
   balancer_.SetProfileFromBytes(0);
   balancer_.ForgetKind(kind);  // its kProfile plans with it
-  LogWarning("flexlink: stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(group_.ids) +
+  LogWarning("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(group_.ids) +
              " across processes did not complete (" + why +
              "), so none of its calls profiles again and stage 2 plans them from equal shares");
 }

@@ -260,6 +260,7 @@ gpu::Poll SimDevice::Query(gpu::Event event, std::string*) {
 }
 
 Status SimDevice::ElapsedSeconds(gpu::Event start, gpu::Event stop, double* seconds) {
+  if (timing_fails_.load()) return Status::Internal("sim: an injected device error (no event timing)");
   SimEvent *a = E(start), *b = E(stop);
   std::scoped_lock lock(a->mu, b->mu);
   auto ia = a->done.find(a->recorded), ib = b->done.find(b->recorded);

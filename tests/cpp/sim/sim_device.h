@@ -68,6 +68,8 @@ class SimDevice : public gpu::DeviceApi {
   std::vector<std::string> TakeErrors();
   int preloads() const { return preloads_.load(); }
   int flag_waits() const { return flag_waits_.load(); }  // WaitFlags that ended by the host's release
+  // On: ElapsedSeconds fails, as cudaEventElapsedTime does once the device reported an error.
+  void SetTimingFails(bool on) { timing_fails_.store(on); }
   // Makes a stream's worker sleep before each operation (a slow link).
   void SetStreamDelay(gpu::Stream stream, int delay_us);
   // Adds an operation that runs `f` on the stream (the simulated NCCL's collectives).
@@ -89,6 +91,7 @@ class SimDevice : public gpu::DeviceApi {
   std::vector<std::string> errors_;
   std::atomic<int> preloads_{0};
   std::atomic<int> flag_waits_{0};
+  std::atomic<bool> timing_fails_{false};
 };
 
 }  // namespace flexlink::sim
