@@ -381,7 +381,17 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
     ResetLinkStats();
     L.engine->splits().SetEnabled(true);
     const int calls = 40;
-    for (int i = 0; i < calls; ++i) L.Check(c, ++run, s.what);
+    // The leader's pcie share after each call, the smallest seen: stage 2 does not stay put once it
+    // has moved (a split slower than nccl alone gets a trial of nccl alone, and the split is retried
+    // from where it was, 0.5 if the trial came early), so where it stands after the last call
+    // depends on where in that cycle the calls ended, which load shifts.
+    double least_pcie = 2;
+    for (int i = 0; i < calls; ++i) {
+      L.Check(c, ++run, s.what);
+      if (p == 0)
+        for (const PlanSnapshot& ps : L.engine->SnapshotPlans())
+          if (ps.group == L.group && ps.plan.kind == c.kind) least_pcie = std::min(least_pcie, ps.plan.shares.at(1));
+    }
     ShareSplits(L.engine->splits().Take(), p, shared);
     uint64_t nccl_calls = 0, pcie_calls = 0, nccl_bytes = 0;
     for (const LinkStatsSnapshot& st : SnapshotLinkStats()) {
@@ -400,9 +410,10 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
              s.what + ": stats count the leader's calls on nccl (" + std::to_string(nccl_calls) + " of " +
                  std::to_string(calls) + ", " + std::to_string(nccl_bytes) + " bytes)");
       Expect(pcie_calls >= 1, s.what + ": stats count pcie's calls (" + std::to_string(pcie_calls) + ")");
-      Expect(plans == 1 && pcie_share >= 0 && pcie_share < 0.4,
-             s.what + ": the leader's plan is listed and moved share off the slow pcie link (pcie " +
-                 std::to_string(pcie_share) + ", " + std::to_string(plans) + " plans)");
+      Expect(plans == 1 && pcie_share >= 0 && least_pcie < 0.4,
+             s.what + ": the leader's plan is listed and moved share off the slow pcie link (pcie at least " +
+                 std::to_string(least_pcie) + ", at the end " + std::to_string(pcie_share) + ", " +
+                 std::to_string(plans) + " plans)");
       if (getenv("GPU_XPROC_DEBUG")) std::printf("leader: pcie share %.3f, nccl calls %d\n", pcie_share, int(nccl_calls));
       // With stage 1 off (autotune_min_bytes 0), a large call's plan is not a profile plan (the
       // primary alone until a profile runs), but a split stage 2 can correct.
@@ -462,30 +473,38 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{8192}}, 0, {}, false};
     const uint64_t bucket = plan::BucketOf(CaseBytes(c, N));
     const std::vector<std::string> names{"nccl", "pcie"};
-    auto nccl_share_after = [&](const std::string& phase) {
+    // The leader's nccl share over 30 calls from 0.5: the largest seen (clean) or the smallest
+    // (slowed). Not the share after the last call: stage 2 cycles (a split slower than one link
+    // alone gets a trial of it, then the split is retried from where it was, 0.5 if the trial came
+    // early), and load shifts where in that cycle the 30 calls end (0.5 was seen at the end of a
+    // clean run on a loaded machine).
+    auto nccl_shares = [&](const std::string& phase) {
       Expect(L.engine->SetShares(c.kind, bucket, {0.5, 0.5}, false).ok(), s.what + ": " + phase + ": shares");
+      std::pair<double, double> range{2, -1};  // least, most
       for (int i = 0; i < 30; ++i) {
         L.Check(c, ++run, s.what + ": " + phase);
-        if (getenv("GPU_XPROC_DEBUG") && p == 0)
-          for (const PlanSnapshot& ps : L.engine->SnapshotPlans())
-            if (ps.group == L.group && ps.plan.kind == c.kind)
-              std::printf("%s call %d: %s %.3f\n", phase.c_str(), i, std::string(plan::Name(ps.plan.mode)).c_str(), ps.plan.shares.at(0));
+        for (const PlanSnapshot& ps : L.engine->SnapshotPlans())
+          if (ps.group == L.group && ps.plan.kind == c.kind) {
+            range = {std::min(range.first, ps.plan.shares.at(0)), std::max(range.second, ps.plan.shares.at(0))};
+            if (getenv("GPU_XPROC_DEBUG") && p == 0)
+              std::printf("%s call %d: %s %.3f\n", phase.c_str(), i, std::string(plan::Name(ps.plan.mode)).c_str(),
+                          ps.plan.shares.at(0));
+          }
       }
-      double share = -1;
-      for (const PlanSnapshot& ps : L.engine->SnapshotPlans())
-        if (ps.group == L.group && ps.plan.kind == c.kind) share = ps.plan.shares.at(0);
-      return share;
+      return range;
     };
-    const double clean = nccl_share_after("clean");
+    const double clean = nccl_shares("clean").second;
     Expect(gpu::SetGpuFaults("nccl:slow@factor=30", names).ok(), s.what + ": set");
-    const double slowed = nccl_share_after("slowed");
+    const double slowed = nccl_shares("slowed").first;
     Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
     if (p == 0) {
-      std::printf("  %s: the leader's nccl share after 30 calls from 0.5: clean %.3f, slowed %.3f\n", s.what.c_str(),
-                  clean, slowed);
-      Expect(clean > 0.4 && slowed >= 0 && slowed <= 0.5 * clean,
-             s.what + ": stage 2 moved share off the slowed nccl link (clean " + std::to_string(clean) + ", slowed " +
-                 std::to_string(slowed) + ")");
+      std::printf("  %s: the leader's nccl share over 30 calls from 0.5: clean up to %.3f, slowed down to %.3f\n",
+                  s.what.c_str(), clean, slowed);
+      // From 0.5 either way: clean, nccl (the faster link of the simulation) keeps at least about
+      // half (up to 0.68 under load in 30 calls, 1.0 quiet); slowed, it loses most of it.
+      Expect(clean > 0.45 && slowed >= 0 && slowed < 0.3,
+             s.what + ": stage 2 moved share off the slowed nccl link (clean up to " + std::to_string(clean) +
+                 ", slowed down to " + std::to_string(slowed) + ")");
     }
   } else if (s.mode == 14) {
     // The last process's device cannot time the profile (ElapsedSeconds fails there, as
@@ -860,13 +879,14 @@ void RunScenario(const Scenario& s) {
       return total > 0 ? static_cast<double>(r->r[1][1] - r->r[1][0]) / total : -1.0;
     };
     const double first = by_call.empty() ? -1 : pcie_fraction(by_call.begin()->second[0]);
-    const double last = by_call.empty() ? -1 : pcie_fraction(by_call.rbegin()->second[0]);
+    double least = 2;  // the smallest over the calls (the leader's check says why not the last)
+    for (const auto& [call, of] : by_call) least = std::min(least, pcie_fraction(of[0]));
     Expect(!by_call.empty() && agreed == static_cast<int>(by_call.size()),
            s.what + ": identical ranges on all " + std::to_string(n) + " ranks for " + std::to_string(agreed) + " of " +
                std::to_string(by_call.size()) + " calls");
-    Expect(first > 0.45 && first < 0.55 && last >= 0 && last < 0.4,
+    Expect(first > 0.45 && first < 0.55 && least >= 0 && least < 0.4,
            s.what + ": the slow pcie link's range shrank on every rank (first call " + std::to_string(first) +
-               ", last " + std::to_string(last) + ")");
+               ", smallest " + std::to_string(least) + ")");
   }
   if (s.mode == 1) {
     // Every rank of every process cut identical ranges for each call: the leader's 0.3/0.7.
