@@ -1,6 +1,7 @@
 #include "xla_ffi/cuda/gpu_xproc.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -205,10 +206,10 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   // Stage 2 learns from the plan's own ranges, slowed ones included (it moves load off a slow
   // link), not from a call whose ranges moved.
   if (moved && rank == 0 && !planned_.empty()) planned_[call % planned_.size()].plan = nullptr;
-  std::vector<plan::AlphaBeta> fits;
-  if (slot.has_fits)
-    for (size_t i = 0; i < links; ++i) fits.push_back(plan::AlphaBeta{slot.alpha[i], slot.beta[i]});
-  Status s = Enqueue(rank, desc, stream, ranges, work, effects, fits, label, call, run_id);
+  std::array<plan::AlphaBeta, xproc::kMaxXprocLinks> fits;  // no allocation on the call path
+  for (size_t i = 0; i < links; ++i) fits[i] = plan::AlphaBeta{slot.alpha[i], slot.beta[i]};
+  Status s = Enqueue(rank, desc, stream, ranges, work, effects,
+                     std::span<const plan::AlphaBeta>(fits.data(), slot.has_fits ? links : 0), label, call, run_id);
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
   if (!s.ok()) seg.Abort(rank, s.message());

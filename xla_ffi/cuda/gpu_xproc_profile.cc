@@ -34,11 +34,12 @@ void GpuXprocProfiler::Ask(int phase, xproc::PlanSlot* slot) const {
   slot->profile_id = id_;
   slot->profile_top = session_->sizes.back();
   slot->profile_min_share = balancer_.options().min_share;
-  slot->has_fits = phase == 2;
+  if (phase != 2) return;  // the caller writes the leader's own fits (if any) into the slot
+  slot->has_fits = 1;
   const auto fits = session_->model.Fits(session_->kind);
   for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) {
-    slot->alpha[i] = phase == 2 && i < fits.size() ? fits[i].alpha : 0;
-    slot->beta[i] = phase == 2 && i < fits.size() ? fits[i].beta : 0;
+    slot->alpha[i] = i < fits.size() ? fits[i].alpha : 0;
+    slot->beta[i] = i < fits.size() ? fits[i].beta : 0;
   }
 }
 
