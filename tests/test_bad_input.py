@@ -326,7 +326,7 @@ CACHE_FILES = {
     "no fingerprint": (json.dumps(document({k: v for k, v in entry().items() if k != "fingerprint"})), "no host fingerprint"),
     "another engine revision": (json.dumps(document(entry(engine="flexlink-engine-0"))), 'another engine revision ("flexlink-engine-0"'),
     "format version 1": (json.dumps(document(entry(), version=1)), "format version 1 is out of date"),
-    "format version 3": (json.dumps(document(entry(), version=3)), "written by a newer jax_flexlink (format version 3"),
+    "format version 4": (json.dumps(document(entry(), version=4)), "written by a newer jax_flexlink (format version 4"),
 }
 
 

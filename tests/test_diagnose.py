@@ -263,6 +263,18 @@ def test_tune_cache_entries(tmp_path):
     info = dg.read_tune_cache(str(path), "me", "shm; tcp")
     assert [e["matches"] for e in info["entries"]] == [True, False]
     assert info["entries"][0]["collectives"] == ["all_gather", "all_reduce"]
+    # Entries carry the processes their group spans (format 3; a version-2 file's are in-process
+    # groups and still read by the engine, so they still match).
+    identity = {"version": 3, "oldest_readable_version": 2, "fingerprint": "fp", "engine": "e1"}
+    for version, matches in ((2, True), (3, True), (1, False), (4, False)):
+        path.write_text(json.dumps({"version": version, "entries": [
+            {"host": "me", "links": "shm;tcp", "ranks": 4, "processes": 2, "fingerprint": "fp", "engine": "e1",
+             "max_bytes": 1 << 20, "fits": {"all_reduce": []}}]}))
+        info = dg.read_tune_cache(str(path), "me", "shm;tcp", identity)
+        assert [(e["processes"], e["matches"]) for e in info["entries"]] == [(2, matches)], (version, info)
+    lines = dg.format_report(dg.Report(findings=[], notes=[], links=[], groups=[], failovers=None,
+                                       config={"tune_cache": info}, live=False, time=0.0))
+    assert "4 ranks in 2 processes" in lines, lines
     path.write_text("{not json")
     assert "corrupt" in dg.read_tune_cache(str(path), "me", "shm")["error"]
     assert "no file" in dg.read_tune_cache(str(tmp_path / "none.json"), "me", "shm")["error"]

@@ -61,9 +61,10 @@ def _finish(procs, timeout: float):
   return outs
 
 
-def _run(n: int, k: int, mode: str, timeout: float = 240, **env):
+def _run(n: int, k: int, mode: str, timeout: float = 240, errs: list | None = None, **env):
   """Runs the worker as a job of n processes x k devices through `python -m jax_flexlink.launch`;
-  returns each rank's output lines (the launcher prefixes them with the rank)."""
+  returns each rank's output lines (the launcher prefixes them with the rank); `errs`, when given,
+  gets each rank's stderr lines."""
   before = _segments()
   out = subprocess.run(
       [sys.executable, "-m", "jax_flexlink.launch", "-n", str(n), "--devices-per-process", str(k),
@@ -71,6 +72,8 @@ def _run(n: int, k: int, mode: str, timeout: float = 240, **env):
       env=dict(os.environ, **env), capture_output=True, text=True, timeout=timeout + 30)
   assert out.returncode == 0, f"the job exited with {out.returncode}:\n{out.stdout[-4000:]}{out.stderr[-4000:]}"
   outs = ["\n".join(re.findall(rf"^\[{i}\] (.*)$", out.stdout, re.M)) for i in range(n)]
+  if errs is not None:
+    errs[:] = ["\n".join(re.findall(rf"^\[{i}\] (.*)$", out.stderr, re.M)) for i in range(n)]
   for i, text in enumerate(outs):
     assert "ALL OK" in text, f"rank {i}:\n{text[-4000:]}"
   assert _segments() <= before, "a shared-memory segment was left in /dev/shm"
@@ -153,11 +156,20 @@ def test_no_carrier_across_processes_names_every_link():
 
 
 @pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
-def test_stage1_across_processes(n, k):
+def test_stage1_across_processes(n, k, tmp_path):
   """The first psum of the autotune size profiles shm and tcp across the processes inside the call
   (docs/xproc.md, "Stage 1 across processes"): every process ends with the same fits and measured
-  threshold, and tune() of another collective returns the same in every process."""
-  outs = _run(n, k, "stage1", FLEXLINK_LINKS="shm;tcp", FLEXLINK_TUNE_MAX_BYTES="2M")
+  threshold, and tune() of another collective returns the same in every process. The leader stores
+  the fits in the tuning cache under the group's key (links, ranks and processes), and the next job
+  plans from them without profiling, every process reporting them."""
+  cache = tmp_path / "tune.json"
+  env = {"FLEXLINK_LINKS": "shm;tcp", "FLEXLINK_TUNE_MAX_BYTES": "2M", "FLEXLINK_TUNE_CACHE": str(cache),
+         "FLEXLINK_DEBUG": "INFO"}
+  errs = []
+  outs = _run(n, k, "stage1", errs=errs, **env)
+  assert re.search(r"stage 1 for all_reduce on cross-process group .*: [0-9.]+ s, \d+ sizes", errs[0]), errs[0][-3000:]
+  entries = json.loads(cache.read_text())["entries"]
+  assert [(e["links"], e["ranks"], e["processes"]) for e in entries] == [("shm;tcp", n * k, n)], entries
   fits = [json.loads(re.search(r"^FITS (.*)$", out, re.M).group(1)) for out in outs]
   assert fits[0] is not None and "all_reduce" in fits[0]["fits"], outs[0][-3000:]
   assert all(f == fits[0] for f in fits), fits  # every process computed the same model
@@ -170,6 +182,17 @@ def test_stage1_across_processes(n, k):
   assert len(tuned[0]["fits"]["all_gather"]) == 2, tuned[0]
   assert "all_gather" in tuned[0]["split_min_bytes"], tuned[0]
   assert re.search(r"^PLANS .*all_reduce", outs[0], re.M), outs[0][-3000:]
+
+  again = _run(n, k, "stage1", errs=errs, **env)
+  assert re.search(r"stage 1 for all_reduce on cross-process group .* from cache ", errs[0]), errs[0][-3000:]
+  assert not re.search(r"stage 1 for all_reduce on cross-process group .*: [0-9.]+ s, \d+ sizes", errs[0]), errs[0]
+  cached = [json.loads(re.search(r"^FITS (.*)$", out, re.M).group(1)) for out in again]
+  # Every process reports the cached all_reduce model, and only it: the cached all_gather fits are
+  # installed at all_gather's first large call, which every process then learns of alike.
+  assert all(c == cached[0] for c in cached), cached
+  assert list(cached[0]["fits"]) == ["all_reduce"], cached[0]
+  assert cached[0]["fits"]["all_reduce"] == fits[0]["fits"]["all_reduce"], (cached[0], fits[0])
+  assert cached[0]["split_min_bytes"]["all_reduce"] == fits[0]["split_min_bytes"]["all_reduce"]
 
 @pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
 def test_several_links_split_agreed_across_processes(n, k):

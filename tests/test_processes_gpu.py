@@ -70,8 +70,8 @@ class Module:
     return {"links": [l for l in self._links if l in ("nccl", "pcie")],
             "left_out": [(l, "cannot span processes") for l in self._links if l not in ("nccl", "pcie")]}
 
-  def gpu_xproc_create(self, devices, local):
-    self.calls.append(("create", devices, local))
+  def gpu_xproc_create(self, devices, local, processes):
+    self.calls.append(("create", devices, local, processes))
     return "/flexlink-" + "ab" * 16, list(self.ids)
 
   def gpu_xproc_attach(self, name, ids, devices, local):
@@ -115,7 +115,7 @@ def _run_processes(store, modules, group, locals_, creator, order):
 
   def body(p):
     try:
-      results[p] = processes.exchange_gpu_ids(store, modules[p], group, p, locals_[p], creator)
+      results[p] = processes.exchange_gpu_ids(store, modules[p], group, p, locals_[p], creator, len(locals_))
     except Exception as e:  # noqa: BLE001 - the test inspects it
       errors[p] = e
 
@@ -140,7 +140,7 @@ def test_nccl_id_exchange(no_device_ids, order):
   assert not errors, errors
   name = "/flexlink-" + "ab" * 16
   assert results == {0: name, 1: name}
-  assert modules[0].calls[0] == ("create", [0, 1, 2, 3], [0, 1])
+  assert modules[0].calls[0] == ("create", [0, 1, 2, 3], [0, 1], 2)
   attach = modules[1].calls[0]
   assert attach == ("attach", name, Module.ids, [0, 1, 2, 3], [2, 3]), attach
   unlinks = [c for m in modules.values() for c in m.calls if c[0] == "unlink"]
@@ -157,7 +157,7 @@ def test_missing_leader_is_named(no_device_ids, monkeypatch):
   module = Module()
   start = time.monotonic()
   with pytest.raises(RuntimeError) as info:
-    processes.exchange_gpu_ids(Store(), module, (0, 1), 1, [1], 0)
+    processes.exchange_gpu_ids(Store(), module, (0, 1), 1, [1], 0, 2)
   assert time.monotonic() - start < 5
   message = str(info.value)
   assert "process 0 did not publish the segment of the GPU group of devices [0, 1]" in message, message
@@ -172,7 +172,7 @@ def test_bad_id_blob(no_device_ids):
   store.key_value_set(f"{key}/nccl_ids", b"x" * 100)
   module = Module()
   with pytest.raises(RuntimeError, match="100 bytes, not a multiple of 128"):
-    processes.exchange_gpu_ids(store, module, (0, 1), 1, [1], 0)
+    processes.exchange_gpu_ids(store, module, (0, 1), 1, [1], 0, 2)
   assert module.calls == []
 
 

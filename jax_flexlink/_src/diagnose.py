@@ -348,7 +348,8 @@ def format_report(r: Report) -> str:
         line += f"{len(ents)} entr{'y' if len(ents) == 1 else 'ies'}"
       out.append(line)
       for e in cache.get("entries") or []:
-        out.append(f"    {e['host']} / {e['links']} / {e['ranks']} ranks, up to {_bytes(e.get('max_bytes') or 0)}: "
+        across = f" in {e['processes']} processes" if (e.get("processes") or 1) != 1 else ""
+        out.append(f"    {e['host']} / {e['links']} / {e['ranks']} ranks{across}, up to {_bytes(e.get('max_bytes') or 0)}: "
                    f"{', '.join(e.get('collectives') or []) or 'no fits'}"
                    f"{' (matches this machine and link set)' if e.get('matches') else ''}")
   return "\n".join(out)
@@ -378,11 +379,12 @@ def read_tune_cache(path: str, host: str, links_spec: str, identity: dict | None
     if not isinstance(e, dict):
       continue
     entry = {"host": str(e.get("host")), "links": str(e.get("links")), "ranks": e.get("ranks"),
-             "max_bytes": e.get("max_bytes"), "collectives": sorted((e.get("fits") or {}).keys())
+             "processes": e.get("processes", 1), "max_bytes": e.get("max_bytes"), "collectives": sorted((e.get("fits") or {}).keys())
              if isinstance(e.get("fits"), dict) else []}
     entry["matches"] = entry["host"] == host and entry["links"].replace(" ", "") == canon
     if identity is not None:
-      entry["matches"] = entry["matches"] and doc.get("version") == identity["version"] and (
+      readable = range(identity.get("oldest_readable_version", identity["version"]), identity["version"] + 1)
+      entry["matches"] = entry["matches"] and doc.get("version") in readable and (
           e.get("fingerprint") == identity["fingerprint"] and e.get("engine") == identity["engine"])
     info["entries"].append(entry)
   return info

@@ -47,8 +47,13 @@ _refused: dict[tuple, int] = {}
 device_process = hosts.device_process  # the job's one device map (hosts.py)
 
 
+def process_count(devices) -> int:
+  """How many processes own `devices`."""
+  return len({device_process(int(d)) for d in devices})
+
+
 def spans_processes(devices) -> bool:
-  return len({device_process(int(d)) for d in devices}) > 1
+  return process_count(devices) > 1
 
 
 def prepare(groups, group_sizes, platforms) -> None:
@@ -150,17 +155,19 @@ def _set_up_gpu(group: tuple[int, ...], me: int) -> str:
         f"the group of devices {list(group)} spans processes, and FlexLink sets such groups up "
         "through jax.distributed's key-value store; call jax.distributed.initialize() first")
   return exchange_gpu_ids(client, native.cuda_module(), group, me,
-                          [d for d in group if device_process(d) == me], device_process(group[0]))
+                          [d for d in group if device_process(d) == me], device_process(group[0]),
+                          process_count(group))
 
 
-def exchange_gpu_ids(client, module, group, me, local, creator) -> str:
+def exchange_gpu_ids(client, module, group, me, local, creator, processes) -> str:
   """The key-value exchange of a GPU group's segment name and NCCL unique ids (separate from
-  jax so that a test can drive it with a stand-in store and module)."""
+  jax so that a test can drive it with a stand-in store and module). `processes`: how many
+  processes own the group's devices (the tuning cache's key)."""
   _set_device_ids(module)
   key = _key("gpuxproc", group)
   timeout_ms = hosts.kv_timeout_ms()
   if me == creator:
-    name, ids = module.gpu_xproc_create(list(group), local)
+    name, ids = module.gpu_xproc_create(list(group), local, processes)
     _created_unlinked[name] = False
     client.key_value_set(f"{key}/name", name)
     client.key_value_set_bytes(f"{key}/nccl_ids", b"".join(bytes(i) for i in ids))
@@ -194,7 +201,7 @@ def _set_up(group: tuple[int, ...], me: int) -> str:
   key = _key("xproc", group)
   creator = device_process(group[0])
   if me == creator:
-    name = module.xproc_create(list(group), local, 0)
+    name = module.xproc_create(list(group), local, 0, process_count(group))
     _created_unlinked[name] = False
     client.key_value_set(f"{key}/name", name)
   else:

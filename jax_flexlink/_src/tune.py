@@ -119,7 +119,9 @@ def tune(*, collectives=COLLECTIVES, max_bytes: int | str = 16 << 20, devices=No
   this machine and engine made: anything else in the cache is ignored with a warning).
   A group spanning processes (every process calls tune() with the same devices, as it would call the
   collective) runs stage 1 across processes (docs/xproc.md) and returns the same fits in every
-  process; the tuning cache is not used for it.
+  process; its tuning cache entry is its own (the key counts the processes), read and written by
+  the leader's process (the one with the group's first device), whose fits reach the others with
+  the calls.
 
   collectives: one or more of all_reduce, all_gather, reduce_scatter; devices: distinct jax devices;
   max_bytes: a byte count of at least 128K; use_cache: a bool. Anything else is a TypeError or

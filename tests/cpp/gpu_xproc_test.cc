@@ -54,6 +54,7 @@
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_xproc.h"
 #include "xla_ffi/plan/ranges.h"
+#include "xla_ffi/plan/tuning_cache.h"
 #include "xla_ffi/xproc/process_group.h"
 
 namespace flexlink::testing {
@@ -95,7 +96,8 @@ struct Scenario {
                  // 9: error faults and failover across processes; 10: rank:absent across processes;
                  // 11: slow faults across processes (stage 2 moves share off); 12: a hang across
                  // processes (the hang detector breaks the group in every process); 13: stage 1
-                 // across processes; 14: stage 1 with one process unable to time it
+                 // across processes; 14: stage 1 with one process unable to time it; 15: stage 1
+                 // from the tuning cache
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -280,6 +282,9 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
   return by_call;
 }
 
+// Mode 15's planted cache entry: fits no profile of the simulation produces.
+constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1 / 0.75e9};
+
 // The body of process `p`: set-up through the pipes, then the scenario. Exit status: 0 passed.
 [[noreturn]] void Child(const Scenario& s, int p, int up, const std::vector<int>& down, Shared* shared) {
   alarm(120);
@@ -297,11 +302,22 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
     std::printf("FAIL: %s: process %d: links: %s\n", s.what.c_str(), p, st.message().c_str());
     _exit(2);
   }
+  if (s.mode == 15 && p == 0) {  // before the group exists: its first plan may come from the cache
+    plan::CacheKey key{plan::HostName(), s.links, s.processes * s.per_process};
+    key.processes = s.processes;
+    plan::CostModel cached({"nccl", "pcie"});
+    cached.Set(Kind::kAllReduce, 0, kCachedNccl);
+    cached.Set(Kind::kAllReduce, 1, kCachedPcie);
+    cached.SetMeasuredThreshold(Kind::kAllReduce, 64 << 10);
+    cached.SetProfiledBytes(Kind::kAllReduce, 1 << 20);
+    std::string warning;
+    Expect(plan::StoreTuning(TuneCachePath(), {key, cached, 1 << 20}, &warning).ok(), s.what + ": plant the entry");
+  }
   Setup setup{};
   if (p == 0) {
     std::string name;
     std::vector<gpu::CommId> ids;
-    st = gpu::CreateGpuXprocGroup(*L.engine, L.group, L.local, &name, &ids);
+    st = gpu::CreateGpuXprocGroup(*L.engine, L.group, L.local, s.processes, &name, &ids);
     if (!st.ok()) {
       std::printf("FAIL: %s: create: %s\n", s.what.c_str(), st.message().c_str());
       _exit(2);
@@ -526,6 +542,25 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
       Expect(pl && pl->mode != plan::PlanMode::kProfile && pl->shares.size() == 2,
              s.what + ": stage 1 is off for the group (" + (pl ? std::string(plan::Name(pl->mode)) : "-") + ")");
     }
+  } else if (s.mode == 15) {
+    // Stage 1 from the tuning cache across processes: the leader's process planted an entry of this
+    // group's key (its used links, ranks and processes) before its first call, with fits no profile
+    // of the simulation produces. The first 1 MiB all_reduce is planned from them (split: both
+    // links carry bytes, no profile phase), and every process reports the leader's model.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{262144}}, 0, {}, false};
+    L.engine->splits().SetEnabled(true);
+    for (int i = 0; i < 12; ++i) L.Check(c, ++run, s.what);
+    ShareSplits(L.engine->splits().Take(), p, shared);
+    const std::optional<plan::CostModel> m = L.engine->GroupModel(L.group);
+    const auto fits = m && m->Has(c.kind) ? m->Fits(c.kind) : std::span<const plan::AlphaBeta>();
+    Expect(fits.size() == 2 && fits[0].alpha == kCachedNccl.alpha && fits[0].beta == kCachedNccl.beta &&
+               fits[1].alpha == kCachedPcie.alpha && fits[1].beta == kCachedPcie.beta &&
+               m->MeasuredThreshold(c.kind) == uint64_t{64} << 10 && m->ProfiledBytes(c.kind) == uint64_t{1} << 20,
+           s.what + ": process " + std::to_string(p) + " reports the cached model");
+    // One NCCL operation per call and local rank: the calls' own.
+    Expect(L.comm.operations() <= size_t{12} * s.per_process,
+           s.what + ": process " + std::to_string(p) + " enqueued no profile (" + std::to_string(L.comm.operations()) +
+               " NCCL operations in 12 calls of " + std::to_string(s.per_process) + " local ranks)");
   } else if (s.mode == 13) {
     // Stage 1 across processes: a 1 MiB all_reduce (autotune_min_bytes) makes the leader's first
     // plan a profile; every rank enqueues each phase in the call the leader's slot names, the times
@@ -813,6 +848,16 @@ void TestInitRanksWaiting() {
 void RunScenario(const Scenario& s) {
   if (!Selected(s.what)) return;
   const auto t0 = Clock::now();
+  // A tuning cache of the scenario's own (never the user's, and one scenario's stage 1 must not
+  // answer another's), removed afterwards.
+  static int scenarios = 0;
+  const std::string cache =
+      "/tmp/flexlink-gpu-xproc-test-" + std::to_string(getpid()) + "-" + std::to_string(++scenarios) + ".json";
+  SetTuneCachePath(cache);
+  struct RemoveCache {
+    std::string path;
+    ~RemoveCache() { std::remove(path.c_str()); }
+  } remove_cache{cache};
   auto* shared = static_cast<Shared*>(
       mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
   shared->rows.store(0);
@@ -848,6 +893,16 @@ void RunScenario(const Scenario& s) {
     }
     Expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
            s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
+  }
+  if (s.mode == 15) {
+    const int n = s.processes * s.per_process;
+    int agreed = 0;
+    const auto by_call = RowsByCall(shared, n, &agreed);
+    const SplitRow* first = by_call.empty() ? nullptr : by_call.begin()->second[0];
+    Expect(by_call.size() == 12 && agreed == 12 && first && first->r[0][1] > first->r[0][0] &&
+               first->r[1][1] > first->r[1][0],
+           s.what + ": identical ranges on every rank for " + std::to_string(agreed) + " of " +
+               std::to_string(by_call.size()) + " calls, the first split across both links");
   }
   if (s.mode == 13 || s.mode == 14) {
     // Identical ranges on every rank for each call; the first ones (profiling) on nccl alone; with
@@ -955,6 +1010,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie hang", 2, per, "nccl@staging_mib=0.0625;pcie", 12});
     RunScenario({shape + "nccl;pcie stage 1 across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 13});
     RunScenario({shape + "nccl;pcie stage 1, a process cannot time it", 2, per, "nccl@staging_mib=0.0625;pcie", 14});
+    RunScenario({shape + "nccl;pcie stage 1 from the tuning cache", 2, per, "nccl@staging_mib=0.0625;pcie", 15});
   }
   const auto after = ShmEntries();
   std::string left;

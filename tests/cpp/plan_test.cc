@@ -684,6 +684,21 @@ void TestCache() {
         "ranks are part of the key");
   Check(!LoadTuning(path, {rec.key.host, "shm;tcp", 8}, &got, &warning) && warning.empty(), "unknown key");
   Check(StoreTuning(path, rec, &warning).ok() && LoadTuning(path, other.key, &got, &warning), "replace keeps others");
+  // A group across processes has an entry of its own: the same link names are other paths there.
+  TuneRecord across = rec;
+  across.key.processes = 2;
+  across.model.Set(Kind::kAllReduce, 0, {7e-6, 2e-9});
+  Check(!LoadTuning(path, across.key, &got, &warning) && warning.empty(),
+        "an in-process entry does not answer for a group across processes");
+  Check(StoreTuning(path, across, &warning).ok() && LoadTuning(path, across.key, &got, &warning) &&
+            got.model.Fits(Kind::kAllReduce)[0].alpha == 7e-6 && got.key.processes == 2 &&
+            LoadTuning(path, rec.key, &got, &warning) && got.model.Fits(Kind::kAllReduce)[0].alpha == 3.25e-6,
+        "processes are part of the key; both entries kept");
+  {
+    CacheKey three = across.key;
+    three.processes = 3;
+    Check(!LoadTuning(path, three, &got, &warning) && warning.empty(), "other processes: not found");
+  }
 
   WriteText(path, "{\"version\": 1, \"entries\": [ {");
   Check(!LoadTuning(path, rec.key, &got, &warning) && warning.find("corrupt") != std::string::npos,
@@ -714,7 +729,8 @@ void TestCache() {
 
 // The kinds added later (ppermute, all_to_all) have fits and thresholds of their own, stored by name
 // next to the others; an entry without them (this literal is what a build before them wrote, in
-// today's format) still loads, and a plan of one kind never answers for another.
+// format version 2, which is still read: its entries are of groups inside one process) still loads,
+// and a plan of one kind never answers for another.
 void TestCacheNewKinds() {
   namespace fs = std::filesystem;
   fs::path dir = fs::temp_directory_path() / ("flexlink_plan_test_kinds_" + std::to_string(::getpid()));
@@ -734,6 +750,12 @@ void TestCacheNewKinds() {
   Check(LoadTuning(path, {host, "shm;tcp", 8}, &got, &warning) && warning.empty() &&
             got.model.Has(Kind::kAllReduce) && !got.model.Has(Kind::kPpermute) && !got.model.Has(Kind::kAllToAll),
         "an entry from before ppermute/all_to_all loads: " + warning);
+  {
+    CacheKey across{host, "shm;tcp", 8};
+    across.processes = 2;
+    Check(!LoadTuning(path, across, &got, &warning) && warning.empty(),
+          "a version-2 entry is of a group inside one process");
+  }
   TuneRecord rec = got;
   rec.model.Set(Kind::kPpermute, 0, {5e-6, 1e-10});
   rec.model.Set(Kind::kPpermute, 1, {7e-6, 4e-10});
@@ -741,9 +763,10 @@ void TestCacheNewKinds() {
   rec.model.Set(Kind::kAllToAll, 1, {9e-6, 5e-10});
   rec.model.SetMeasuredThreshold(Kind::kAllToAll, 65536);
   rec.model.SetProfiledBytes(Kind::kPpermute, 1 << 22);
-  Check(StoreTuning(path, rec, &warning).ok(), "store the new kinds");
+  Check(StoreTuning(path, rec, &warning).ok() && warning.empty(), "store the new kinds (over a version-2 file)");
   std::ifstream in(path);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  Check(text.find("\"version\": 3") != std::string::npos, "rewritten as version 3");
   Check(text.find("\"ppermute\"") != std::string::npos && text.find("\"all_to_all\"") != std::string::npos,
         "the new kinds are stored by name");
   Check(LoadTuning(path, {host, "shm;tcp", 8}, &got, &warning) && got.model.Has(Kind::kPpermute) &&
@@ -798,7 +821,7 @@ void TestCacheBadInput() {
   const std::string good = ReadText(path);
   Check(good.find("\"fingerprint\": \"" + HostFingerprint() + "\"") != std::string::npos &&
             good.find(std::string("\"engine\": \"") + kEngineRevision + "\"") != std::string::npos &&
-            good.find("\"version\": 2") != std::string::npos,
+            good.find("\"version\": 3") != std::string::npos && good.find("\"processes\": 1") != std::string::npos,
         "entries carry the fingerprint and engine revision, the file its format version");
   Check(HostFingerprint().find("cpus=") != std::string::npos && HostFingerprint() == HostFingerprint(),
         "fingerprint: " + HostFingerprint());
@@ -816,7 +839,7 @@ void TestCacheBadInput() {
       {"overflowing number", Replaced(good, "\"alpha_s\": 3.24", "\"alpha_s\": 1e999, \"x\": 3.25"), "corrupt"},
       {"a list", "[1, 2]", "not a JSON object"},
       {"no version", "{\"entries\": []}", "version"},
-      {"version as text", Replaced(good, "\"version\": 2", "\"version\": \"2\""), "version"},
+      {"version as text", Replaced(good, "\"version\": 3", "\"version\": \"3\""), "version"},
       {"entries not a list", Replaced(good, "\"entries\": [", "\"entries\": {\"x\": ["), "corrupt"},
       {"an entry not an object", "{\"version\": 2, \"entries\": [7]}", "entry 1 is not an object"},
       {"alpha as text", Replaced(good, "\"alpha_s\": 3.24", "\"alpha_s\": \"3.25\", \"x\": 3.25"), "alpha_s"},
@@ -836,8 +859,9 @@ void TestCacheBadInput() {
       {"no fingerprint", Replaced(good, "\"fingerprint\": ", "\"fingerprint_was\": "), "no host fingerprint"},
       {"another engine", Replaced(good, std::string("\"") + kEngineRevision + "\"", "\"flexlink-engine-0\""),
        "engine revision"},
-      {"format version 1", Replaced(good, "\"version\": 2", "\"version\": 1"), "out of date"},
-      {"format version 3", Replaced(good, "\"version\": 2", "\"version\": 3"), "newer jax_flexlink"},
+      {"format version 1", Replaced(good, "\"version\": 3", "\"version\": 1"), "out of date"},
+      {"format version 2.5", Replaced(good, "\"version\": 3", "\"version\": 2.5"), "out of date"},
+      {"format version 4", Replaced(good, "\"version\": 3", "\"version\": 4"), "newer jax_flexlink"},
   };
   for (const Case& c : cases) {
     WriteText(path, c.text);
@@ -846,7 +870,7 @@ void TestCacheBadInput() {
     Check(!found && !got.model.Has(Kind::kAllReduce), std::string(c.name) + ": not used");
     Check(warning.find(c.says) != std::string::npos && warning.find(path) != std::string::npos,
           std::string(c.name) + ": the warning names the file and says \"" + c.says + "\": " + warning);
-    const bool newer = std::string(c.name) == "format version 3";
+    const bool newer = std::string(c.name) == "format version 4";
     Status stored = StoreTuning(path, rec, &warning);
     if (newer) {
       Check(!stored.ok() && ReadText(path) == c.text, "a newer format's file is left alone: " + stored.message());

@@ -43,6 +43,7 @@
 #include "xla_ffi/links/tcp.h"
 #include "xla_ffi/links/tcp_xproc.h"
 #include "xla_ffi/plan/cost_model.h"
+#include "xla_ffi/plan/tuning_cache.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/core/stragglers.h"
 #include "xla_ffi/xproc/process_group.h"
@@ -838,6 +839,25 @@ void MultiLinkStageOne(Proc& p) {
   }
   for (int i = 0; i < 4; ++i) CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false,
                                             static_cast<uint32_t>(62 + i)});
+  // Every process reports the leader's model (the plan slots carry it, slot_model.h); the leader
+  // stored it in the tuning cache under the group's key, processes included.
+  const std::optional<plan::CostModel> here = xproc::XprocGroupModel(p.devices);
+  Expect(here && here->Has(Kind::kAllReduce) && here->ProfiledBytes(Kind::kAllReduce) == (2u << 20) &&
+             here->MeasuredThreshold(Kind::kAllReduce).has_value(),
+         "this process reports the stage-1 model with its profiled size and threshold");
+  if (p.index == 0 && here && here->Has(Kind::kAllReduce)) {
+    plan::CacheKey key{plan::HostName(), "shm;tcp", static_cast<int>(p.devices.size())};
+    key.processes = p.procs;
+    plan::TuneRecord stored;
+    std::string warning;
+    const bool found = plan::LoadTuning(TuneCachePath(), key, &stored, &warning);
+    Expect(found && stored.model.Has(Kind::kAllReduce) &&
+               stored.model.Fits(Kind::kAllReduce)[1].beta == here->Fits(Kind::kAllReduce)[1].beta &&
+               stored.model.ProfiledBytes(Kind::kAllReduce) == (2u << 20),
+           "the leader stored the fits under (links, ranks, " + std::to_string(p.procs) + " processes): " + warning);
+    key.processes = 1;
+    Expect(!plan::LoadTuning(TuneCachePath(), key, &stored, &warning), "nothing stored for a group inside one process");
+  }
   if (p.index == 0) {
     Expect(!LeaderPlans(p, plan::PlanMode::kProfile),
            "the calls after stage 1 are planned from its fits (no kProfile plan left)");
@@ -849,6 +869,64 @@ void MultiLinkStageOne(Proc& p) {
   for (const auto& [call, sets] : by_call) agree &= sets.size() == 1;
   Expect(agree, "every local rank cut the same ranges at each of the 5 calls");
   SetRecordSplits(false);
+}
+
+// The tuning cache across processes. Planted before the first call: an entry of this group's key
+// (shm;tcp, its ranks, its processes) with all_reduce fits no profile would produce, and one of the
+// same links and ranks inside one process with all_gather fits. The first large all_reduce is planned
+// from the cached fits (the leader's process reads the cache; every process then reports them), and
+// the first large all_gather profiles (the in-process entry is another path), its fits stored beside
+// the cached all_reduce ones.
+void MultiLinkStageOneCached(Proc& p) {
+  Expect(ConfigureLinks("shm;tcp").ok(), "configure shm;tcp");
+  SetAutotune(1 << 20);
+  SetTuneMax(2 << 20);
+  const int n = static_cast<int>(p.devices.size());
+  const plan::AlphaBeta shm{2.5e-5, 1 / 3.125e9}, tcp{7.5e-5, 1 / 0.8e9}, decoy{1e-6, 1e-11};
+  plan::CacheKey across{plan::HostName(), "shm;tcp", n}, inside{plan::HostName(), "shm;tcp", n};
+  across.processes = p.procs;
+  if (p.index == 0) {  // before the leader's first call, so before any plan
+    plan::CostModel cached({"shm", "tcp"}), other({"shm", "tcp"});
+    cached.Set(Kind::kAllReduce, 0, shm);
+    cached.Set(Kind::kAllReduce, 1, tcp);
+    cached.SetMeasuredThreshold(Kind::kAllReduce, 1 << 20);
+    cached.SetProfiledBytes(Kind::kAllReduce, 2 << 20);
+    other.Set(Kind::kAllGather, 0, decoy);
+    other.Set(Kind::kAllGather, 1, decoy);
+    other.SetProfiledBytes(Kind::kAllGather, 2 << 20);
+    std::string warning;
+    Expect(plan::StoreTuning(TuneCachePath(), {across, cached, 2 << 20}, &warning).ok() &&
+               plan::StoreTuning(TuneCachePath(), {inside, other, 2 << 20}, &warning).ok(),
+           "plant the cache entries");
+  }
+  const int64_t count = int64_t{1} << 19;  // 2 MiB f32 per rank
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 81});
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 82});
+  auto same = [](const plan::AlphaBeta& a, const plan::AlphaBeta& b) { return a.alpha == b.alpha && a.beta == b.beta; };
+  std::optional<plan::CostModel> m = xproc::XprocGroupModel(p.devices);
+  Expect(m && m->Has(Kind::kAllReduce) && same(m->Fits(Kind::kAllReduce)[0], shm) &&
+             same(m->Fits(Kind::kAllReduce)[1], tcp) && m->MeasuredThreshold(Kind::kAllReduce) == uint64_t{1} << 20 &&
+             m->ProfiledBytes(Kind::kAllReduce) == (2u << 20),
+         "process " + std::to_string(p.index) + " reports the cached all_reduce model");
+  if (p.index == 0)
+    Expect(!LeaderPlans(p, plan::PlanMode::kProfile), "all_reduce was planned from the cache, not profiled");
+  CheckCase(p, {Kind::kAllGather, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 83});
+  CheckCase(p, {Kind::kAllGather, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 84});
+  m = xproc::XprocGroupModel(p.devices);
+  Expect(m && m->Has(Kind::kAllGather) && !same(m->Fits(Kind::kAllGather)[0], decoy) &&
+             m->ProfiledBytes(Kind::kAllGather) > 0 && same(m->Fits(Kind::kAllReduce)[0], shm),
+         "process " + std::to_string(p.index) + ": all_gather profiled (the in-process entry is not this group's)");
+  if (p.index == 0 && m && m->Has(Kind::kAllGather)) {
+    plan::TuneRecord stored;
+    std::string warning;
+    Expect(plan::LoadTuning(TuneCachePath(), across, &stored, &warning) && stored.model.Has(Kind::kAllReduce) &&
+               same(stored.model.Fits(Kind::kAllReduce)[0], shm) && stored.model.Has(Kind::kAllGather) &&
+               same(stored.model.Fits(Kind::kAllGather)[1], m->Fits(Kind::kAllGather)[1]),
+           "the profiled all_gather fits are stored beside the cached all_reduce ones: " + warning);
+    Expect(plan::LoadTuning(TuneCachePath(), inside, &stored, &warning) &&
+               same(stored.model.Fits(Kind::kAllGather)[0], decoy),
+           "the in-process entry is left as it was");
+  }
 }
 
 // Stage 1 when tcp fails inside it (a real stall from its first run on, in one process): every
@@ -964,7 +1042,7 @@ struct Report {
   char name[kNameBytes] = {};
   if (index == 0) {
     std::string made;
-    Status st = xproc::CreateProcessGroup(p.devices, local, s.slot_bytes, &made);
+    Status st = xproc::CreateProcessGroup(p.devices, local, s.slot_bytes, s.procs, &made);
     if (!st.ok()) std::printf("FAIL: create: %s\n", st.message().c_str());
     std::snprintf(name, sizeof name, "%s", made.c_str());
     if (!WriteFull(self.up, name, sizeof name)) _exit(3);
@@ -1012,9 +1090,22 @@ std::vector<std::string> ShmEntries() {
   return names;
 }
 
+// Every scenario's processes get a tuning cache of their own (never the user's; and stage 1 of one
+// scenario must not answer another's from the cache), removed afterwards.
+std::string ScenarioCachePath() {
+  static int scenarios = 0;
+  return "/tmp/flexlink-xproc-test-" + std::to_string(getpid()) + "-" + std::to_string(++scenarios) + ".json";
+}
+
 void RunScenario(const Scenario& s) {
   if (!Selected(s.what)) return;
   const auto start = Clock::now();
+  const std::string cache = ScenarioCachePath();
+  SetTuneCachePath(cache);
+  struct RemoveCache {
+    std::string path;
+    ~RemoveCache() { std::remove(path.c_str()); }
+  } remove_cache{cache};
   std::fflush(stdout);
   std::vector<Child> kids(s.procs);
   for (int i = 0; i < s.procs; ++i) {
@@ -1162,17 +1253,22 @@ void AttachChecks() {
   shm_unlink(open_name.c_str());
   // A segment of the wrong group, or of another layout, is refused.
   std::string name;
-  Status made = xproc::CreateProcessGroup(std::vector<int64_t>{5, 6, 7}, std::vector<int64_t>{5}, 0, &name);
+  for (int processes : {1, 4, -1}) {
+    const Status bad = xproc::CreateProcessGroup(std::vector<int64_t>{5, 6, 7}, std::vector<int64_t>{5}, 0, processes, &name);
+    Expect(bad.code() == StatusCode::kInvalidArgument && bad.message().find("processes must be between 2 and") != std::string::npos,
+           "create: " + std::to_string(processes) + " processes for 3 devices: " + bad.message());
+  }
+  Status made = xproc::CreateProcessGroup(std::vector<int64_t>{5, 6, 7}, std::vector<int64_t>{5}, 0, 2, &name);
   Expect(made.ok(), "create: " + made.message());
-  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{5, 6, 7}, std::vector<int64_t>{6}, 0, &name).code() ==
+  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{5, 6, 7}, std::vector<int64_t>{6}, 0, 0, &name).code() ==
              StatusCode::kInvalidArgument, "create: the same group twice in one process");
   // (Attaching in the creating process is refused as already registered; a fresh process would
   // see the device check below, exercised through the segment alone.)
   s = xproc::Segment::Attach(name, &seg);
   Expect(s.ok() && seg->size() > 4096, "the creator's segment attaches");
-  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{1, 1}, std::vector<int64_t>{1}, 0, &name).code() ==
+  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{1, 1}, std::vector<int64_t>{1}, 0, 0, &name).code() ==
              StatusCode::kInvalidArgument, "create: a device twice");
-  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{1, 2}, std::vector<int64_t>{3}, 0, &name).code() ==
+  Expect(xproc::CreateProcessGroup(std::vector<int64_t>{1, 2}, std::vector<int64_t>{3}, 0, 0, &name).code() ==
              StatusCode::kInvalidArgument, "create: a local device outside the group");
   const auto groups = xproc::ProcessGroups();
   size_t default_slot = 0;
@@ -1317,6 +1413,9 @@ int main(int argc, char** argv) {
   multi("shm+tcp: stage 1 across processes, 2 processes", 2, 1, 30, {}, false, MultiLinkStageOne);
   multi("shm+tcp: stage 1 across processes, 2 processes x 2 ranks", 2, 2, 30, {}, false, MultiLinkStageOne);
   multi("shm+tcp: stage 1 with a stalled tcp ring installs nothing", 2, 1, 30, {}, false, MultiLinkStageOneFails);
+  multi("shm+tcp: stage 1 from the tuning cache across processes", 2, 1, 30, {}, false, MultiLinkStageOneCached);
+  multi("shm+tcp: stage 1 from the tuning cache across processes, 2 processes x 2 ranks", 2, 2, 30, {}, false,
+        MultiLinkStageOneCached);
   RunScenario({"stragglers: the last process sleeps 5 ms before each call", 3, 1, 64 << 10, 30, {}, false, Stragglers});
   AttachChecks();
   const auto after = ShmEntries();

@@ -33,16 +33,11 @@ uint64_t ProfileTopBytes(uint64_t message_bytes) {
 }
 
 bool Executor::LoadCachedFits(Kind kind, int n, uint64_t needed_bytes) {
-  const std::string path = ProfileCachePath();
-  plan::TuneRecord rec;
-  std::string warning;
-  const bool found = plan::LoadTuning(path, {plan::HostName(), spec_, n}, &rec, &warning);
-  plan::ReportCacheProblem(warning);  // a bad cache is never silent, whatever FLEXLINK_DEBUG says
-  if (!found || rec.model.links() != link_names_ || !rec.model.Has(kind)) return false;
-  if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;  // profiled at smaller sizes only
-  if (!balancer_->MergeModel(rec.model).ok()) return false;
+  plan::CostModel cached;
+  if (!LoadCachedModel({plan::HostName(), spec_, n}, link_names_, kind, needed_bytes, &cached)) return false;
+  if (!balancer_->MergeModel(cached).ok()) return false;
   LogInfo("stage 1 for " + std::string(Name(kind)) + " on group " + FormatIds(comm_->devices()) +
-      " from cache " + path + ": " + DescribeFits(link_names_, rec.model.Fits(kind)) + "; " +
+      " from cache " + ProfileCachePath() + ": " + DescribeFits(link_names_, cached.Fits(kind)) + "; " +
       SplitThresholdText(balancer_->SplitThresholdBytes(kind)));
   return true;
 }
@@ -173,22 +168,7 @@ Status Executor::RunProfile(CallContext& ctx, int rank, const CallDesc& call, Ca
       balancer_->Describe(*state.plan));
   if (!merged.ok()) return merged;
 
-  // Persist, keeping what the cache already holds for the other kinds of this key.
-  const std::string path = ProfileCachePath();
-  plan::TuneRecord rec;
-  std::string warning;
-  const plan::CacheKey key{plan::HostName(), spec_, n};
-  plan::CostModel stored = model;
-  uint64_t max_bytes = p->sizes.back();
-  if (plan::LoadTuning(path, key, &rec, &warning) && rec.model.links() == link_names_) {
-    for (size_t k = 0; k < plan::kNumKinds; ++k) {
-      const Kind other = static_cast<Kind>(k);
-      if (other != p->kind && rec.model.Has(other)) stored.CopyKind(rec.model, other);
-    }
-    max_bytes = std::max(max_bytes, rec.max_bytes);
-  }
-  Status saved = plan::StoreTuning(path, plan::TuneRecord{key, stored, max_bytes}, &warning);
-  plan::ReportCacheProblem(saved.ok() ? warning : saved.message());
+  StoreProfiledModel({plan::HostName(), spec_, n}, link_names_, p->kind, model, p->sizes.back());
   return Status::Ok();
 }
 

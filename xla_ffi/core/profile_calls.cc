@@ -20,6 +20,35 @@ std::string ProfileCachePath() {
   return path.empty() ? plan::DefaultCachePath() : path;
 }
 
+bool LoadCachedModel(const plan::CacheKey& key, const std::vector<std::string>& names, Kind kind,
+                     uint64_t needed_bytes, plan::CostModel* out) {
+  plan::TuneRecord rec;
+  std::string warning;
+  const bool found = plan::LoadTuning(ProfileCachePath(), key, &rec, &warning);
+  plan::ReportCacheProblem(warning);
+  if (!found || rec.model.links() != names || !rec.model.Has(kind)) return false;
+  if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;  // profiled at smaller sizes only
+  *out = std::move(rec.model);
+  return true;
+}
+
+void StoreProfiledModel(const plan::CacheKey& key, const std::vector<std::string>& names, Kind kind,
+                        const plan::CostModel& model, uint64_t max_bytes) {
+  const std::string path = ProfileCachePath();
+  plan::TuneRecord rec;
+  std::string warning;
+  plan::CostModel stored = model;
+  if (plan::LoadTuning(path, key, &rec, &warning) && rec.model.links() == names) {
+    for (size_t k = 0; k < plan::kNumKinds; ++k) {
+      const Kind other = static_cast<Kind>(k);
+      if (other != kind && rec.model.Has(other)) stored.CopyKind(rec.model, other);
+    }
+    max_bytes = std::max(max_bytes, rec.max_bytes);
+  }
+  Status saved = plan::StoreTuning(path, plan::TuneRecord{key, stored, max_bytes}, &warning);
+  plan::ReportCacheProblem(saved.ok() ? warning : saved.message());
+}
+
 CallDesc ProfileDesc(Kind kind, uint64_t message, int n, void* in, void* out) {
   CallDesc d;
   d.kind = kind;

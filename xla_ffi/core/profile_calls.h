@@ -13,6 +13,7 @@
 
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/plan/cost_model.h"
+#include "xla_ffi/plan/tuning_cache.h"
 
 namespace flexlink {
 
@@ -29,6 +30,17 @@ std::vector<uint64_t> StageOneSizes(uint64_t top);
 
 // The tuning cache file: the configured one, else plan::DefaultCachePath().
 std::string ProfileCachePath();
+
+// The cached model of `key` (ProfileCachePath()) when its links are `names` and it holds `kind`
+// profiled up to at least `needed_bytes`; a problem with the cache is reported on stderr (never
+// silent, whatever FLEXLINK_DEBUG says) and answers false, as does no entry.
+bool LoadCachedModel(const plan::CacheKey& key, const std::vector<std::string>& names, Kind kind,
+                     uint64_t needed_bytes, plan::CostModel* out);
+
+// Stores `model`'s fits for `kind` (profiled up to `max_bytes`) under `key`, keeping what the entry
+// holds for the other kinds; a problem is reported on stderr, never an error (the fits are in use).
+void StoreProfiledModel(const plan::CacheKey& key, const std::vector<std::string>& names, Kind kind,
+                        const plan::CostModel& model, uint64_t max_bytes);
 
 // A float32 sum (for the kinds that do not reduce: their data movement) of `message` nccl-tests bytes
 // for a group of n; ppermute as a ring shift by one, the common case (pipelines, halos).

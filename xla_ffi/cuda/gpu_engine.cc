@@ -256,10 +256,14 @@ std::map<std::pair<Kind, uint64_t>, std::pair<std::vector<double>, bool>> GpuEng
 
 std::optional<plan::CostModel> GpuEngine::GroupModel(std::span<const int64_t> devices) {
   CurrentLinks();
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = groups_.find({links_->version, std::vector<int64_t>(devices.begin(), devices.end())});
-  if (it == groups_.end()) return std::nullopt;
-  return it->second->balancer().Model();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = groups_.find({links_->version, std::vector<int64_t>(devices.begin(), devices.end())});
+    if (it != groups_.end()) return it->second->balancer().Model();
+  }
+  // A group across processes: the leader's model in every process (GpuXprocGroup::Model).
+  if (GpuXprocGroup* g = FindGpuXprocGroup(*this, devices)) return g->Model();
+  return std::nullopt;
 }
 
 void GpuEngine::SetTuneMax(uint64_t bytes) {

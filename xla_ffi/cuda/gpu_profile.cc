@@ -129,16 +129,13 @@ bool GpuProfiler::busy() const {
 }
 
 bool GpuProfiler::LoadCachedFits(Kind kind, uint64_t needed_bytes) {
-  const std::string path = ProfileCachePath();
-  plan::TuneRecord rec;
-  std::string warning;
-  const bool found = plan::LoadTuning(path, {plan::HostName(), ex_.links_->spec, ex_.group_.size()}, &rec, &warning);
-  plan::ReportCacheProblem(warning);  // a bad cache is never silent, whatever FLEXLINK_DEBUG says
-  if (!found || rec.model.links() != ex_.names_ || !rec.model.Has(kind)) return false;
-  if (rec.model.ProfiledBytes(kind) < needed_bytes) return false;
-  if (!ex_.balancer_.MergeModel(rec.model).ok()) return false;
+  plan::CostModel cached;
+  if (!LoadCachedModel({plan::HostName(), ex_.links_->spec, ex_.group_.size()}, ex_.names_, kind, needed_bytes,
+                       &cached) ||
+      !ex_.balancer_.MergeModel(cached).ok())
+    return false;
   LogInfo("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(ex_.group_.ids) + " from cache " +
-          path + ": " + DescribeFits(ex_.names_, rec.model.Fits(kind)));
+          ProfileCachePath() + ": " + DescribeFits(ex_.names_, cached.Fits(kind)));
   return true;
 }
 
@@ -188,20 +185,7 @@ void GpuProfiler::Finish(ProfileSession& s) {
           std::to_string(secs).substr(0, 5) + " s): " + DescribeFits(ex_.names_, s.model.Fits(s.kind)) + "; " +
           (threshold == plan::kNeverSplit ? std::string("never split") : "split from " + std::to_string(threshold) + " B"));
   if (!merged.ok()) return;
-  // Persist, keeping what the cache holds for the other kinds of this key.
-  const std::string path = ProfileCachePath();
-  plan::TuneRecord rec;
-  std::string warning;
-  const plan::CacheKey key{plan::HostName(), ex_.links_->spec, n};
-  plan::CostModel stored = s.model;
-  uint64_t max_bytes = s.sizes.back();
-  if (plan::LoadTuning(path, key, &rec, &warning) && rec.model.links() == ex_.names_) {
-    for (Kind other : kAllKinds)
-      if (other != s.kind && rec.model.Has(other)) stored.CopyKind(rec.model, other);
-    max_bytes = std::max(max_bytes, rec.max_bytes);
-  }
-  Status saved = plan::StoreTuning(path, plan::TuneRecord{key, stored, max_bytes}, &warning);
-  plan::ReportCacheProblem(saved.ok() ? warning : saved.message());
+  StoreProfiledModel({plan::HostName(), ex_.links_->spec, n}, ex_.names_, s.kind, s.model, s.sizes.back());
 }
 
 Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::span<const Stream> side,

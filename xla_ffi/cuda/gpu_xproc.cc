@@ -19,9 +19,11 @@
 #include "xla_ffi/cuda/nccl_link.h"
 #include "xla_ffi/cuda/pcie_link.h"
 #include "xla_ffi/cuda/pcie_xproc.h"
+#include "xla_ffi/plan/link_spec.h"
 #include "xla_ffi/plan/ranges.h"
 #include "xla_ffi/xproc/layout.h"
 #include "xla_ffi/xproc/process_group.h"
+#include "xla_ffi/xproc/slot_model.h"
 #include "xla_ffi/xproc/xproc_executor.h"
 
 namespace flexlink::gpu {
@@ -78,15 +80,27 @@ GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, Group
     else
       channels_.push_back(links_->links[i]->Open(group_));
   }
+  learned_ = plan::CostModel(used_names_);
   for (int r = 0; r < group_.size(); ++r)
     if (segment_->is_local(r)) local_.push_back(r);
-  profiler_ = std::make_unique<GpuXprocProfiler>(segment_.get(), &balancer_, &group_, used_names_, &api_);
+  std::vector<plan::LinkSpec> specs, used_specs;
+  if (plan::ParseLinkSpecs(links_->spec, {}, &specs).ok() && specs.size() == links_->links.size())
+    for (size_t i : which.used) used_specs.push_back(specs[i]);
+  profiler_ = std::make_unique<GpuXprocProfiler>(segment_.get(), &balancer_, &group_, used_names_,
+                                                 used_specs.empty() ? links_->spec : plan::FormatLinkSpecs(used_specs),
+                                                 &api_);
   fault_calls_.assign(used_names_.size(), FaultCounter(group_.size()));
 }
 
 GpuXprocGroup::~GpuXprocGroup() = default;
 
 bool GpuXprocGroup::leader() const { return segment_->is_local(0); }
+
+plan::CostModel GpuXprocGroup::Model() const {
+  if (leader()) return balancer_.Model();
+  std::lock_guard<std::mutex> lock(learned_mu_);
+  return learned_;
+}
 
 std::optional<std::string> GpuXprocGroup::broken() const { return segment_->broken(); }
 
@@ -135,14 +149,7 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     // The leader's stage-1 fits for the kind, so that every process predicts
     // a range's time from the same numbers. Stage 1's phase 2 carries its own fits there already:
     // the profile's, as good a prediction as any.
-    if (slot.profile_phase != 2) {
-      thread_local std::vector<plan::AlphaBeta> fits;
-      slot.has_fits = balancer_.FitsFor(desc.kind, &fits) && fits.size() == links;
-      for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) {
-        slot.alpha[i] = slot.has_fits && i < links ? fits[i].alpha : 0;
-        slot.beta[i] = slot.has_fits && i < links ? fits[i].beta : 0;
-      }
-    }
+    if (slot.profile_phase != 2) xproc::WriteSlotModel(balancer_, desc.kind, links, &slot);
     slot.epoch = plan->epoch;
     slot.mode = static_cast<uint32_t>(plan->mode);
     slot.links = static_cast<uint32_t>(links);
@@ -207,9 +214,14 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   // link), not from a call whose ranges moved.
   if (moved && rank == 0 && !planned_.empty()) planned_[call % planned_.size()].plan = nullptr;
   std::array<plan::AlphaBeta, xproc::kMaxXprocLinks> fits;  // no allocation on the call path
-  for (size_t i = 0; i < links; ++i) fits[i] = plan::AlphaBeta{slot.alpha[i], slot.beta[i]};
+  const bool has_fits = xproc::SlotFits(slot, links, fits.data());
+  // Another process reports the leader's model (group_fits); phase 2's fits are the profile's own.
+  if (!leader() && slot.profile_phase == 0 && rank == local_.front()) {
+    std::lock_guard<std::mutex> lock(learned_mu_);
+    xproc::LearnSlotModel(slot, desc.kind, links, &learned_);
+  }
   Status s = Enqueue(rank, desc, stream, ranges, work, effects,
-                     std::span<const plan::AlphaBeta>(fits.data(), slot.has_fits ? links : 0), label, call, run_id);
+                     std::span<const plan::AlphaBeta>(fits.data(), has_fits ? links : 0), label, call, run_id);
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
   if (!s.ok()) seg.Abort(rank, s.message());
@@ -812,7 +824,7 @@ void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out
 }
 
 Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, std::span<const int64_t> local_devices,
-                           std::string* segment_name, std::vector<CommId>* comm_ids) {
+                           int processes, std::string* segment_name, std::vector<CommId>* comm_ids) {
   if (devices.empty() || local_devices.empty() || local_devices.end() == std::find(local_devices.begin(), local_devices.end(), devices[0]))
     return Status::InvalidArgument("flexlink: GPU group " + FormatIds(devices) +
                                    " across processes: the leader process (the one that creates the group) "
@@ -828,7 +840,7 @@ Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, 
   // else of the minimum size: only fingerprints go through them.
   const bool staging = which.nccl.size() < which.used.size();
   FLEXLINK_RETURN_IF_ERROR(
-      xproc::ProcessGroup::Create(devices, local_devices, staging ? 0 : size_t{64} << 10, &segment));
+      xproc::ProcessGroup::Create(devices, local_devices, staging ? 0 : size_t{64} << 10, processes, &segment));
   const std::string name = segment->name();
   Status s = Register(engine, std::move(segment), ids, devices);
   if (!s.ok()) {

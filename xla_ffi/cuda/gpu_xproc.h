@@ -100,6 +100,9 @@ class GpuXprocGroup {
   const std::vector<std::string>& links() const { return used_names_; }
   const std::vector<std::pair<std::string, std::string>>& left_out() const { return left_out_; }
   bool leader() const;
+  // The group's model in this process: the leader's balancer's, else the leader's as the plan slots
+  // carried it (xproc/slot_model.h).
+  plan::CostModel Model() const;
   std::optional<std::string> broken() const;
   // Stage 1 (the leader's decisions, every rank's enqueue and times).
   GpuXprocProfiler& profiler() { return *profiler_; }
@@ -193,6 +196,8 @@ class GpuXprocGroup {
   std::vector<std::pair<std::string, std::string>> left_out_;
   plan::Balancer balancer_;
   std::unique_ptr<GpuXprocProfiler> profiler_;
+  mutable std::mutex learned_mu_;
+  plan::CostModel learned_;  // not the leader: the leader's model, from the slots
   std::vector<int> local_;  // local ranks, ascending
   std::vector<Rank> ranks_;
   FaultCounter absent_calls_;  // the group's calls per local rank, for injected rank:absent
@@ -221,9 +226,10 @@ GpuXprocLinks GpuXprocLinksOf(const GpuLinkSet& links);
 
 // This process's GPU groups across processes, per engine. Create: makes the segment (this process
 // must hold rank 0: the leader) and one NCCL identity per used link; Attach: maps the segment made
-// by the leader, with its identities. `local_devices`: the group's ids run by this process.
+// by the leader, with its identities. `local_devices`: the group's ids run by this process;
+// `processes`: how many processes own `devices` (0: not known; xproc::ProcessGroup::Create).
 Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, std::span<const int64_t> local_devices,
-                           std::string* segment_name, std::vector<CommId>* comm_ids);
+                           int processes, std::string* segment_name, std::vector<CommId>* comm_ids);
 Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, std::span<const CommId> comm_ids,
                            std::span<const int64_t> devices, std::span<const int64_t> local_devices);
 // The registered group of `engine` with exactly these devices, or nullptr.

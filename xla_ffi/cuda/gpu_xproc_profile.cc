@@ -18,9 +18,30 @@ uint64_t Tag(uint32_t id, int phase) { return (uint64_t{id} << 2) | static_cast<
 }  // namespace
 
 GpuXprocProfiler::GpuXprocProfiler(xproc::ProcessGroup* segment, plan::Balancer* balancer, const GroupInfo* group,
-                                   std::vector<std::string> names, DeviceApi* api)
-    : seg_(*segment), balancer_(*balancer), group_(*group), names_(std::move(names)), api_(*api),
-      ranks_(group->size()) {}
+                                   std::vector<std::string> names, std::string cache_spec, DeviceApi* api)
+    : seg_(*segment), balancer_(*balancer), group_(*group), names_(std::move(names)),
+      cache_spec_(std::move(cache_spec)), api_(*api), ranks_(group->size()) {}
+
+plan::CacheKey GpuXprocProfiler::CacheKey() const {
+  plan::CacheKey key{plan::HostName(), cache_spec_, group_.size()};
+  key.processes = seg_.processes();
+  return key;
+}
+
+bool GpuXprocProfiler::LoadCached(Kind kind, uint64_t message_bytes) {
+  // A group whose creator was not told how many processes it spans neither reads nor writes it.
+  if (!TuneUseCache() || seg_.processes() == 0) return false;
+  plan::CostModel cached, one(names_);
+  if (!LoadCachedModel(CacheKey(), names_, kind, ProfileTopBytes(message_bytes), &cached)) return false;
+  // This kind alone: the other processes learn a kind's model from its calls' slots, so each kind
+  // is installed at its own first large call and every process reports the same kinds.
+  one.CopyKind(cached, kind);
+  if (!balancer_.MergeModel(one).ok()) return false;
+  LogInfo("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(group_.ids) + " across " +
+          std::to_string(seg_.processes()) + " processes from cache " + ProfileCachePath() + ": " +
+          DescribeFits(names_, cached.Fits(kind)) + "; " + SplitThresholdText(balancer_.SplitThresholdBytes(kind)));
+  return true;
+}
 
 Status GpuXprocProfiler::SetupRank(int rank, int device) {
   ProfileRank& p = ranks_[rank].profile;
@@ -83,6 +104,10 @@ void GpuXprocProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared_ptr
   if ((*plan)->mode != plan::PlanMode::kProfile) return;
   const int n = group_.size();
   if (!session_) {
+    if (LoadCached(kind, message_bytes)) {
+      *plan = balancer_.PlanFor(kind, message_bytes);
+      return;
+    }
     auto s = std::make_unique<ProfileSession>();
     s->Begin(kind, ProfileTopBytes(message_bytes), names_);
     if (s->steps.size() > xproc::kMaxProfileSteps) {
@@ -121,6 +146,8 @@ void GpuXprocProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared_ptr
           secs + ", " + std::to_string(session_->sizes.size()) + " sizes): " +
           DescribeFits(names_, session_->model.Fits(kind)) + "; " + SplitThresholdText(threshold) +
           (merged.ok() ? std::string() : "; not installed: " + merged.message()));
+  if (merged.ok() && seg_.processes() > 0)
+    StoreProfiledModel(CacheKey(), names_, kind, session_->model, session_->sizes.back());
   session_.reset();
   *plan = balancer_.PlanFor(kind, message_bytes);
 }

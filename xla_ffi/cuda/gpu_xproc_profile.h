@@ -34,6 +34,7 @@
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/gpu_profile.h"
 #include "xla_ffi/plan/balancer.h"
+#include "xla_ffi/plan/tuning_cache.h"
 #include "xla_ffi/xproc/layout.h"
 
 namespace flexlink::xproc {
@@ -44,8 +45,9 @@ namespace flexlink::gpu {
 
 class GpuXprocProfiler {
  public:
+  // `cache_spec`: the used links' spec, the tuning cache's key with the group's ranks and processes.
   GpuXprocProfiler(xproc::ProcessGroup* segment, plan::Balancer* balancer, const GroupInfo* group,
-                   std::vector<std::string> names, DeviceApi* api);
+                   std::vector<std::string> names, std::string cache_spec, DeviceApi* api);
 
   // Set-up of local rank `rank` on `device`: its profile stream and fork/join events.
   Status SetupRank(int rank, int device);
@@ -68,6 +70,10 @@ class GpuXprocProfiler {
   Gathered Gather(std::vector<double>* times, std::string* why) const;  // the leader
   void Ask(int phase, xproc::PlanSlot* slot) const;
   void Fail(Kind kind, const std::string& why);
+  // The leader: stage 1 of `kind` from the tuning cache (the leader's process alone reads it; the
+  // others learn the model from the plan slots, xproc/slot_model.h); false without an entry.
+  bool LoadCached(Kind kind, uint64_t message_bytes);
+  plan::CacheKey CacheKey() const;
 
   struct RankState {
     ProfileRank profile;
@@ -79,6 +85,7 @@ class GpuXprocProfiler {
   plan::Balancer& balancer_;
   const GroupInfo& group_;
   const std::vector<std::string> names_;
+  const std::string cache_spec_;
   DeviceApi& api_;
   std::vector<RankState> ranks_;
   // The leader's rank 0 thread only.

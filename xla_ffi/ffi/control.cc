@@ -97,6 +97,7 @@ nb::dict CacheIdentity() {
   out["fingerprint"] = plan::HostFingerprint();
   out["engine"] = plan::kEngineRevision;
   out["version"] = plan::kCacheFormatVersion;
+  out["oldest_readable_version"] = plan::kOldestReadableCacheFormat;
   out["max_file_bytes"] = plan::kMaxCacheFileBytes;
   return out;
 }

@@ -183,13 +183,13 @@ void ThrowIfError(const Status& s) {
 }
 
 std::string XprocCreate(const std::vector<int64_t>& devices, const std::vector<int64_t>& local_devices,
-                        int64_t slot_bytes) {
+                        int64_t slot_bytes, int processes) {
   if (slot_bytes < 0) throw nb::value_error("xproc_create: slot_bytes must be >= 0 (0: the default)");
   std::string name;
   Status s;
   {
     nb::gil_scoped_release release;
-    s = xproc::CreateProcessGroup(devices, local_devices, static_cast<size_t>(slot_bytes), &name);
+    s = xproc::CreateProcessGroup(devices, local_devices, static_cast<size_t>(slot_bytes), processes, &name);
   }
   ThrowIfError(s);
   return name;
@@ -298,8 +298,10 @@ NB_MODULE(_flexlink, m) {
         "(default off; see docs/engine.md).");
   m.def("populate_outputs", &PopulateOutputs);
   m.def("xproc_create", &XprocCreate, nb::arg("devices"), nb::arg("local_devices"), nb::arg("slot_bytes") = 0,
+        nb::arg("processes") = 0,
         "Creates a shared segment for the cross-process group `devices` (global ids in rank order), "
-        "claims this process's ranks `local_devices`, registers the group; returns the segment name.");
+        "claims this process's ranks `local_devices`, registers the group; returns the segment name. "
+        "`processes`: how many processes own `devices` (the tuning cache's key; 0: not known, no cache).");
   m.def("xproc_attach", &XprocAttach, nb::arg("name"), nb::arg("devices"), nb::arg("local_devices"),
         "Maps the segment `name` made for `devices`, claims this process's ranks, registers the group.");
   m.def(

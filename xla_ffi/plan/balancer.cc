@@ -103,11 +103,14 @@ CostModel Balancer::Model() const {
   return model_;
 }
 
-bool Balancer::FitsFor(Kind kind, std::vector<AlphaBeta>* out) const {
+bool Balancer::FitsFor(Kind kind, std::vector<AlphaBeta>* out, std::optional<uint64_t>* measured,
+                       uint64_t* profiled) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!model_.Has(kind)) return false;
   const auto fits = model_.Fits(kind);
   out->assign(fits.begin(), fits.end());
+  if (measured) *measured = model_.MeasuredThreshold(kind);
+  if (profiled) *profiled = model_.ProfiledBytes(kind);
   return true;
 }
 

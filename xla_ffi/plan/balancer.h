@@ -125,8 +125,10 @@ class Balancer {
   void ForgetKind(Kind kind);
   // A copy of the current model (fits per kind, measured thresholds).
   CostModel Model() const;
-  // Stage 1's fits for `kind` (not the nominal seed's) into *out; false without them.
-  bool FitsFor(Kind kind, std::vector<AlphaBeta>* out) const;
+  // Stage 1's fits for `kind` (not the nominal seed's) into *out; false without them. `measured` and
+  // `profiled`, when given, get the kind's measured split threshold and profiled size.
+  bool FitsFor(Kind kind, std::vector<AlphaBeta>* out, std::optional<uint64_t>* measured = nullptr,
+               uint64_t* profiled = nullptr) const;
   // Change BalancerOptions::profile_from_bytes / profile_max_bytes for plans made from now on.
   void SetProfileFromBytes(uint64_t bytes);
   void SetProfileMaxBytes(uint64_t bytes);

@@ -59,12 +59,19 @@ std::string NormaliseLinks(const std::string& spec, std::vector<std::string>* na
   return spec;  // not a spec we can parse: still a usable (exact-match) key
 }
 
+// An entry without "processes" (every version-2 entry) is of a group inside one process.
+double ProcessesOf(const json::Value& entry) {
+  const json::Value* p = entry.Find("processes");
+  return p == nullptr ? 1.0 : p->is_number() ? p->as_number() : -1.0;
+}
+
 bool SameKey(const json::Value& entry, const CacheKey& key, const std::string& links) {
   const json::Value* host = entry.Find("host");
   const json::Value* spec = entry.Find("links");
   const json::Value* ranks = entry.Find("ranks");
   return host && host->is_string() && host->as_string() == key.host && spec && spec->is_string() &&
-         spec->as_string() == links && ranks && ranks->is_number() && ranks->as_number() == key.ranks;
+         spec->as_string() == links && ranks && ranks->is_number() && ranks->as_number() == key.ranks &&
+         ProcessesOf(entry) == key.processes;
 }
 
 // Reads the whole file; false when it does not exist (no warning) or cannot be used (warning).
@@ -130,7 +137,7 @@ FileState ParseCache(const std::string& path, const std::string& text, json::Val
     return FileState::kCorrupt;
   }
   const double v = version->as_number();
-  if (v != kCacheFormatVersion) {
+  if (v != kCacheFormatVersion && !(v >= kOldestReadableCacheFormat && v < kCacheFormatVersion && v == std::floor(v))) {
     char buf[64];
     std::snprintf(buf, sizeof buf, "%g", v);
     if (v > kCacheFormatVersion) {
@@ -284,6 +291,7 @@ json::Value EncodeEntry(const TuneRecord& r, const std::string& links) {
   e.Set("host", r.key.host);
   e.Set("links", links);
   e.Set("ranks", static_cast<double>(r.key.ranks));
+  e.Set("processes", static_cast<double>(r.key.processes));
   e.Set("fingerprint", r.key.fingerprint);
   e.Set("engine", r.key.engine);
   e.Set("max_bytes", static_cast<double>(r.max_bytes));
@@ -445,7 +453,9 @@ bool LoadTuning(const std::string& path, const CacheKey& key, TuneRecord* out, s
     std::string why;
     if (!SameOrigin(entry, key, &why) || !DecodeEntry(entry, names, &record, &why)) {
       *warning = "flexlink: ignoring the tuning cache entry for " + Quote(links) + " on " +
-                 std::to_string(key.ranks) + " ranks in " + path + ": " + why + "; stage 1 runs again";
+                 std::to_string(key.ranks) + " ranks" +
+                 (key.processes > 1 ? " in " + std::to_string(key.processes) + " processes" : std::string()) + " in " +
+                 path + ": " + why + "; stage 1 runs again";
       return false;
     }
     *out = std::move(record);

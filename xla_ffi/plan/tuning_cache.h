@@ -1,8 +1,11 @@
 // The tuning cache: stage-1 fits persisted as JSON so a process does not re-profile its links on
-// every start. One file holds entries keyed by (host, link set, ranks); the link set is the
+// every start. One file holds entries keyed by (host, link set, ranks, processes); the link set is the
 // normalised link spec (link_spec.h FormatLinkSpecs), so "shm; tcp" and "shm;tcp" share an entry.
 // Ranks are part of the key because a collective's time depends on the group size as much as on the
-// link (a ring over 8 ranks is not a ring over 2); 0 means "not recorded".
+// link (a ring over 8 ranks is not a ring over 2); 0 means "not recorded". Processes (how many the
+// group spans; 1: a group inside one process) too, because the same link names are other paths across
+// processes: "shm" is the process group's shared segment staging every byte, not one process's
+// memory, and a GPU group's "pcie" stages through a segment registered by every process.
 //
 // An entry is trusted only when it was made on this machine by this engine: each carries the host
 // fingerprint (HostFingerprint: a host name is not a machine — containers and cloned images share
@@ -27,7 +30,12 @@
 namespace flexlink::plan {
 
 // The file's "version"; 1 (entries without fingerprint or engine revision) is read as out of date.
-inline constexpr int kCacheFormatVersion = 2;
+// Version 3 added "processes" to the key. A version-2 file is still read (its entries are all of
+// groups inside one process) and is rewritten as version 3 with its entries kept; version 3 exists so
+// that a jax_flexlink that knows nothing of processes leaves a file holding cross-process entries
+// alone instead of taking them for in-process ones.
+inline constexpr int kCacheFormatVersion = 3;
+inline constexpr int kOldestReadableCacheFormat = 2;
 // What measured an entry's fits. Bump it when a change to the engine or a link moves their timings
 // enough that fits measured before would mislead the balancer: older entries are then re-profiled.
 inline constexpr const char* kEngineRevision = "flexlink-engine-1";
@@ -44,10 +52,12 @@ struct CacheKey {
   std::string host;   // HostName()
   std::string links;  // a link spec; normalised on use
   int ranks = 0;
-  // Not part of the lookup: an entry of this (host, links, ranks) made elsewhere or by another engine
+  // Not part of the lookup (declared here so that {host, links, ranks} initialisers stay short): an entry of this (host, links, ranks) made elsewhere or by another engine
   // is reported and ignored. Tests set them to simulate such entries.
   std::string fingerprint = HostFingerprint();
   std::string engine = kEngineRevision;
+  // Part of the lookup: the processes the group spans (1: inside one process).
+  int processes = 1;
 };
 
 struct TuneRecord {

@@ -21,7 +21,7 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // 4: arrival times in the rank blocks (straggler detection); 5: the leader's unhealthy links and
 // stage-1 fits in the plan slot, failover masks per round parity (several failover rounds);
 // 6: GPU groups' stage 1 (the profile fields of the plan slot, ProfileTimes)
-inline constexpr uint32_t kLayoutVersion = 6;
+inline constexpr uint32_t kLayoutVersion = 7;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -48,6 +48,13 @@ struct PlanSlot {
   uint32_t unhealthy;
   uint32_t has_fits;
   double alpha[kMaxXprocLinks], beta[kMaxXprocLinks];
+  // With has_fits, the rest of the leader's model of the kind (slot_model.h), so that every process
+  // reports the model the leader plans with, wherever it came from (stage 1, the tuning cache,
+  // tune()): `has_measured`: `measured_bytes` is stage 1's measured split threshold; `profiled_bytes`:
+  // the largest size it profiled (layout version 7).
+  uint32_t has_measured;
+  uint64_t measured_bytes;
+  uint64_t profiled_bytes;
   // GPU groups' stage 1 (cuda/gpu_xproc_profile.h): every rank enqueues phase `profile_phase` (0:
   // none, 1: every link alone, 2: the split check from the fits in alpha/beta, has_fits set) of
   // profile `profile_id` for the call's kind up to `profile_top` bytes, dropping shares below
@@ -99,7 +106,9 @@ struct Header {
   uint64_t total_bytes;
   uint64_t devices_offset, ranks_offset, times_offset, profile_offset, data_offset, results_offset;
   uint32_t creator_pid;
-  uint32_t reserved;
+  // How many processes the group spans, as the creator was told at set-up (Python's processes.py
+  // counts the processes owning its devices); 0: not said. Part of the tuning cache's key (layout 7).
+  uint32_t processes;
   alignas(64) std::atomic<uint32_t> abort;  // kAbort*; a futex word nobody waits on, read between slices
   int32_t abort_rank;
   char abort_message[kAbortMessageBytes];

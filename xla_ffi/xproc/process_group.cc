@@ -89,10 +89,14 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int
 }
 
 Status ProcessGroup::Create(std::span<const int64_t> devices, std::span<const int64_t> local_devices,
-                            size_t slot_bytes, std::unique_ptr<ProcessGroup>* out) {
+                            size_t slot_bytes, int processes, std::unique_ptr<ProcessGroup>* out) {
   std::vector<char> local_rank;
   FLEXLINK_RETURN_IF_ERROR(CheckMembers(devices, local_devices, &local_rank));
   const uint32_t n = static_cast<uint32_t>(devices.size());
+  if (processes != 0 && (processes < 2 || processes > static_cast<int>(n)))
+    return Status::InvalidArgument("flexlink: cross-process group " + FormatIds(devices) + ": processes must be "
+                                   "between 2 and the group's " + std::to_string(n) + " devices (0: not known), got " +
+                                   std::to_string(processes));
   size_t slot = 0;
   FLEXLINK_RETURN_IF_ERROR(ChooseSlotBytes(n, slot_bytes, &slot));
   const Layout layout = ComputeLayout(n, slot);
@@ -112,6 +116,7 @@ Status ProcessGroup::Create(std::span<const int64_t> devices, std::span<const in
   h->data_offset = layout.data_offset;
   h->results_offset = layout.results_offset;
   h->creator_pid = static_cast<uint32_t>(getpid());
+  h->processes = static_cast<uint32_t>(processes);
   std::memcpy(segment->data() + layout.devices_offset, devices.data(), n * sizeof(int64_t));
   auto* ranks = reinterpret_cast<RankBlock*>(segment->data() + layout.ranks_offset);
   for (uint32_t r = 0; r < n; ++r) {

@@ -34,8 +34,10 @@ Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes);
 class ProcessGroup {
  public:
   // Creates the segment for `devices` (global ids in rank order) and claims `local_devices`.
+  // `processes`: how many processes own `devices` (2..n; 0: not known, and the group then neither
+  // reads nor writes the tuning cache).
   static Status Create(std::span<const int64_t> devices, std::span<const int64_t> local_devices,
-                       size_t slot_bytes, std::unique_ptr<ProcessGroup>* out);
+                       size_t slot_bytes, int processes, std::unique_ptr<ProcessGroup>* out);
   // Maps segment `name`, checks its header against `devices` and claims `local_devices`.
   static Status Attach(const std::string& name, std::span<const int64_t> devices,
                        std::span<const int64_t> local_devices, std::unique_ptr<ProcessGroup>* out);
@@ -90,6 +92,8 @@ class ProcessGroup {
   bool is_local(int rank) const { return local_rank_[rank] != 0; }
   size_t slot_bytes() const { return header_->slot_bytes; }
   int size() const { return static_cast<int>(devices_.size()); }
+  // How many processes the group spans, as its creator was told (0: not known).
+  int processes() const { return static_cast<int>(header_->processes); }
   uint64_t calls() const;  // calls started by this process's ranks (the most of any local rank)
   // For waits outside the step protocol (the GPU engine's communicator set-up across processes,
   // cuda/gpu_xproc.cc): the ranks whose attached process has exited (the barrier's liveness test),

@@ -49,10 +49,10 @@ Status CheckNotRegistered(std::span<const int64_t> devices) {
 }  // namespace
 
 Status CreateProcessGroup(std::span<const int64_t> devices, std::span<const int64_t> local_devices,
-                          size_t slot_bytes, std::string* name) {
+                          size_t slot_bytes, int processes, std::string* name) {
   FLEXLINK_RETURN_IF_ERROR(CheckNotRegistered(devices));
   std::unique_ptr<ProcessGroup> g;
-  FLEXLINK_RETURN_IF_ERROR(ProcessGroup::Create(devices, local_devices, slot_bytes, &g));
+  FLEXLINK_RETURN_IF_ERROR(ProcessGroup::Create(devices, local_devices, slot_bytes, processes, &g));
   const std::string made = g->name();
   Status s = Register(std::move(g));
   if (!s.ok()) {

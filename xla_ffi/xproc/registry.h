@@ -16,9 +16,10 @@ namespace flexlink::xproc {
 class ProcessGroup;
 
 // Creates a segment for `devices`, claims `local_devices` for this process, registers the group;
-// `*name` is the segment's name for the other processes. slot_bytes 0: the default.
+// `*name` is the segment's name for the other processes. slot_bytes 0: the default; processes: how
+// many processes own `devices` (0: not known; ProcessGroup::Create).
 Status CreateProcessGroup(std::span<const int64_t> devices, std::span<const int64_t> local_devices,
-                          size_t slot_bytes, std::string* name);
+                          size_t slot_bytes, int processes, std::string* name);
 // Maps segment `name` made for `devices`, claims `local_devices`, registers the group.
 Status AttachProcessGroup(const std::string& name, std::span<const int64_t> devices,
                           std::span<const int64_t> local_devices);

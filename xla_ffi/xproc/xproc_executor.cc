@@ -16,6 +16,7 @@
 #include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/link_set.h"
+#include "xla_ffi/core/profile_calls.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/links/tcp.h"
 #include "xla_ffi/links/tcp_xproc.h"
@@ -24,6 +25,7 @@
 #include "xla_ffi/xproc/layout.h"
 #include "xla_ffi/xproc/process_group.h"
 #include "xla_ffi/xproc/registry.h"
+#include "xla_ffi/xproc/slot_model.h"
 #include "xla_ffi/xproc/xproc_profile.h"
 
 namespace flexlink::xproc {
@@ -33,6 +35,7 @@ struct Resolved {
   XprocLinks info;
   std::vector<TcpChannel*> tcp;  // per used link; nullptr: the segment
   size_t segment = 0;            // index of the segment among the used links
+  std::string spec;              // the used links' spec (plan::FormatLinkSpecs): the tuning cache's key
 };
 
 Resolved Resolve(ProcessGroup* group, const LinkSet& set) {
@@ -40,6 +43,7 @@ Resolved Resolve(ProcessGroup* group, const LinkSet& set) {
   std::vector<plan::LinkSpec> specs;
   if (!plan::ParseLinkSpecs(set.spec, {}, &specs).ok()) specs.clear();
   bool have_segment = false;
+  std::vector<plan::LinkSpec> used;
   for (const plan::LinkSpec& spec : specs) {
     auto leave = [&](const std::string& why) { r.info.left_out.emplace_back(spec.name, why); };
     if (r.info.links.size() >= kMaxXprocLinks) {
@@ -55,6 +59,7 @@ Resolved Resolve(ProcessGroup* group, const LinkSet& set) {
       r.segment = r.info.links.size();
       r.info.links.push_back(spec.name);
       r.tcp.push_back(nullptr);
+      used.push_back(spec);
     } else if (spec.kind == "tcp") {
       TcpChannel* ch = CrossProcessTcp(group->devices(), spec.name);
       if (!ch) {
@@ -63,6 +68,7 @@ Resolved Resolve(ProcessGroup* group, const LinkSet& set) {
       }
       r.info.links.push_back(spec.name);
       r.tcp.push_back(ch);
+      used.push_back(spec);
     } else {
       leave("a link of kind " + spec.kind + " models an in-process path and cannot span processes");
     }
@@ -71,12 +77,15 @@ Resolved Resolve(ProcessGroup* group, const LinkSet& set) {
     r.segment = 0;
     r.info.links.insert(r.info.links.begin(), "shm");
     r.tcp.insert(r.tcp.begin(), nullptr);
+    used.insert(used.begin(), plan::LinkSpec{"shm", "shm", {}});
     if (r.info.links.size() > kMaxXprocLinks) {
       r.info.left_out.emplace_back(r.info.links.back(), "more than " + std::to_string(kMaxXprocLinks) + " links");
       r.info.links.pop_back();
       r.tcp.pop_back();
+      used.pop_back();
     }
   }
+  r.spec = plan::FormatLinkSpecs(used);
   return r;
 }
 
@@ -149,6 +158,7 @@ class XprocExecutor {
     };
     if (rank == 0) {
       std::shared_ptr<const plan::Plan> plan = balancer_->PlanFor(desc.kind, bytes);
+      if (plan->mode == plan::PlanMode::kProfile && LoadCached(desc.kind, bytes)) plan = balancer_->PlanFor(desc.kind, bytes);
       PlanSlot& slot = g_->plan_slot(c);
       slot.call = c;
       slot.epoch = plan->epoch;
@@ -167,12 +177,7 @@ class XprocExecutor {
       slot.unhealthy = 0;
       for (size_t i = 0; i < L; ++i)
         if (health_->Unhealthy(i)) slot.unhealthy |= 1u << i;
-      std::vector<plan::AlphaBeta> fits;
-      slot.has_fits = balancer_->FitsFor(desc.kind, &fits) && fits.size() == L ? 1 : 0;
-      for (size_t i = 0; i < kMaxXprocLinks; ++i) {
-        slot.alpha[i] = slot.has_fits && i < L ? fits[i].alpha : 0.0;
-        slot.beta[i] = slot.has_fits && i < L ? fits[i].beta : 0.0;
-      }
+      WriteSlotModel(*balancer_, desc.kind, L, &slot);
       // A masked call is not the plan's: stage 2 learns nothing from it.
       held_[c & 1] = Held{masked ? nullptr : plan, bytes, std::vector<uint64_t>(L, 0), c};
     }
@@ -196,16 +201,12 @@ class XprocExecutor {
     // Copied now: the slot is rewritten for call c + 2 once the leader passed c + 1's arrival.
     const uint32_t unhealthy = slot.unhealthy;
     const bool profile = slot.mode == static_cast<uint32_t>(plan::PlanMode::kProfile);
-    std::vector<plan::AlphaBeta> fits;
-    if (slot.has_fits)
-      for (size_t i = 0; i < L; ++i) {
-        const plan::AlphaBeta f{slot.alpha[i], slot.beta[i]};
-        if (!std::isfinite(f.alpha) || !std::isfinite(f.beta) || f.alpha < 0 || f.beta <= 0) {
-          fits.clear();  // not a fit the leader's balancer would have: predict without
-          break;
-        }
-        fits.push_back(f);
-      }
+    std::vector<plan::AlphaBeta> fits(L);
+    if (!SlotFits(slot, L, fits.data())) fits.clear();  // predict without
+    if (!balancer_ && rank == FirstLocalRank()) {  // this process reports the leader's model
+      std::lock_guard<std::mutex> lock(profiled_mu_);
+      LearnSlotModel(slot, desc.kind, L, &profiled_);
+    }
     if (rank == 0 && c > 1) ReportCall(c - 1);
     if (rank == FirstLocalRank() && c > 1) ObserveCall(c - 1);
     // After ReportCall and ObserveCall: the profile's rounds reuse the times slots they read.
@@ -338,7 +339,36 @@ class XprocExecutor {
     }
     Status merged = balancer_->MergeModel(outcome.model);
     LogInfo(group + ": " + outcome.summary);
+    if (merged.ok() && g_->processes() > 0)
+      StoreProfiledModel(CacheKey(), r_.info.links, desc.kind, outcome.model, outcome.model.ProfiledBytes(desc.kind));
     return merged;
+  }
+
+  // The tuning cache's key of this group: its used links, its ranks and the processes it spans
+  // (an entry of the same links inside one process is another path: tuning_cache.h).
+  plan::CacheKey CacheKey() const {
+    plan::CacheKey key{plan::HostName(), r_.spec, g_->size()};
+    key.processes = g_->processes();
+    return key;
+  }
+
+  // The leader, for a kProfile plan: stage 1 from the tuning cache instead, when it holds this
+  // group's fits for `kind` up to the size stage 1 would profile. Only the leader's process reads
+  // the cache; the others learn the model from the plan slots (slot_model.h). A group whose creator
+  // was not told how many processes it spans (0) neither reads nor writes it.
+  bool LoadCached(Kind kind, uint64_t bytes) {
+    if (!TuneUseCache() || g_->processes() == 0) return false;
+    plan::CostModel cached, one(r_.info.links);
+    if (!LoadCachedModel(CacheKey(), r_.info.links, kind, ProfileTopBytes(bytes), &cached)) return false;
+    // This kind alone: the other processes learn a kind's model from its calls' slots, so each kind
+    // is installed at its own first large call and every process reports the same kinds.
+    one.CopyKind(cached, kind);
+    if (!balancer_->MergeModel(one).ok()) return false;
+    LogInfo("stage 1 for " + std::string(Name(kind)) + " on cross-process group " + FormatIds(g_->devices()) +
+            " (links " + Join(r_.info.links) + ", " + std::to_string(g_->processes()) + " processes) from cache " +
+            ProfileCachePath() + ": " + DescribeFits(r_.info.links, cached.Fits(kind)) + "; " +
+            SplitThresholdText(balancer_->SplitThresholdBytes(kind)));
+    return true;
   }
 
   // A probe of an unhealthy tcp ring (health_->Effective gave it a small range) rebuilds the ring

@@ -125,23 +125,24 @@ void DefineGpuXproc(nb::module_& m) {
       "{'links': the current GPU links a group across processes uses (nccl, one pcie), 'left_out': [(link, why)]}.");
   m.def(
       "gpu_xproc_create",
-      [](std::vector<int64_t> devices, std::vector<int64_t> local_devices) {
+      [](std::vector<int64_t> devices, std::vector<int64_t> local_devices, int processes) {
         std::string name;
         std::vector<CommId> ids;
         Status s;
         {
           nb::gil_scoped_release release;
-          s = CreateGpuXprocGroup(ProcessEngine(), devices, local_devices, &name, &ids);
+          s = CreateGpuXprocGroup(ProcessEngine(), devices, local_devices, processes, &name, &ids);
         }
         ThrowXproc(s);
         std::vector<nb::bytes> out;
         for (const CommId& id : ids) out.emplace_back(id.data(), id.size());
         return std::make_tuple(name, out);
       },
-      nb::arg("devices"), nb::arg("local_devices"),
+      nb::arg("devices"), nb::arg("local_devices"), nb::arg("processes") = 0,
       "Leader process (it runs rank 0): creates the segment of the GPU group `devices` (global ids, rank "
       "order) and one NCCL unique id per nccl link, claims `local_devices`, registers the group; returns "
-      "(segment name, [128-byte ids]) for the other processes.");
+      "(segment name, [128-byte ids]) for the other processes. `processes`: how many processes own "
+      "`devices` (the tuning cache's key; 0: not known, no cache).");
   m.def(
       "gpu_xproc_attach",
       [](const std::string& name, std::vector<nb::bytes> ids, std::vector<int64_t> devices,
