@@ -19,6 +19,12 @@ from jax_flexlink._src import api, native
 from jax_flexlink._src.config import ENV, check_bool, parse_profile_bytes
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# Calls per collective at most until its model appears. On CPU stage 1 completes inside the first;
+# on GPU its phases run on the devices and the times are read by later calls (phase 1, phase 2, then
+# the fits: three calls when each call is waited for), in one process or across processes, where the
+# leader installs the fits and every other process learns them in the same call (xproc/slot_model.h),
+# so every process leaves the loop at the same call.
+MAX_TUNE_CALLS = 16
 
 
 def cache_path() -> str:
@@ -62,6 +68,31 @@ def _program(mesh, collective):
       "reduce_scatter": lambda v: api.psum_scatter(v, "x", tiled=True),
   }[collective]
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+
+
+def module_for(platform: str):
+  """The native module whose engine runs the collectives of devices of `platform` (jax's
+  Device.platform: "cpu", "gpu" or "cuda")."""
+  if platform in ("gpu", "cuda"):
+    module = native.cuda_module()
+    if module is None:
+      raise RuntimeError("tune(): the devices are GPUs, and this build of jax_flexlink has no CUDA module "
+                         "(build it with `pip install -e . -C cmake.define.FLEXLINK_CUDA=ON`)")
+    return module
+  if platform != "cpu":
+    raise ValueError(f"tune(): FlexLink runs on cpu and cuda devices, not {platform!r}")
+  return _flexlink
+
+
+def _run_until_fitted(module, run_once, ids, collective) -> int:
+  """Runs the collective (waiting for each call) until the group's model has it, at most
+  MAX_TUNE_CALLS times; the calls it took."""
+  for calls in range(1, MAX_TUNE_CALLS + 1):
+    run_once()
+    model = module.group_fits(ids)
+    if model is not None and collective in model["fits"]:
+      return calls
+  return MAX_TUNE_CALLS  # stage 1 failed (the engine warned why): the result lacks the collective
 
 
 def _per_device_elements(collective, size, n, itemsize):
@@ -135,25 +166,31 @@ def tune(*, collectives=COLLECTIVES, max_bytes: int | str = 16 << 20, devices=No
   top = parse_profile_bytes(max_bytes, "max_bytes")
   use_cache = check_bool(use_cache, "use_cache")
   n = len(devices)
-  names = list(_flexlink.links())
+  platforms = {d.platform for d in devices}
+  if len(platforms) != 1:
+    raise ValueError(f"tune(): the devices are of several platforms ({sorted(platforms)}); a group is of one")
+  module = module_for(platforms.pop())
+  names = list(module.links())
   if len(names) < 2 or n < 2:
     return {}
+  ids = [d.id for d in devices]
   mesh = Mesh(np.array(devices), ("x",))
-  saved = (_flexlink.autotune_min_bytes(), _flexlink.tune_max_bytes(), _flexlink.tune_use_cache())
+  saved = (module.autotune_min_bytes(), module.tune_max_bytes(), module.tune_use_cache())
   try:
-    _flexlink.set_autotune_min_bytes(1)  # this call is "large", whatever the configured size
-    _flexlink.set_tune_max_bytes(top)
-    _flexlink.set_tune_use_cache(bool(use_cache))
+    module.set_autotune_min_bytes(1)  # this call is "large", whatever the configured size
+    module.set_tune_max_bytes(top)
+    module.set_tune_use_cache(bool(use_cache))
     for collective in collectives:
-      _flexlink.forget_model(collective)
+      module.forget_model(collective)
       elems = _per_device_elements(collective, top, n, 4)
       x = jax.device_put(jnp.zeros((n * elems,), jnp.float32), NamedSharding(mesh, P("x")))
-      _program(mesh, collective)(x).block_until_ready()
+      program = _program(mesh, collective)
+      _run_until_fitted(module, lambda: program(x).block_until_ready(), ids, collective)
   finally:
-    _flexlink.set_autotune_min_bytes(saved[0])
-    _flexlink.set_tune_max_bytes(saved[1])
-    _flexlink.set_tune_use_cache(saved[2])
-  model = _flexlink.group_fits([d.id for d in devices])
+    module.set_autotune_min_bytes(saved[0])
+    module.set_tune_max_bytes(saved[1])
+    module.set_tune_use_cache(saved[2])
+  model = module.group_fits(ids)
   if model is None:  # cannot happen: the calls above made the group
     raise RuntimeError("flexlink: tune(): the group was not created")
   return {"fits": {c: model["fits"][c] for c in collectives if c in model["fits"]},

@@ -81,6 +81,9 @@ struct Shared {
   SplitRow row[4096];
   std::atomic<int32_t> passed, failed;
   std::atomic<int32_t> attached;  // processes that attached the group (the leader unlinks after all)  // the children's checks, summed into the parent's
+  // Mode 13: per process, the call at which the group's model had the kind again after
+  // forget_model, profiling (0) and from the tuning cache (1); 0: never within 16 calls.
+  std::atomic<int32_t> fitted_at[2][8];
 };
 
 struct Scenario {
@@ -594,6 +597,21 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
                     fits[0].bytes_per_second() / 1e9, fits[1].bytes_per_second() / 1e9,
                     pl ? std::string(plan::Name(pl->mode)).c_str() : "-");
     }
+    // tune()'s loop (jax_flexlink/_src/tune.py): after forget_model, the collective until the
+    // group's model has the kind again. Every process must leave it at the same call (the calls of
+    // a collective must match): profiling again (the cache off), then from the cache the leader
+    // stored. The parent compares the processes.
+    for (int cached = 0; cached < 2; ++cached) {
+      SetTuneUseCache(cached == 1);
+      L.engine->ForgetModel(c.kind);
+      int fitted_at = 0;
+      for (int i = 1; i <= 16 && !fitted_at; ++i) {
+        L.Check(c, ++run, s.what + ": after forget_model");
+        const std::optional<plan::CostModel> m = L.engine->GroupModel(L.group);
+        if (m && m->Has(c.kind)) fitted_at = i;
+      }
+      shared->fitted_at[cached][p].store(fitted_at);
+    }
   } else if (s.mode == 12) {
     // nccl:hang@at_call=2 in every process, link deadline 0.3 s: call 2's nccl range waits on each
     // rank's hang flag on the device. The call itself returns (it only enqueues); each process's
@@ -903,6 +921,21 @@ void RunScenario(const Scenario& s) {
                first->r[1][1] > first->r[1][0],
            s.what + ": identical ranges on every rank for " + std::to_string(agreed) + " of " +
                std::to_string(by_call.size()) + " calls, the first split across both links");
+  }
+  if (s.mode == 13) {
+    std::string at[2];
+    bool same[2] = {true, true};
+    for (int cached = 0; cached < 2; ++cached)
+      for (int p = 0; p < s.processes; ++p) {
+        at[cached] += (p ? ", " : "") + std::to_string(shared->fitted_at[cached][p].load());
+        same[cached] = same[cached] && shared->fitted_at[cached][p].load() == shared->fitted_at[cached][0].load();
+      }
+    std::printf("  %s: after forget_model the model is back at call %s (profiling), %s (from the cache)\n",
+                s.what.c_str(), at[0].c_str(), at[1].c_str());
+    Expect(same[0] && shared->fitted_at[0][0].load() >= 3,
+           s.what + ": profiling again, every process had the model back at the same call, the third or later: " + at[0]);
+    Expect(same[1] && shared->fitted_at[1][0].load() == 1,
+           s.what + ": from the cache, every process had the model back at the first call: " + at[1]);
   }
   if (s.mode == 13 || s.mode == 14) {
     // Identical ranges on every rank for each call; the first ones (profiling) on nccl alone; with

@@ -96,6 +96,12 @@ GpuXprocGroup::~GpuXprocGroup() = default;
 
 bool GpuXprocGroup::leader() const { return segment_->is_local(0); }
 
+void GpuXprocGroup::ForgetKind(Kind kind) {
+  balancer_.ForgetKind(kind);
+  std::lock_guard<std::mutex> lock(learned_mu_);
+  learned_.ClearKind(kind);  // learned again from the slots once the leader has it again
+}
+
 plan::CostModel GpuXprocGroup::Model() const {
   if (leader()) return balancer_.Model();
   std::lock_guard<std::mutex> lock(learned_mu_);
@@ -810,7 +816,7 @@ void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind) {
   Registry& reg = TheRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups)
-    if (key.first == engine.serial()) group->balancer().ForgetKind(kind);
+    if (key.first == engine.serial()) group->ForgetKind(kind);
 }
 
 void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out) {

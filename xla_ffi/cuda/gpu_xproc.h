@@ -103,6 +103,8 @@ class GpuXprocGroup {
   // The group's model in this process: the leader's balancer's, else the leader's as the plan slots
   // carried it (xproc/slot_model.h).
   plan::CostModel Model() const;
+  // Forgets `kind`'s model (forget_model, tune()): the balancer's, and what this process learned.
+  void ForgetKind(Kind kind);
   std::optional<std::string> broken() const;
   // Stage 1 (the leader's decisions, every rank's enqueue and times).
   GpuXprocProfiler& profiler() { return *profiler_; }
