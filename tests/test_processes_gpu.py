@@ -72,7 +72,8 @@ class Module:
 
   def gpu_xproc_create(self, devices, local, processes):
     self.calls.append(("create", devices, local, processes))
-    return "/flexlink-" + "ab" * 16, list(self.ids)
+    made = sum(c[0] == "create" for c in self.calls)  # a new segment per set-up
+    return "/flexlink-" + ("ab" if made == 1 else f"{made:02x}") * 16, list(self.ids)
 
   def gpu_xproc_attach(self, name, ids, devices, local):
     self.calls.append(("attach", name, [bytes(i) for i in ids], devices, local))
@@ -109,13 +110,14 @@ def test_route(monkeypatch):
     processes.route(group, ("cpu", "cuda"))
 
 
-def _run_processes(store, modules, group, locals_, creator, order):
+def _run_processes(store, modules, group, locals_, creator, order, round_=0):
   """Each process's exchange on its own thread, started in `order` (a follower may wait first)."""
   results, errors = {}, {}
 
   def body(p):
     try:
-      results[p] = processes.exchange_gpu_ids(store, modules[p], group, p, locals_[p], creator, len(locals_))
+      results[p] = processes.exchange_gpu_ids(store, modules[p], group, p, locals_[p], creator, len(locals_),
+                                              round_)
     except Exception as e:  # noqa: BLE001 - the test inspects it
       errors[p] = e
 
@@ -148,6 +150,32 @@ def test_nccl_id_exchange(no_device_ids, order):
   key = processes._key("gpuxproc", group)
   assert store.values[f"{key}/mapped"] == 4 and store.values[f"{key}/nccl_ids"] == b"".join(Module.ids)
   processes._created_unlinked.pop(name, None)
+
+
+def test_links_configured_later_set_the_group_up_again(no_device_ids, monkeypatch):
+  """A GPU group is set up for the links current at lowering; after configure(links=...) the next
+  lowering sets it up again (prepare's key holds the CUDA module's links), as a new round with keys
+  of its own in the store, so the new segment and NCCL ids reach every process; the first round's
+  group stays for programs lowered before."""
+  store, modules = Store(), {0: Module(), 1: Module()}
+  group, locals_ = (0, 1, 2, 3), {0: [0, 1], 1: [2, 3]}
+  first, errors = _run_processes(store, modules, group, locals_, 0, (1, 0))
+  assert not errors, errors
+  second, errors = _run_processes(store, modules, group, locals_, 0, (1, 0), round_=1)
+  assert not errors, errors
+  assert first[0] == first[1] != second[0] == second[1], (first, second)
+  key = processes._key("gpuxproc", group)
+  assert store.values[f"{key}/name"] == first[0] and store.values[f"{key}/1/name"] == second[0]
+  assert [c[1] for c in modules[1].calls if c[0] == "attach"] == [first[0], second[0]]
+  for name in (first[0], second[0]):
+    processes._created_unlinked.pop(name, None)
+  # prepare()'s key: a GPU group's set-up depends on the CUDA module's links, a CPU group's does not.
+  monkeypatch.setattr(native, "cuda_module", lambda: Module(links=("nccl",)))
+  Module.links_spec = lambda self: ";".join(self._links)
+  try:
+    assert processes._links_key("cuda") == "nccl" and processes._links_key("cpu") == ""
+  finally:
+    del Module.links_spec
 
 
 def test_missing_leader_is_named(no_device_ids, monkeypatch):

@@ -38,7 +38,7 @@ from jax_flexlink._src.collective import NotLowerable
 
 _lock = threading.Lock()
 # (platform, group devices) -> segment name (unlinked or not)
-_prepared: dict[tuple[str, tuple[int, ...]], str] = {}
+_prepared: dict[tuple[str, tuple[int, ...], str], str] = {}  # (platform, group, _links_key) -> segment
 _created_unlinked: dict[str, bool] = {}  # segments this process created -> unlinked yet
 # (group, tcp link) -> connections its listeners refused for a missing or wrong token
 _refused: dict[tuple, int] = {}
@@ -72,7 +72,7 @@ def prepare(groups, group_sizes, platforms) -> None:
   for size in (int(s) for s in group_sizes):
     group = tuple(int(d) for d in groups[offset:offset + size])
     offset += size
-    if not spans_processes(group) or any((p, group) in _prepared for p in platforms):
+    if not spans_processes(group) or any((p, group, _links_key(p)) in _prepared for p in platforms):
       continue
     me = jax.process_index()
     if all(device_process(d) != me for d in group):
@@ -83,8 +83,21 @@ def prepare(groups, group_sizes, platforms) -> None:
           "host (groups across hosts run hierarchically, docs/multihost.md)")
     platform = route(group, platforms)  # raises NotLowerable with the reason where none runs it
     with _lock:
-      if (platform, group) not in _prepared:
-        _prepared[(platform, group)] = (_set_up if platform == "cpu" else _set_up_gpu)(group, me)
+      key = (platform, group, _links_key(platform))
+      if key not in _prepared:
+        _prepared[key] = (_set_up if platform == "cpu" else _set_up_gpu)(group, me)
+
+
+def _links_key(platform: str) -> str:
+  """What a group's set-up depends on besides its devices: for a GPU group, the CUDA module's links
+  (its NCCL identities are per nccl link, so links configured later need a set-up of their own, which
+  the next lowering does; programs lowered before keep the group they had, xla_ffi/cuda/gpu_xproc.h).
+  A CPU group's segment serves any links (tcp rings connected later are left out with the reason)."""
+  if platform != "cuda":
+    return ""
+  from jax_flexlink._src import native  # noqa: PLC0415
+  module = native.cuda_module()
+  return module.links_spec() if module is not None else ""
 
 
 def gpu_reason(module) -> str | None:
@@ -154,17 +167,25 @@ def _set_up_gpu(group: tuple[int, ...], me: int) -> str:
     raise NotLowerable(
         f"the group of devices {list(group)} spans processes, and FlexLink sets such groups up "
         "through jax.distributed's key-value store; call jax.distributed.initialize() first")
+  round_ = _gpu_rounds.get(group, 0)  # prepare() holds _lock
+  _gpu_rounds[group] = round_ + 1
   return exchange_gpu_ids(client, native.cuda_module(), group, me,
                           [d for d in group if device_process(d) == me], device_process(group[0]),
-                          process_count(group))
+                          process_count(group), round_)
 
 
-def exchange_gpu_ids(client, module, group, me, local, creator, processes) -> str:
+_gpu_rounds: dict[tuple, int] = {}  # group -> its GPU set-ups so far in this process
+
+
+def exchange_gpu_ids(client, module, group, me, local, creator, processes, round_=0) -> str:
   """The key-value exchange of a GPU group's segment name and NCCL unique ids (separate from
   jax so that a test can drive it with a stand-in store and module). `processes`: how many
-  processes own the group's devices (the tuning cache's key)."""
+  processes own the group's devices (the tuning cache's key). `round_`: the group's earlier set-ups
+  in this process (links configured since each): every process sets a group up the same number of
+  times, as all lower the same programs after the same configure calls, so each round has keys of
+  its own in the store."""
   _set_device_ids(module)
-  key = _key("gpuxproc", group)
+  key = _key("gpuxproc", group) + (f"/{round_}" if round_ else "")
   timeout_ms = hosts.kv_timeout_ms()
   if me == creator:
     name, ids = module.gpu_xproc_create(list(group), local, processes)

@@ -100,7 +100,7 @@ struct Scenario {
                  // 11: slow faults across processes (stage 2 moves share off); 12: a hang across
                  // processes (the hang detector breaks the group in every process); 13: stage 1
                  // across processes; 14: stage 1 with one process unable to time it; 15: stage 1
-                 // from the tuning cache
+                 // from the tuning cache; 16: links configured after the set-up
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -297,8 +297,9 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
   // Stage 1 only where it is the subject: with it on, calls below autotune_min_bytes take the
   // primary link alone until a large call has profiled (as in one process), and the other modes
   // test the split and stage 2 from equal shares at every size. Read when the group registers.
-  SetAutotuneMinBytes(s.mode >= 13 ? uint64_t{1} << 20 : 0);
-  if (s.mode >= 13) SetTuneMaxBytes(uint64_t{1} << 20);  // stage 1's sizes: 64 KiB to 1 MiB
+  const bool stage1 = s.mode >= 13 && s.mode <= 15;
+  SetAutotuneMinBytes(stage1 ? uint64_t{1} << 20 : 0);
+  if (stage1) SetTuneMaxBytes(uint64_t{1} << 20);  // stage 1's sizes: 64 KiB to 1 MiB
   Local L(s, p);
   Status st = L.engine->ConfigureLinks(s.links);
   if (!st.ok()) {
@@ -316,37 +317,42 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     std::string warning;
     Expect(plan::StoreTuning(TuneCachePath(), {key, cached, 1 << 20}, &warning).ok(), s.what + ": plant the entry");
   }
-  Setup setup{};
-  if (p == 0) {
-    std::string name;
-    std::vector<gpu::CommId> ids;
-    st = gpu::CreateGpuXprocGroup(*L.engine, L.group, L.local, s.processes, &name, &ids);
-    if (!st.ok()) {
-      std::printf("FAIL: %s: create: %s\n", s.what.c_str(), st.message().c_str());
-      _exit(2);
+  // The set-up processes.py does at lowering, through the pipes instead of jax.distributed's store:
+  // the leader creates the segment and the NCCL identities for the current links, the others
+  // attach; once every process attached (round `round`, counted from 1), the name goes.
+  auto set_up = [&](int round) {
+    Setup setup{};
+    if (p == 0) {
+      std::string name;
+      std::vector<gpu::CommId> ids;
+      Status made = gpu::CreateGpuXprocGroup(*L.engine, L.group, L.local, s.processes, &name, &ids);
+      if (!made.ok()) {
+        std::printf("FAIL: %s: create: %s\n", s.what.c_str(), made.message().c_str());
+        _exit(2);
+      }
+      std::snprintf(setup.name, sizeof setup.name, "%s", name.c_str());
+      setup.ids = static_cast<uint32_t>(ids.size());
+      for (size_t i = 0; i < ids.size() && i < 4; ++i) setup.id[i] = ids[i];
+      for (int q = 1; q < s.processes; ++q)
+        if (!WriteFull(down[q], &setup, sizeof setup)) _exit(3);
+    } else {
+      if (!ReadFull(up, &setup, sizeof setup)) _exit(4);
+      Status attached = gpu::AttachGpuXprocGroup(*L.engine, setup.name,
+                                                 std::span<const gpu::CommId>(setup.id, setup.ids), L.group, L.local);
+      if (!attached.ok()) {
+        std::printf("FAIL: %s: process %d: attach: %s\n", s.what.c_str(), p, attached.message().c_str());
+        _exit(2);
+      }
     }
-    std::snprintf(setup.name, sizeof setup.name, "%s", name.c_str());
-    setup.ids = static_cast<uint32_t>(ids.size());
-    for (size_t i = 0; i < ids.size() && i < 4; ++i) setup.id[i] = ids[i];
-    for (int q = 1; q < s.processes; ++q)
-      if (!WriteFull(down[q], &setup, sizeof setup)) _exit(3);
-  } else {
-    if (!ReadFull(up, &setup, sizeof setup)) _exit(4);
-    st = gpu::AttachGpuXprocGroup(*L.engine, setup.name, std::span<const gpu::CommId>(setup.id, setup.ids), L.group,
-                                  L.local);
-    if (!st.ok()) {
-      std::printf("FAIL: %s: process %d: attach: %s\n", s.what.c_str(), p, st.message().c_str());
-      _exit(2);
+    shared->attached.fetch_add(1);
+    if (p == 0) {
+      const auto t0 = Clock::now();
+      while (shared->attached.load() < round * s.processes && Seconds(t0) < 20)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      (void)xproc::Segment::Unlink(setup.name);
     }
-  }
-  // Every process attached: the name can go (processes.py does this with a counter in the store).
-  shared->attached.fetch_add(1);
-  if (p == 0) {
-    const auto t0 = Clock::now();
-    while (shared->attached.load() < s.processes && Seconds(t0) < 20)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    (void)xproc::Segment::Unlink(setup.name);
-  }
+  };
+  set_up(1);
   const int N = L.n();
   int64_t run = 5000;
   if (s.mode == 0) {
@@ -545,6 +551,40 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       Expect(pl && pl->mode != plan::PlanMode::kProfile && pl->shares.size() == 2,
              s.what + ": stage 1 is off for the group (" + (pl ? std::string(plan::Name(pl->mode)) : "-") + ")");
     }
+  } else if (s.mode == 16) {
+    // Links configured after the group was set up (at lowering, for "nccl"): calls keep running on
+    // the group's own links, with a warning that says why, until the group is set up again for the
+    // new links (processes.py does that at the next lowering); then calls run on the new group,
+    // split across nccl and pcie, and both groups stay registered (programs lowered before the
+    // change keep theirs). Every call exact; the parent checks the ranges.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{65536}}, 0, {}, false};
+    L.engine->splits().SetEnabled(true);
+    for (int i = 0; i < 3; ++i) L.Check(c, ++run, s.what + ": before");
+    Expect(L.engine->ConfigureLinks("nccl@staging_mib=0.0625;pcie").ok(), s.what + ": configure nccl;pcie");
+    for (int i = 0; i < 3; ++i) L.Check(c, ++run, s.what + ": configured, not set up again");
+    gpu::GpuXprocGroup* old_group = gpu::FindGpuXprocGroup(*L.engine, L.group);
+    // The group's call numbers start again on the new group: its rows go 100 calls later, and the
+    // first group's single range is padded with an empty second one.
+    auto share = [&](uint64_t offset) {
+      for (SplitRecord rec : L.engine->splits().Take()) {
+        for (auto& range : rec.ranges) range = {range.first, range.second};
+        if (rec.ranges.size() == 1) rec.ranges.emplace_back(0, 0);
+        rec.call += offset;
+        ShareSplits({rec}, p, shared);
+      }
+    };
+    share(0);
+    set_up(2);
+    for (int i = 0; i < 3; ++i) L.Check(c, ++run, s.what + ": set up again");
+    share(100);
+    gpu::GpuXprocGroup* new_group = gpu::FindGpuXprocGroup(*L.engine, L.group);
+    const std::vector<gpu::GpuXprocInfo> groups = gpu::GpuXprocGroups(*L.engine);
+    Expect(old_group && new_group && old_group != new_group && old_group->links() == std::vector<std::string>{"nccl"} &&
+               new_group->links() == std::vector<std::string>{"nccl", "pcie"} && groups.size() == 2,
+           s.what + ": process " + std::to_string(p) + ": a group per link set (" + std::to_string(groups.size()) +
+               " registered)");
+    Expect(old_group && old_group->segment().calls() == 6 && new_group && new_group->segment().calls() == 3,
+           s.what + ": 6 calls on the first group, 3 on the second");
   } else if (s.mode == 15) {
     // Stage 1 from the tuning cache across processes: the leader's process planted an entry of this
     // group's key (its used links, ranks and processes) before its first call, with fits no profile
@@ -912,6 +952,23 @@ void RunScenario(const Scenario& s) {
     Expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
            s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
   }
+  if (s.mode == 16) {
+    // Identical ranges on every rank; the first 6 calls on the group set up for nccl alone, the last
+    // 3 split across nccl and pcie.
+    const int n = s.processes * s.per_process;
+    int agreed = 0;
+    const auto by_call = RowsByCall(shared, n, &agreed);
+    int alone = 0, split = 0;
+    for (const auto& [call, of] : by_call) {
+      const SplitRow* r = of[0];
+      if (r->r[1][1] == r->r[1][0]) ++alone;  // one link's range only
+      else if (r->r[0][1] > r->r[0][0]) ++split;
+    }
+    Expect(agreed == static_cast<int>(by_call.size()) && by_call.size() == 9 && alone == 6 && split == 3,
+           s.what + ": identical ranges on every rank for " + std::to_string(agreed) + " of " +
+               std::to_string(by_call.size()) + " calls; " + std::to_string(alone) + " on nccl alone, " +
+               std::to_string(split) + " split");
+  }
   if (s.mode == 15) {
     const int n = s.processes * s.per_process;
     int agreed = 0;
@@ -1044,6 +1101,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie stage 1 across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 13});
     RunScenario({shape + "nccl;pcie stage 1, a process cannot time it", 2, per, "nccl@staging_mib=0.0625;pcie", 14});
     RunScenario({shape + "nccl;pcie stage 1 from the tuning cache", 2, per, "nccl@staging_mib=0.0625;pcie", 15});
+    RunScenario({shape + "links configured after the set-up", 2, per, "nccl@staging_mib=0.0625", 16});
   }
   const auto after = ShmEntries();
   std::string left;

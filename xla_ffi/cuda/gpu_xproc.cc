@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "xla_ffi/core/config.h"
@@ -681,10 +682,21 @@ void GpuXprocGroup::Watch() {
 
 namespace {
 
+// A group is set up at lowering for the links current then (its NCCL identities are per nccl link of
+// that set); links configured later get a group of their own when a program is lowered after the
+// change (processes.py sets the group up again), and programs lowered before keep theirs.
+struct Key {
+  uint64_t serial;           // the engine's
+  std::vector<int64_t> ids;  // the group's devices, rank order
+  uint64_t version;          // the engine's link set the group was set up for
+  bool operator<(const Key& o) const { return std::tie(serial, ids, version) < std::tie(o.serial, o.ids, o.version); }
+};
+
 struct Registry {
   std::mutex mu;
-  // (engine serial, devices) -> group; never erased (device threads keep raw pointers).
-  std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<GpuXprocGroup>> groups;
+  // Never erased (device threads keep raw pointers).
+  std::map<Key, std::unique_ptr<GpuXprocGroup>> groups;
+  std::set<std::pair<const GpuXprocGroup*, uint64_t>> told;  // older links' groups reported in use
   std::atomic<uint64_t> generation{1};
 };
 
@@ -726,10 +738,10 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
   }
   Registry& reg = TheRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
-  auto key = std::make_pair(engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()));
+  Key key{engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()), links->version};
   if (reg.groups.count(key))
     return Status::InvalidArgument("flexlink: GPU group " + FormatIds(devices) +
-                                   " across processes is already registered in this process");
+                                   " across processes is already registered in this process for the current links");
   reg.groups.emplace(std::move(key), std::move(group));
   reg.generation.fetch_add(1);
   engine.StartWatchdog();  // the hang detector's thread (Watch)
@@ -763,7 +775,7 @@ Status SetGpuXprocShares(const GpuEngine& engine, const std::vector<std::string>
   std::lock_guard<std::mutex> lock(reg.mu);
   Status first;
   for (auto& [key, group] : reg.groups) {
-    if (key.first != engine.serial()) continue;
+    if (key.serial != engine.serial()) continue;
     std::vector<double> mine;
     Status s = SharesForGroup(*group, names, shares, &mine);
     // A group over links no longer current (configured again since) keeps its plans, as the
@@ -797,7 +809,7 @@ void SetGpuXprocSeed(const GpuEngine& engine, int ranks, const plan::CostModel& 
   Registry& reg = TheRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups) {
-    if (key.first != engine.serial() || group->group().size() != ranks) continue;
+    if (key.serial != engine.serial() || group->group().size() != ranks) continue;
     if (std::optional<plan::CostModel> mine = SeedForGroup(*group, seed)) (void)group->balancer().SetSeed(*mine);
   }
 }
@@ -806,7 +818,7 @@ void SetGpuXprocProfileBytes(const GpuEngine& engine, uint64_t from_bytes, uint6
   Registry& reg = TheRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups)
-    if (key.first == engine.serial()) {
+    if (key.serial == engine.serial()) {
       group->balancer().SetProfileFromBytes(from_bytes);
       group->balancer().SetProfileMaxBytes(max_bytes);
     }
@@ -816,16 +828,16 @@ void ForgetGpuXprocModel(const GpuEngine& engine, Kind kind) {
   Registry& reg = TheRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups)
-    if (key.first == engine.serial()) group->ForgetKind(kind);
+    if (key.serial == engine.serial()) group->ForgetKind(kind);
 }
 
 void AppendGpuXprocPlans(const GpuEngine& engine, std::vector<PlanSnapshot>* out) {
   Registry& reg = TheRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& [key, group] : reg.groups) {
-    if (key.first != engine.serial() || !group->leader()) continue;
+    if (key.serial != engine.serial() || !group->leader()) continue;
     for (const auto& p : group->balancer().Plans())
-      out->push_back(PlanSnapshot{key.second, *p, group->balancer().links()});
+      out->push_back(PlanSnapshot{key.ids, *p, group->balancer().links()});
   }
 }
 
@@ -865,12 +877,13 @@ Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, s
   return Register(engine, std::move(segment), std::vector<CommId>(comm_ids.begin(), comm_ids.end()), devices);
 }
 
-GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices) {
+GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices, uint64_t links_version) {
   Registry& reg = TheRegistry();
   // Device threads remember their lookups, misses included, until the next registration.
   struct Entry {
     uint64_t serial;
     std::vector<int64_t> ids;
+    uint64_t version;
     GpuXprocGroup* group;
   };
   thread_local uint64_t seen_generation = 0;
@@ -881,15 +894,28 @@ GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_
     seen_generation = gen;
   }
   for (const Entry& e : cache)
-    if (e.serial == engine.serial() && std::equal(e.ids.begin(), e.ids.end(), devices.begin(), devices.end()))
+    if (e.serial == engine.serial() && e.version == links_version &&
+        std::equal(e.ids.begin(), e.ids.end(), devices.begin(), devices.end()))
       return e.group;
   GpuXprocGroup* found = nullptr;
+  std::string note;
   {
     std::lock_guard<std::mutex> lock(reg.mu);
-    auto it = reg.groups.find({engine.serial(), std::vector<int64_t>(devices.begin(), devices.end())});
-    if (it != reg.groups.end()) found = it->second.get();
+    const std::vector<int64_t> ids(devices.begin(), devices.end());
+    // The newest set up for these devices (the map orders versions, and versions only grow: a group
+    // of the current links, when there is one, is the newest).
+    for (auto it = reg.groups.lower_bound(Key{engine.serial(), ids, 0});
+         it != reg.groups.end() && it->first.serial == engine.serial() && it->first.ids == ids; ++it)
+      found = it->second.get();
+    if (found && links_version != kNewestLinks && found->link_version() != links_version &&
+        reg.told.emplace(found, links_version).second)
+      note = "GPU group " + FormatIds(devices) + " across processes keeps running on the links it was set up with (" +
+             found->links_spec() + "), not the links configured since: a group across processes is set up at "
+             "lowering (its NCCL identities travel through jax.distributed's store), so the new links take "
+             "effect in programs lowered after the change (docs/multiprocess.md)";
   }
-  cache.push_back(Entry{engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()), found});
+  if (!note.empty()) LogWarning(note);
+  cache.push_back(Entry{engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()), links_version, found});
   return found;
 }
 
@@ -898,7 +924,7 @@ std::vector<GpuXprocInfo> GpuXprocGroups(const GpuEngine& engine) {
   std::lock_guard<std::mutex> lock(reg.mu);
   std::vector<GpuXprocInfo> out;
   for (auto& [key, group] : reg.groups) {
-    if (key.first != engine.serial()) continue;
+    if (key.serial != engine.serial()) continue;
     GpuXprocInfo info;
     info.name = group->segment().name();
     info.devices = group->segment().devices();
@@ -918,7 +944,7 @@ void WatchGpuXprocGroups(const GpuEngine& engine) {
     Registry& reg = TheRegistry();
     std::lock_guard<std::mutex> lock(reg.mu);
     for (auto& [key, group] : reg.groups)  // never erased while the process lives
-      if (key.first == engine.serial()) groups.push_back(group.get());
+      if (key.serial == engine.serial()) groups.push_back(group.get());
   }
   for (GpuXprocGroup* g : groups) g->Watch();
 }

@@ -98,6 +98,9 @@ class GpuXprocGroup {
   // The balancer over the used links; only the leader process's plans count.
   plan::Balancer& balancer() { return balancer_; }
   const std::vector<std::string>& links() const { return used_names_; }
+  // The engine's link set the group was set up with: its version and spec.
+  uint64_t link_version() const { return links_->version; }
+  const std::string& links_spec() const { return links_->spec; }
   const std::vector<std::pair<std::string, std::string>>& left_out() const { return left_out_; }
   bool leader() const;
   // The group's model in this process: the leader's balancer's, else the leader's as the plan slots
@@ -234,8 +237,12 @@ Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, 
                            int processes, std::string* segment_name, std::vector<CommId>* comm_ids);
 Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, std::span<const CommId> comm_ids,
                            std::span<const int64_t> devices, std::span<const int64_t> local_devices);
-// The registered group of `engine` with exactly these devices, or nullptr.
-GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices);
+// The newest registered group of `engine` with exactly these devices, or nullptr. A group keeps the
+// links it was set up with: when they are not the engine's current ones (version `links_version`,
+// configured since), a warning says so once per group and version.
+inline constexpr uint64_t kNewestLinks = UINT64_MAX;
+GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices,
+                                 uint64_t links_version = kNewestLinks);
 
 // The engine's controls, reaching its groups across processes (GpuEngine::SetShares, ForgetModel,
 // SnapshotPlans call these; set_shares/configure from Python go through them). Shares are given in
