@@ -63,6 +63,28 @@ def ordering_effect_forced(effect: FlexLinkOrdering):
     _forced.effect = previous
 
 
+@contextlib.contextmanager
+def lowering_for(platform: str):
+  """The platform whose lowering rule runs in this block (jax calls every platform's rule with the
+  same context when it lowers for several): the CUDA module's calls carry one attribute more."""
+  previous = getattr(_forced, "platform", None)
+  _forced.platform = platform
+  try:
+    yield
+  finally:
+    _forced.platform = previous
+
+
+def _cuda_attributes() -> dict:
+  """What a CUDA call carries beyond the CPU one's: `links_version`, the CUDA engine's link set
+  when the program was lowered, which picks the GPU group across processes set up for it then
+  (xla_ffi/cuda/gpu_xproc.h: links configured later get a group of their own at the next lowering,
+  and a program lowered before keeps its group in every process, whenever its calls execute)."""
+  from jax_flexlink._src import native  # noqa: PLC0415
+  module = native.cuda_module()
+  return {"links_version": np.int64(module.links_version() if module is not None else 0)}
+
+
 def _ordering_effect(axis_names) -> FlexLinkOrdering:
   forced = getattr(_forced, "effect", None)
   if forced is not None:
@@ -234,6 +256,8 @@ def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, a
   runtime.ensure_cached_model()
   if "groups" in attrs:  # groups spanning processes get their shared segment first
     processes.prepare(attrs["groups"], attrs["group_sizes"], ctx.module_context.platforms)
+  if getattr(_forced, "platform", None) == "cuda":
+    attrs = {**attrs, **_cuda_attributes()}
   ordering, = (e for e in ctx.tokens_in.effects() if isinstance(e, FlexLinkOrdering))
   token = ctx.tokens_in.get(ordering)
   call_ctx = ctx.replace(avals_in=[*(avals_in or ctx.avals_in), compat.abstract_token],

@@ -35,7 +35,8 @@ def rule(prim, spec: collective.Collective, platform: str | None):
             f"this build of jax_flexlink runs collectives on CPU only, not on "
             f"{'/'.join(ctx.module_context.platforms)} (the CUDA module is built with "
             "`pip install -e . -C cmake.define.FLEXLINK_CUDA=ON`)")
-      return _lower(ctx, operands, prim, spec, flexlink, params)
+      with collective.lowering_for(platform):
+        return _lower(ctx, operands, prim, spec, flexlink, params)
     except NotLowerable as e:
       if flexlink == routing.EXPLICIT:
         raise NotImplementedError(f"jax_flexlink.{spec.api_name}: {e}") from None

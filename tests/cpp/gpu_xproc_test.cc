@@ -154,6 +154,9 @@ struct Local {
     return o;
   }
   int n() const { return static_cast<int>(group.size()); }
+  // The link-set version the calls say they were lowered with (CollectiveArgs::links_version; 0:
+  // not said, as every scenario but "links configured after the set-up" leaves it).
+  uint64_t lowered = 0;
 
   // Runs `c` on this process's ranks; outputs per local rank and operand.
   std::vector<Status> Run(const Case& c, std::vector<std::vector<std::vector<uint8_t>>>* out, int64_t run) {
@@ -200,6 +203,7 @@ struct Local {
         a.device = local[i];
         a.run_id = run;
         a.label = "xtest";
+        a.links_version = lowered;
         a.request.kind = c.kind;
         a.request.reduction = Name(c.op);
         a.request.axis = c.axis;
@@ -553,16 +557,19 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
              s.what + ": stage 1 is off for the group (" + (pl ? std::string(plan::Name(pl->mode)) : "-") + ")");
     }
   } else if (s.mode == 16) {
-    // Links configured after the group was set up (at lowering, for "nccl"): calls keep running on
-    // the group's own links, with a warning that says why, until the group is set up again for the
-    // new links (processes.py does that at the next lowering); then calls run on the new group,
-    // split across nccl and pcie, and both groups stay registered (programs lowered before the
-    // change keep theirs). Every call exact; the parent checks the ranges.
+    // Links configured after the group was set up (at a program's lowering, for "nccl"): that
+    // program's calls keep running on the group's own links, with a warning that says why; a program
+    // lowered after the change sets the group up again for the new links (processes.py), and its
+    // calls run on the new group, split across nccl and pcie, while the first program's calls still
+    // run on the first group, in every process alike (each call says the link set it was lowered
+    // with). Every call exact; the parent checks the ranges.
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{65536}}, 0, {}, false};
     L.engine->splits().SetEnabled(true);
+    const uint64_t first_program = L.engine->CurrentLinks()->version;
+    L.lowered = first_program;
     for (int i = 0; i < 3; ++i) L.Check(c, ++run, s.what + ": before");
     Expect(L.engine->ConfigureLinks("nccl@staging_mib=0.0625;pcie").ok(), s.what + ": configure nccl;pcie");
-    for (int i = 0; i < 3; ++i) L.Check(c, ++run, s.what + ": configured, not set up again");
+    for (int i = 0; i < 3; ++i) L.Check(c, ++run, s.what + ": configured, first program");
     gpu::GpuXprocGroup* old_group = gpu::FindGpuXprocGroup(*L.engine, L.group);
     // The group's call numbers start again on the new group: its rows go 100 calls later, and the
     // first group's single range is padded with an empty second one.
@@ -575,17 +582,21 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       }
     };
     share(0);
-    set_up(2);
-    for (int i = 0; i < 3; ++i) L.Check(c, ++run, s.what + ": set up again");
+    set_up(2);  // the second program's lowering
+    L.lowered = L.engine->CurrentLinks()->version;
+    for (int i = 0; i < 3; ++i) L.Check(c, ++run, s.what + ": second program");
     share(100);
+    L.lowered = first_program;
+    for (int i = 0; i < 2; ++i) L.Check(c, ++run, s.what + ": first program again");
+    share(0);
     gpu::GpuXprocGroup* new_group = gpu::FindGpuXprocGroup(*L.engine, L.group);
     const std::vector<gpu::GpuXprocInfo> groups = gpu::GpuXprocGroups(*L.engine);
     Expect(old_group && new_group && old_group != new_group && old_group->links() == std::vector<std::string>{"nccl"} &&
                new_group->links() == std::vector<std::string>{"nccl", "pcie"} && groups.size() == 2,
            s.what + ": process " + std::to_string(p) + ": a group per link set (" + std::to_string(groups.size()) +
                " registered)");
-    Expect(old_group && old_group->segment().calls() == 6 && new_group && new_group->segment().calls() == 3,
-           s.what + ": 6 calls on the first group, 3 on the second");
+    Expect(old_group && old_group->segment().calls() == 8 && new_group && new_group->segment().calls() == 3,
+           s.what + ": 8 calls on the first group, 3 on the second");
   } else if (s.mode == 15) {
     // Stage 1 from the tuning cache across processes: the leader's process planted an entry of this
     // group's key (its used links, ranks and processes) before its first call, with fits no profile
@@ -954,8 +965,8 @@ void RunScenario(const Scenario& s) {
            s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
   }
   if (s.mode == 16) {
-    // Identical ranges on every rank; the first 6 calls on the group set up for nccl alone, the last
-    // 3 split across nccl and pcie.
+    // Identical ranges on every rank; the first program's 8 calls on the group set up for nccl alone,
+    // the second program's 3 split across nccl and pcie.
     const int n = s.processes * s.per_process;
     int agreed = 0;
     const auto by_call = RowsByCall(shared, n, &agreed);
@@ -965,7 +976,7 @@ void RunScenario(const Scenario& s) {
       if (r->r[1][1] == r->r[1][0]) ++alone;  // one link's range only
       else if (r->r[0][1] > r->r[0][0]) ++split;
     }
-    Expect(agreed == static_cast<int>(by_call.size()) && by_call.size() == 9 && alone == 6 && split == 3,
+    Expect(agreed == static_cast<int>(by_call.size()) && by_call.size() == 11 && alone == 8 && split == 3,
            s.what + ": identical ranges on every rank for " + std::to_string(agreed) + " of " +
                std::to_string(by_call.size()) + " calls; " + std::to_string(alone) + " on nccl alone, " +
                std::to_string(split) + " split");

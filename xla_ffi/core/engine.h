@@ -23,6 +23,9 @@ struct CollectiveArgs {
   int64_t run_id = 0;                    // identical on all devices of one launch
   std::string_view label;                // names the collective in errors
   CallRequest request;                   // buffers, shapes, dtypes, reduction, axis
+  // CUDA only: the GPU engine's link set when the call was lowered (0: not said), which picks the
+  // GPU group across processes set up for it (cuda/gpu_xproc.h, FindGpuXprocGroup).
+  uint64_t links_version = 0;
 };
 
 // Blocks until this rank's part of the call is done (or failed); see docs/interfaces.md.

@@ -172,7 +172,7 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
     return Status::Ok();
   }
   // A group spanning processes, set up at lowering (gpu_xproc.h), runs there.
-  if (GpuXprocGroup* xgroup = FindGpuXprocGroup(*this, members, CurrentLinks()->version))
+  if (GpuXprocGroup* xgroup = FindGpuXprocGroup(*this, members, args.links_version, CurrentLinks().get()))
     return xgroup->Run(rank, desc, stream, args.label, args.run_id);
   GpuExecutor* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
@@ -262,7 +262,7 @@ std::optional<plan::CostModel> GpuEngine::GroupModel(std::span<const int64_t> de
     if (it != groups_.end()) return it->second->balancer().Model();
   }
   // A group across processes: the leader's model in every process (GpuXprocGroup::Model).
-  if (GpuXprocGroup* g = FindGpuXprocGroup(*this, devices, CurrentLinks()->version)) return g->Model();
+  if (GpuXprocGroup* g = FindGpuXprocGroup(*this, devices)) return g->Model();
   return std::nullopt;
 }
 

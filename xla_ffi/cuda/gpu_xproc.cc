@@ -877,13 +877,15 @@ Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, s
   return Register(engine, std::move(segment), std::vector<CommId>(comm_ids.begin(), comm_ids.end()), devices);
 }
 
-GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices, uint64_t links_version) {
+GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices, uint64_t lowered,
+                                 const GpuLinkSet* current) {
+  const uint64_t now = current ? current->version : 0;
   Registry& reg = TheRegistry();
   // Device threads remember their lookups, misses included, until the next registration.
   struct Entry {
     uint64_t serial;
     std::vector<int64_t> ids;
-    uint64_t version;
+    uint64_t lowered, now;
     GpuXprocGroup* group;
   };
   thread_local uint64_t seen_generation = 0;
@@ -894,7 +896,7 @@ GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_
     seen_generation = gen;
   }
   for (const Entry& e : cache)
-    if (e.serial == engine.serial() && e.version == links_version &&
+    if (e.serial == engine.serial() && e.lowered == lowered && e.now == now &&
         std::equal(e.ids.begin(), e.ids.end(), devices.begin(), devices.end()))
       return e.group;
   GpuXprocGroup* found = nullptr;
@@ -902,20 +904,23 @@ GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_
   {
     std::lock_guard<std::mutex> lock(reg.mu);
     const std::vector<int64_t> ids(devices.begin(), devices.end());
-    // The newest set up for these devices (the map orders versions, and versions only grow: a group
-    // of the current links, when there is one, is the newest).
+    // The map orders a device list's groups by the version they were set up for.
+    GpuXprocGroup* newest = nullptr;
     for (auto it = reg.groups.lower_bound(Key{engine.serial(), ids, 0});
-         it != reg.groups.end() && it->first.serial == engine.serial() && it->first.ids == ids; ++it)
-      found = it->second.get();
-    if (found && links_version != kNewestLinks && found->link_version() != links_version &&
-        reg.told.emplace(found, links_version).second)
-      note = "GPU group " + FormatIds(devices) + " across processes keeps running on the links it was set up with (" +
-             found->links_spec() + "), not the links configured since: a group across processes is set up at "
-             "lowering (its NCCL identities travel through jax.distributed's store), so the new links take "
-             "effect in programs lowered after the change (docs/multiprocess.md)";
+         it != reg.groups.end() && it->first.serial == engine.serial() && it->first.ids == ids; ++it) {
+      newest = it->second.get();
+      if (lowered == 0 || it->first.version <= lowered) found = newest;
+    }
+    if (!found) found = newest;
+    if (found && current && found->links_spec() != current->spec && reg.told.emplace(found, now).second)
+      note = "GPU group " + FormatIds(devices) + " across processes runs this program on the links it was set up "
+             "with (" + found->links_spec() + "), not the current ones (" + current->spec + "): a program runs on "
+             "the group set up when it was lowered (its NCCL identities travel through jax.distributed's store "
+             "then), so links configured since take effect in programs lowered after the change "
+             "(docs/multiprocess.md)";
   }
   if (!note.empty()) LogWarning(note);
-  cache.push_back(Entry{engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()), links_version, found});
+  cache.push_back(Entry{engine.serial(), std::vector<int64_t>(devices.begin(), devices.end()), lowered, now, found});
   return found;
 }
 

@@ -237,12 +237,14 @@ Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, 
                            int processes, std::string* segment_name, std::vector<CommId>* comm_ids);
 Status AttachGpuXprocGroup(GpuEngine& engine, const std::string& segment_name, std::span<const CommId> comm_ids,
                            std::span<const int64_t> devices, std::span<const int64_t> local_devices);
-// The newest registered group of `engine` with exactly these devices, or nullptr. A group keeps the
-// links it was set up with: when they are not the engine's current ones (version `links_version`,
-// configured since), a warning says so once per group and version.
-inline constexpr uint64_t kNewestLinks = UINT64_MAX;
-GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices,
-                                 uint64_t links_version = kNewestLinks);
+// The registered group of `engine` with exactly these devices that a call lowered when the engine's
+// link set had version `lowered` runs on: the newest one set up at or before it (a group is set up
+// at lowering, so every process picks the same one for a program, whenever its calls execute);
+// lowered 0 (not said) or none that old: the newest. nullptr when none. A group keeps the links it
+// was set up with: when `current` (the engine's link set now) is given and its spec differs, a
+// warning says so once per group and link set.
+GpuXprocGroup* FindGpuXprocGroup(const GpuEngine& engine, std::span<const int64_t> devices, uint64_t lowered = 0,
+                                 const GpuLinkSet* current = nullptr);
 
 // The engine's controls, reaching its groups across processes (GpuEngine::SetShares, ForgetModel,
 // SnapshotPlans call these; set_shares/configure from Python go through them). Shares are given in

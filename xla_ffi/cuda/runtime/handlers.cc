@@ -18,44 +18,52 @@ namespace {
 
 ffi::Error Run(Kind kind, cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
                ffi::RemainingRets rets, ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
-               std::string_view reduction, int64_t axis, std::string_view label, std::span<const int64_t> pairs = {}) {
+               int64_t links_version, std::string_view reduction, int64_t axis, std::string_view label,
+               std::span<const int64_t> pairs = {}) {
   CollectiveArgs a;
   // Groups hold global device ids; XLA gives the CUDA ordinal (process.h, SetDeviceIds).
   const int32_t id = static_cast<int32_t>(GlobalIdOf(device));
   ffi::Error decoded = DecodeCall(kind, id, run_id, args, rets, groups, group_sizes, reduction, axis, label, pairs, &a);
   if (decoded.failure()) return decoded;
+  a.links_version = links_version > 0 ? static_cast<uint64_t>(links_version) : 0;
   return ToFfi(ProcessEngine().Run(a, stream));
 }
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
                          ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                         ffi::Span<const int64_t> group_sizes, std::string_view reduction, std::string_view label) {
-  return Run(Kind::kAllReduce, stream, device, run_id, args, rets, groups, group_sizes, reduction, 0, label);
+                         ffi::Span<const int64_t> group_sizes, int64_t links_version, std::string_view reduction,
+                         std::string_view label) {
+  return Run(Kind::kAllReduce, stream, device, run_id, args, rets, groups, group_sizes, links_version, reduction, 0,
+             label);
 }
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
                          ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                         ffi::Span<const int64_t> group_sizes, int64_t axis, std::string_view label) {
-  return Run(Kind::kAllGather, stream, device, run_id, args, rets, groups, group_sizes, "", axis, label);
+                         ffi::Span<const int64_t> group_sizes, int64_t links_version, int64_t axis, std::string_view label) {
+  return Run(Kind::kAllGather, stream, device, run_id, args, rets, groups, group_sizes, links_version, "", axis, label);
 }
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                             ffi::Span<const int64_t> group_sizes, std::string_view reduction, int64_t axis,
-                             std::string_view label) {
-  return Run(Kind::kReduceScatter, stream, device, run_id, args, rets, groups, group_sizes, reduction, axis, label);
+                             ffi::Span<const int64_t> group_sizes, int64_t links_version, std::string_view reduction,
+                             int64_t axis, std::string_view label) {
+  return Run(Kind::kReduceScatter, stream, device, run_id, args, rets, groups, group_sizes, links_version, reduction,
+             axis, label);
 }
 
 ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                        ffi::Span<const int64_t> group_sizes, ffi::Span<const int64_t> pairs, std::string_view label) {
-  return Run(Kind::kPpermute, stream, device, run_id, args, rets, groups, group_sizes, "", 0, label, AsSpan(pairs));
+                        ffi::Span<const int64_t> group_sizes, int64_t links_version, ffi::Span<const int64_t> pairs,
+                        std::string_view label) {
+  return Run(Kind::kPpermute, stream, device, run_id, args, rets, groups, group_sizes, links_version, "", 0, label,
+             AsSpan(pairs));
 }
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                        ffi::Span<const int64_t> group_sizes, int64_t axis, std::string_view label) {
-  return Run(Kind::kAllToAll, stream, device, run_id, args, rets, groups, group_sizes, "", axis, label);
+                        ffi::Span<const int64_t> group_sizes, int64_t links_version, int64_t axis,
+                        std::string_view label) {
+  return Run(Kind::kAllToAll, stream, device, run_id, args, rets, groups, group_sizes, links_version, "", axis, label);
 }
 
 auto Bind() {
@@ -66,7 +74,10 @@ auto Bind() {
       .RemainingArgs()
       .RemainingRets()
       .Attr<ffi::Span<const int64_t>>("groups")
-      .Attr<ffi::Span<const int64_t>>("group_sizes");
+      .Attr<ffi::Span<const int64_t>>("group_sizes")
+      // The CUDA engine's link set at lowering (collective.py): picks the GPU group across processes
+      // set up then, so every process runs a program on the same group whenever its calls execute.
+      .Attr<int64_t>("links_version");
 }
 
 }  // namespace

@@ -215,6 +215,10 @@ NB_MODULE(_flexlink_cuda, m) {
         nb::arg("spec"), "Selects the GPU links (kinds nccl, pcie; rdma is refused); calls must not be running.");
   m.def("links", [] { return ProcessEngine().CurrentLinks()->names(); });
   m.def("links_spec", [] { return ProcessEngine().CurrentLinks()->spec; });
+  m.def("links_version", [] { return ProcessEngine().CurrentLinks()->version; },
+        "The current link set's version (each configure_links makes a new one): CUDA calls carry the "
+        "version they were lowered with (attribute links_version), which picks a GPU group across "
+        "processes set up then.");
   m.def("stats", &Stats, "{'links': {name: {bytes, calls, seconds, healthy, state}}, 'health': [...], "
         "'failovers': {...}}: the calls whose CUDA events "
         "have completed (read now, without waiting; calls still running on the device are not counted yet).");
