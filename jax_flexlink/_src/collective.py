@@ -52,27 +52,26 @@ _forced = threading.local()
 
 
 @contextlib.contextmanager
+def _forcing(name: str, value):
+  """`_forced.<name>` is `value` in this block (this thread's)."""
+  previous = getattr(_forced, name, None)
+  setattr(_forced, name, value)
+  try:
+    yield
+  finally:
+    setattr(_forced, name, previous)
+
+
 def ordering_effect_forced(effect: FlexLinkOrdering):
   """Collectives traced in this block take `effect` (lowering a nested region: its calls must join
   the chain of the region around it, whatever the axis environment is there)."""
-  previous = getattr(_forced, "effect", None)
-  _forced.effect = effect
-  try:
-    yield
-  finally:
-    _forced.effect = previous
+  return _forcing("effect", effect)
 
 
-@contextlib.contextmanager
 def lowering_for(platform: str):
   """The platform whose lowering rule runs in this block (jax calls every platform's rule with the
   same context when it lowers for several): the CUDA module's calls carry one attribute more."""
-  previous = getattr(_forced, "platform", None)
-  _forced.platform = platform
-  try:
-    yield
-  finally:
-    _forced.platform = previous
+  return _forcing("platform", platform)
 
 
 def _cuda_attributes() -> dict:
