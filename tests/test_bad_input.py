@@ -325,6 +325,8 @@ CACHE_FILES = {
                         'measured on another machine (fingerprint "cpu=Other CPU'),
     "no fingerprint": (json.dumps(document({k: v for k, v in entry().items() if k != "fingerprint"})), "no host fingerprint"),
     "another engine revision": (json.dumps(document(entry(engine="flexlink-engine-0"))), 'another engine revision ("flexlink-engine-0"'),
+    "processes as text": (json.dumps(document(entry(processes="1"))), '"processes" is not a process count'),
+    "more processes than ranks": (json.dumps(document(entry(processes=N + 1))), '"processes" is not a process count'),
     "format version 1": (json.dumps(document(entry(), version=1)), "format version 1 is out of date"),
     "format version 4": (json.dumps(document(entry(), version=4)), "written by a newer jax_flexlink (format version 4"),
 }

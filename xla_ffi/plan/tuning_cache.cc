@@ -59,19 +59,31 @@ std::string NormaliseLinks(const std::string& spec, std::vector<std::string>* na
   return spec;  // not a spec we can parse: still a usable (exact-match) key
 }
 
-// An entry without "processes" (every version-2 entry) is of a group inside one process.
-double ProcessesOf(const json::Value& entry) {
+// An entry's process count: absent (every version-2 entry) is 1, a group inside one process; 0 when
+// the field is not a count from 1 to the entry's ranks (corrupt).
+uint64_t ProcessesOf(const json::Value& entry) {
   const json::Value* p = entry.Find("processes");
-  return p == nullptr ? 1.0 : p->is_number() ? p->as_number() : -1.0;
+  if (p == nullptr) return 1;
+  uint64_t processes = 0, ranks = 0;
+  if (!AsCount(p, &processes) || !AsCount(entry.Find("ranks"), &ranks) || processes < 1 || processes > ranks) return 0;
+  return processes;
 }
 
-bool SameKey(const json::Value& entry, const CacheKey& key, const std::string& links) {
+// The key without its process count: host, link set, ranks.
+bool SameGroupSize(const json::Value& entry, const CacheKey& key, const std::string& links) {
   const json::Value* host = entry.Find("host");
   const json::Value* spec = entry.Find("links");
   const json::Value* ranks = entry.Find("ranks");
   return host && host->is_string() && host->as_string() == key.host && spec && spec->is_string() &&
-         spec->as_string() == links && ranks && ranks->is_number() && ranks->as_number() == key.ranks &&
-         ProcessesOf(entry) == key.processes;
+         spec->as_string() == links && ranks && ranks->is_number() && ranks->as_number() == key.ranks;
+}
+
+// An entry of this key, or one of its host, link set and ranks whose process count is corrupt (it
+// might be of this key: a store replaces it).
+bool SameKey(const json::Value& entry, const CacheKey& key, const std::string& links) {
+  if (!SameGroupSize(entry, key, links)) return false;
+  const uint64_t processes = ProcessesOf(entry);
+  return processes == 0 || processes == static_cast<uint64_t>(key.processes);
 }
 
 // Reads the whole file; false when it does not exist (no warning) or cannot be used (warning).
@@ -451,7 +463,10 @@ bool LoadTuning(const std::string& path, const CacheKey& key, TuneRecord* out, s
     record.key = key;
     record.key.links = links;
     std::string why;
-    if (!SameOrigin(entry, key, &why) || !DecodeEntry(entry, names, &record, &why)) {
+    if (ProcessesOf(entry) == 0) {
+      why = "its \"processes\" is not a process count from 1 to its ranks";
+    }
+    if (!why.empty() || !SameOrigin(entry, key, &why) || !DecodeEntry(entry, names, &record, &why)) {
       *warning = "flexlink: ignoring the tuning cache entry for " + Quote(links) + " on " +
                  std::to_string(key.ranks) + " ranks" +
                  (key.processes > 1 ? " in " + std::to_string(key.processes) + " processes" : std::string()) + " in " +
