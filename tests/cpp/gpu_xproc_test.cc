@@ -84,6 +84,9 @@ struct Shared {
   // Mode 13: per process, the call at which the group's model had the kind again after
   // forget_model, profiling (0) and from the tuning cache (1); 0: never within 16 calls.
   std::atomic<int32_t> fitted_at[2][8];
+  // Mode 17: per process, the group call at which its health said nccl was degraded (0) and
+  // healthy again (1); 0: never.
+  std::atomic<int64_t> health_at[2][8];
 };
 
 struct Scenario {
@@ -100,7 +103,8 @@ struct Scenario {
                  // 11: slow faults across processes (stage 2 moves share off); 12: a hang across
                  // processes (the hang detector breaks the group in every process); 13: stage 1
                  // across processes; 14: stage 1 with one process unable to time it; 15: stage 1
-                 // from the tuning cache; 16: links configured after the set-up
+                 // from the tuning cache; 16: links configured after the set-up; 17: health (unhealthy,
+                 // probed and re-admitted; degraded and recovered) the same in every process
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -556,6 +560,99 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       Expect(pl && pl->mode != plan::PlanMode::kProfile && pl->shares.size() == 2,
              s.what + ": stage 1 is off for the group (" + (pl ? std::string(plan::Name(pl->mode)) : "-") + ")");
     }
+  } else if (s.mode == 17) {
+    // Health across processes: the leader's GroupHealth decides what a plan leaves out and when a
+    // link is probed, and every process's health records the same verdicts.
+    const std::vector<std::string> names{"nccl", "pcie"};
+    const std::string who = s.what + ": process " + std::to_string(p);
+    auto health = [&](const std::string& link) {
+      LinkHealthSnapshot out;
+      for (const LinkHealthSnapshot& h : SnapshotHealth())
+        if (h.group == FormatIds(L.group) && h.link == link) out = h;
+      return out;
+    };
+    L.engine->splits().SetEnabled(true);
+    // A: only the followers' nccl refuses its 2nd range (the leader's fault set never fires, but asks
+    // every rank to agree). Call 2's nccl range fails over to pcie and every process marks nccl
+    // unhealthy; call 3 leaves it out; call 4 probes it (probe_calls 2) and, admitted everywhere,
+    // re-admits it in every process; call 5 splits again.
+    Expect(SetHealthOption("probe_calls", 2).ok(), who + ": probe_calls");
+    Expect(gpu::SetGpuFaults(p == 0 ? "nccl:error@at_call=1000" : "nccl:error@at_call=2", names).ok(), who + ": set");
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
+    // Pinned 0.5/0.5, so that the shares a call cuts are the plan's or health's, never stage 2's.
+    Expect(L.engine->SetShares(c.kind, plan::BucketOf(CaseBytes(c, N)), {0.5, 0.5}, true).ok(), who + ": pinned");
+    for (int call = 1; call <= 5; ++call) {
+      const std::string at = who + ": after call " + std::to_string(call);
+      L.Check(c, ++run, at);
+      const LinkHealthSnapshot n = health("nccl"), q = health("pcie");
+      Expect(q.link == "pcie" && q.state == LinkState::kHealthy, at + ": pcie healthy (" + q.reason + ")");
+      if (call == 1 || call == 5) Expect(n.link == "nccl" && n.state == LinkState::kHealthy, at + ": nccl healthy");
+      if (call == 2 || call == 3)
+        Expect(n.state == LinkState::kUnhealthy && n.since_call == 2 && n.errors == 1 && n.failovers == 1 &&
+                   n.reason.find("error at call 2") != std::string::npos,
+               at + ": nccl unhealthy since call 2, one error, one failover (" + std::string(Name(n.state)) + ", since " +
+                   std::to_string(n.since_call) + ", " + std::to_string(n.errors) + " errors, " +
+                   std::to_string(n.failovers) + " failovers: " + n.reason + ")");
+      if (call == 4)
+        Expect(n.state == LinkState::kHealthy && n.since_call == 4 && n.probes == 1 &&
+                   n.reason.find("re-admitted") != std::string::npos,
+               at + ": nccl re-admitted by the probe (" + std::string(Name(n.state)) + ", " + std::to_string(n.probes) +
+                   " probes: " + n.reason + ")");
+    }
+    std::vector<SplitRecord> splits = L.engine->splits().Take();
+    int seen = 0;
+    for (const SplitRecord& rec : splits) {
+      if (rec.ranges.size() != 2 || rec.call < 3 || rec.call > 5) continue;
+      const uint64_t nccl = rec.ranges[0].second - rec.ranges[0].first, total = rec.ranges[1].second;
+      const bool ok = rec.call == 3 ? nccl == 0 : rec.call == 4 ? nccl > 0 && nccl <= total / 16 + 64 : nccl > total / 4;
+      Expect(ok, who + ": rank " + std::to_string(rec.rank) + " call " + std::to_string(rec.call) + ": nccl's range " +
+                     std::to_string(nccl) + " of " + std::to_string(total) + " (call 3: none; 4: a probe; 5: split)");
+      ++seen;
+    }
+    Expect(seen == 3 * s.per_process, who + ": calls 3 to 5 recorded on every local rank");
+    ShareSplits(splits, p, shared);
+    // B: degraded from event times. The leader's model for all_reduce says both links run at
+    // 2.5 MB/s (slower than anything the simulation does, so clean calls stay well above 0.3 of it);
+    // 0.5/0.5 pinned; then nccl:slow@factor=6 in every process delays each nccl range by 5 x its
+    // predicted time, so nccl runs below 1/5 of its fit: degraded after 8 such calls, in every
+    // process at the same call (the same slots, fits and rule); healthy again after clean calls.
+    Expect(gpu::SetGpuFaults("", names).ok(), who + ": cleared");
+    Expect(SetHealthOption("min_bytes", 4096).ok(), who + ": min_bytes");
+    Case big{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{16384}}, 0, {}, false};
+    gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
+    if (p == 0 && g) {
+      plan::CostModel m(names);
+      m.Set(Kind::kAllReduce, 0, plan::AlphaBeta{1e-5, 1 / 2.5e6});
+      m.Set(Kind::kAllReduce, 1, plan::AlphaBeta{1e-5, 1 / 2.5e6});
+      Expect(g->balancer().SetModel(m).ok(), who + ": the leader's model");
+    }
+    Expect(L.engine->SetShares(Kind::kAllReduce, plan::BucketOf(CaseBytes(big, N)), {0.5, 0.5}, true).ok(),
+           who + ": pinned shares");
+    for (int i = 0; i < 10; ++i) L.Check(big, ++run, who + ": clean");
+    const LinkHealthSnapshot clean = health("nccl");
+    Expect(clean.state == LinkState::kHealthy && clean.expected_bps > 0 && clean.observed_bps > 0,
+           who + ": clean calls leave nccl healthy, judged against the leader's fit (expected " +
+               std::to_string(clean.expected_bps) + ", observed " + std::to_string(clean.observed_bps) + " B/s)");
+    Expect(gpu::SetGpuFaults("nccl:slow@factor=6", names).ok(), who + ": slow");
+    for (int i = 0; i < 16; ++i) L.Check(big, ++run, who + ": slowed");
+    const LinkHealthSnapshot slowed = health("nccl");
+    Expect(slowed.state == LinkState::kDegraded && slowed.reason.find("of the profiled") != std::string::npos &&
+               health("pcie").state == LinkState::kHealthy,
+           who + ": nccl degraded after 16 slowed calls, pcie healthy (" + std::string(Name(slowed.state)) + ": " +
+               slowed.reason + ")");
+    shared->health_at[0][p] = slowed.state == LinkState::kDegraded ? static_cast<int64_t>(slowed.since_call) : 0;
+    Expect(gpu::SetGpuFaults("", names).ok(), who + ": cleared");
+    for (int i = 0; i < 24; ++i) L.Check(big, ++run, who + ": clean again");
+    const LinkHealthSnapshot again = health("nccl");
+    Expect(again.state == LinkState::kHealthy && again.reason.find("recovered") != std::string::npos,
+           who + ": nccl healthy again after 24 clean calls (" + std::string(Name(again.state)) + ": " + again.reason +
+               ")");
+    shared->health_at[1][p] = again.state == LinkState::kHealthy ? static_cast<int64_t>(again.since_call) : 0;
+    if (getenv("GPU_XPROC_DEBUG"))
+      std::printf("process %d: degraded at %lld (%s), recovered at %lld\n", p,
+                  static_cast<long long>(slowed.since_call), slowed.reason.c_str(),
+                  static_cast<long long>(again.since_call));
+    ShareSplits(L.engine->splits().Take(), p, shared);
   } else if (s.mode == 16) {
     // Links configured after the group was set up (at a program's lowering, for "nccl"): that
     // program's calls keep running on the group's own links, with a warning that says why; a program
@@ -964,6 +1061,27 @@ void RunScenario(const Scenario& s) {
     Expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
            s.what + ": process " + std::to_string(p) + " passed (status " + std::to_string(status) + ")");
   }
+  if (s.mode == 17) {
+    const int n = s.processes * s.per_process;
+    int agreed = 0;
+    const auto by_call = RowsByCall(shared, n, &agreed);
+    Expect(by_call.size() == 55 && agreed == 55,
+           s.what + ": identical ranges on every rank for " + std::to_string(agreed) + " of " +
+               std::to_string(by_call.size()) + " calls");
+    for (int k = 0; k < 2; ++k) {
+      std::string at;
+      bool same = true;
+      for (int p = 0; p < s.processes; ++p) {
+        at += (p ? ", " : "") + std::to_string(shared->health_at[k][p].load());
+        same = same && shared->health_at[k][p].load() == shared->health_at[k][0].load();
+      }
+      std::printf("  %s: nccl %s at group call %s (per process)\n", s.what.c_str(), k ? "healthy again" : "degraded",
+                  at.c_str());
+      Expect(same && shared->health_at[k][0].load() > 0,
+             s.what + ": every process's health says nccl " + (k ? "recovered" : "degraded") + " at the same call (" +
+                 at + ")");
+    }
+  }
   if (s.mode == 16) {
     // Identical ranges on every rank; the first program's 8 calls on the group set up for nccl alone,
     // the second program's 3 split across nccl and pcie.
@@ -1114,6 +1232,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie stage 1, a process cannot time it", 2, per, "nccl@staging_mib=0.0625;pcie", 14});
     RunScenario({shape + "nccl;pcie stage 1 from the tuning cache", 2, per, "nccl@staging_mib=0.0625;pcie", 15});
     RunScenario({shape + "links configured after the set-up", 2, per, "nccl@staging_mib=0.0625", 16});
+    RunScenario({shape + "nccl;pcie health across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 17});
   }
   const auto after = ShmEntries();
   std::string left;

@@ -112,9 +112,7 @@ double Predicted(const std::vector<plan::AlphaBeta>& fits, size_t link, double b
   return plan::PredictOrUnfitted(fits, link, bytes);
 }
 
-uint64_t RangeMessageBytes(uint64_t message_bytes, plan::UnitRange r, uint64_t virtual_bytes) {
-  return virtual_bytes ? static_cast<uint64_t>(static_cast<double>(message_bytes) * r.size() / virtual_bytes) : 0;
-}
+using plan::RangeMessageBytes;
 
 }  // namespace
 

@@ -45,12 +45,7 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
   if (names_.size() > 1) RegisterGroupHealth(health_, links_->version);
 }
 
-namespace {
-// nccl-tests bytes of a range of the call's virtual bytes (the share of the call's message bytes).
-uint64_t RangeMessageBytes(uint64_t message_bytes, plan::UnitRange r, uint64_t virtual_bytes) {
-  return virtual_bytes ? static_cast<uint64_t>(static_cast<double>(message_bytes) * r.size() / virtual_bytes) : 0;
-}
-}  // namespace
+using plan::RangeMessageBytes;
 
 double GpuExecutor::Predict(const CallState& state, size_t link, double message_bytes) {
   if (!state.fits.empty()) return state.fits[link].Predict(message_bytes);

@@ -82,6 +82,11 @@ GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, Group
       channels_.push_back(links_->links[i]->Open(group_));
   }
   learned_ = plan::CostModel(used_names_);
+  static_assert(xproc::kMaxXprocLinks <= 30, "the slot's unhealthy word has its link bits below its flags");
+  if (used_names_.size() > 1) {  // one link has nothing to fail over to (as in one process)
+    health_ = std::make_shared<GroupHealth>(FormatIds(group_.ids), used_names_);
+    RegisterGroupHealth(health_, links_->version);
+  }
   for (int r = 0; r < group_.size(); ++r)
     if (segment_->is_local(r)) local_.push_back(r);
   std::vector<plan::LinkSpec> specs, used_specs;
@@ -160,17 +165,34 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     slot.epoch = plan->epoch;
     slot.mode = static_cast<uint32_t>(plan->mode);
     slot.links = static_cast<uint32_t>(links);
-    for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) slot.shares[i] = i < plan->shares.size() ? plan->shares[i] : 0;
-    // GPU groups use no health bits in the slot; the top bit tells every rank to run the fault
-    // agreement this call (the leader's process has faults injected).
+    // Unhealthy links out, or a probe (core/health.h): the leader's health decides for every
+    // process, which learns the shares and the unhealthy links from this slot.
+    std::vector<double> shares = plan->shares;
+    bool masked = false;
+    int probe = -1;
+    uint32_t flags = 0;
+    if (health_ && shares.size() == links) {
+      shares = health_->Effective(plan->shares, call, desc.virtual_bytes(), &masked, &probe);
+      for (size_t i = 0; i < links; ++i)
+        if (health_->Unhealthy(i)) flags |= 1u << i;
+    }
+    for (size_t i = 0; i < xproc::kMaxXprocLinks; ++i) slot.shares[i] = i < shares.size() ? shares[i] : 0;
+    if (masked) {
+      flags |= kMaskedBit;
+      planned = nullptr;  // not the plan's shares: stage 2 learns nothing from this call
+    }
+    // The fault agreement runs this call when the leader's process has faults injected.
     const std::shared_ptr<const FaultSet> faults = CurrentFaults();
-    slot.unhealthy = faults && !faults->faults.empty() ? kAgreeBit : 0;
+    if (faults && !faults->faults.empty()) flags |= kAgreeBit;
+    slot.unhealthy = flags;
     slot.call = call;
   }
   // 2. Arrival: fingerprints, liveness, deadline, abort; fails the group for every process.
   FLEXLINK_RETURN_IF_ERROR(seg.ArriveWithoutData(rank, desc, label, run_id, kGpuXprocLink));
-  // The leader reads every rank's times (written before their arrival, visible after it).
-  if (rank == 0 && ranks_[0].ready) GatherTimes(call);
+  // Every process's first local rank reads every rank's times (written before their arrival,
+  // visible after it).
+  const bool first = rank == local_.front();
+  if (first && ranks_[rank].ready) GatherTimes(call);
   // 3. The first call's set-up, then a barrier that turns one process's set-up failure into every
   // process's error.
   FLEXLINK_RETURN_IF_ERROR(EnsureSetup(rank, desc, label, run_id));
@@ -186,15 +208,28 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   }
   const std::vector<plan::UnitRange> ranges =
       plan::CutRanges(desc.virtual_bytes(), 1, std::span<const double>(slot.shares, links));
-  if (rank == 0) {
+  // Copied now: the slot is rewritten for call + 2 once the leader passed call + 1's arrival.
+  const uint32_t flags = slot.unhealthy;
+  std::array<plan::AlphaBeta, xproc::kMaxXprocLinks> fits;  // no allocation on the call path
+  const bool has_fits = xproc::SlotFits(slot, links, fits.data());
+  if (first) {
     if (planned_.empty()) planned_.resize(2 * kTimed + 2);
     Planned& p = planned_[call % planned_.size()];
-    p = Planned{};
+    const uint64_t message = MessageBytes(desc, group_.size());
     p.call = call;
     p.plan = planned;
-    p.message_bytes = MessageBytes(desc, group_.size());
-    for (const auto& r : ranges) p.link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()));
+    p.evidence = !(flags & kMaskedBit);
+    p.message_bytes = message;
+    p.link_bytes.clear();
+    p.link_message.clear();
+    for (const auto& r : ranges) {
+      p.link_bytes.push_back(desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()));
+      p.link_message.push_back(plan::RangeMessageBytes(message, r, desc.virtual_bytes()));
+    }
+    p.fits.assign(fits.begin(), fits.begin() + (has_fits ? links : 0));
+    p.heard = 0;
     p.seconds.assign(links, 0);
+    p.call_seconds = 0;
   }
   // Stage 1's phase, on every rank before the call's own work (the same NCCL operations in the same
   // order everywhere, or none: a rank that could not enqueue fails the group for every process).
@@ -211,19 +246,23 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   for (size_t i = 0; i < links; ++i)
     if (!ranges[i].empty()) work[i].push_back(ranges[i]);
   bool moved = false;
+  uint32_t refused = 0;
   Effects effects(links);
-  if (slot.unhealthy & kAgreeBit) {
+  if (flags & kAgreeBit) {
     // Every rank of every process runs the same rounds and ends with the same assignment, or the
     // same error (nothing enqueued anywhere: the group stays usable).
-    FLEXLINK_RETURN_IF_ERROR(Agree(rank, desc, ranges, label, call, run_id, &work, &moved, &effects));
+    FLEXLINK_RETURN_IF_ERROR(
+        Agree(rank, desc, ranges, flags & kLinkBits, label, call, run_id, &work, &moved, &refused, &effects));
   }
-  // Stage 2 learns from the plan's own ranges, slowed ones included (it moves load off a slow
-  // link), not from a call whose ranges moved.
-  if (moved && rank == 0 && !planned_.empty()) planned_[call % planned_.size()].plan = nullptr;
-  std::array<plan::AlphaBeta, xproc::kMaxXprocLinks> fits;  // no allocation on the call path
-  const bool has_fits = xproc::SlotFits(slot, links, fits.data());
+  // Stage 2 and health learn from the plan's own ranges, slowed ones included (stage 2 moves load
+  // off a slow link), not from a call whose ranges moved.
+  if (moved && first) {
+    Planned& p = planned_[call % planned_.size()];
+    p.plan = nullptr;
+    p.evidence = false;
+  }
   // Another process reports the leader's model (group_fits); phase 2's fits are the profile's own.
-  if (!leader() && slot.profile_phase == 0 && rank == local_.front()) {
+  if (!leader() && slot.profile_phase == 0 && first) {
     std::lock_guard<std::mutex> lock(learned_mu_);
     xproc::LearnSlotModel(slot, desc.kind, links, &learned_);
   }
@@ -232,7 +271,22 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
   if (!s.ok()) seg.Abort(rank, s.message());
+  else if (first) RecordEnqueued(call, ranges, flags & kLinkBits, refused);
   return s;
+}
+
+void GpuXprocGroup::RecordEnqueued(uint64_t call, const std::vector<plan::UnitRange>& ranges, uint32_t unhealthy,
+                                   uint32_t refused) {
+  if (!health_) return;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    if (ranges[i].empty() || ((refused >> i) & 1)) continue;
+    // Enqueued is all the host knows of a GPU range in its call: no bandwidth evidence here (that
+    // comes with the event times, GatherTimes), but the link is listed.
+    health_->Observed(i, call, 0, -1, -1);
+    // Carried everywhere while the leader calls it unhealthy (a probe): re-admitted, from the same
+    // slot and the same agreement in every process.
+    if ((unhealthy >> i) & 1) health_->Probed(i, call, true, "");
+  }
 }
 
 Status GpuXprocGroup::EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
@@ -439,8 +493,8 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
 }
 
 Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,
-                            std::string_view label, uint64_t call, int64_t run_id, Assignment* work, bool* moved,
-                            Effects* effects) {
+                            uint32_t unhealthy, std::string_view label, uint64_t call, int64_t run_id,
+                            Assignment* work, bool* moved, uint32_t* refused_links, Effects* effects) {
   xproc::ProcessGroup& seg = *segment_;
   const size_t links = used_names_.size();
   const std::shared_ptr<const FaultSet> none = std::make_shared<FaultSet>();
@@ -487,14 +541,15 @@ Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<pl
   std::vector<char> bad(links, 0);
   for (size_t i = 0; i < links; ++i)
     if (all & (1u << i)) pending.push_back(i), bad[i] = 1, (*work)[i].clear();
+  *refused_links = all;
   if (pending.empty()) return Status::Ok();
   const xproc::PlanSlot& slot = seg.plan_slot(call);
   const std::vector<double> shares(slot.shares, slot.shares + links);
-  auto healthy = [](size_t) { return false; };
+  auto is_unhealthy = [&](size_t j) { return ((unhealthy >> j) & 1) != 0; };
   std::vector<std::pair<size_t, size_t>> moves;
   for (size_t round = 1; round < links && !pending.empty(); ++round) {
     std::vector<size_t> carrier(links, links);
-    for (size_t i : pending) carrier[i] = FailoverCarrier(bad, shares, healthy);
+    for (size_t i : pending) carrier[i] = FailoverCarrier(bad, shares, is_unhealthy);
     if (carrier[pending[0]] == links) break;  // every pending range gets the same carrier
     mine = 0;
     for (size_t i : pending)
@@ -505,6 +560,7 @@ Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<pl
       if (all & (1u << i)) {
         still.push_back(i);
         bad[carrier[i]] = 1;
+        *refused_links |= 1u << carrier[i];
       } else {
         (*work)[carrier[i]].push_back(ranges[i]);
         moves.emplace_back(i, carrier[i]);
@@ -516,9 +572,17 @@ Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<pl
   // Links refused only in other processes: named so (their reasons stay there).
   for (size_t i = 0; i < links; ++i)
     if (bad[i] && errors[i].empty()) errors[i] = "refused by another rank of the group";
-  if (rank == 0) {
+  // Every process records the same decisions (its own stats): the refused links (a probe's refusal
+  // sends its next probe twice as far), one failover per moved range.
+  if (rank == local_.front()) {
     const std::string group = FormatIds(group_.ids);
+    for (size_t j = 0; health_ && j < links; ++j)
+      if (bad[j]) {
+        if (is_unhealthy(j)) health_->Probed(j, call, false, errors[j]);
+        else health_->Failed(j, call, errors[j]);
+      }
     for (const auto& [from, to] : moves) {
+      if (health_) health_->FailedOver(from);
       const auto& r = ranges[from];
       RecordFailover(FailoverRecord{group, std::string(Name(desc.kind)), used_names_[from], used_names_[to],
                                     errors[from], call, desc.InputBytes(UnitRange{r.begin, r.end}, group_.size()), 0,
@@ -527,7 +591,7 @@ Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<pl
   }
   if (pending.empty()) return Status::Ok();
   return Status::Unavailable(NoCarrierMessage(label, desc.kind, FormatIds(group_.ids) + " (" + std::string(kGpuXprocLink) + ")",
-                                              call, used_names_, errors, healthy));
+                                              call, used_names_, errors, is_unhealthy));
 }
 
 void GpuXprocGroup::WriteTimes(int rank, uint64_t call) {
@@ -572,18 +636,30 @@ void GpuXprocGroup::GatherTimes(uint64_t call) {
     // Another process wrote it: checked against what the leader planned, not trusted.
     if (in.call == 0 || in.links != links || in.call >= call) continue;
     Planned& p = planned_[in.call % planned_.size()];
-    if (p.call != in.call || !p.plan) continue;
+    if (p.call != in.call || (!p.plan && !p.evidence)) continue;
     for (size_t i = 0; i < links; ++i)
       if (std::isfinite(in.seconds[i])) p.seconds[i] = std::max(p.seconds[i], in.seconds[i]);
     if (std::isfinite(in.call_seconds)) p.call_seconds = std::max(p.call_seconds, in.call_seconds);
     if (++p.heard < group_.size()) continue;
     // Every rank has reported this call: the slowest rank's time per link, as the in-process
-    // executor reports (a collective is as fast as its slowest rank).
-    const plan::Balancer::Outcome outcome = balancer_.Report(*p.plan, p.message_bytes, p.seconds, p.call_seconds);
-    for (size_t i = 0; i < links; ++i)
-      if (p.seconds[i] > 0) RecordLinkCall(used_names_[i], p.link_bytes[i], p.seconds[i]);
-    if (outcome.changed) LogInfo("group " + FormatIds(group_.ids) + " across processes: " + outcome.reason);
-    p = Planned{};
+    // executor reports (a collective is as fast as its slowest rank). Stage 2 and the link
+    // statistics in the leader's process only (one count per call).
+    if (p.plan) {
+      const plan::Balancer::Outcome outcome = balancer_.Report(*p.plan, p.message_bytes, p.seconds, p.call_seconds);
+      for (size_t i = 0; i < links; ++i)
+        if (p.seconds[i] > 0) RecordLinkCall(used_names_[i], p.link_bytes[i], p.seconds[i]);
+      if (outcome.changed) LogInfo("group " + FormatIds(group_.ids) + " across processes: " + outcome.reason);
+    }
+    // Degraded, in every process alike: each link's rate (its range's nccl-tests bytes over the
+    // slowest rank's event time) against the leader's fit at that size, as the slot carried it.
+    for (size_t i = 0; health_ && p.evidence && i < links && i < p.link_message.size(); ++i) {
+      const uint64_t b = p.link_message[i];
+      if (b == 0 || !(p.seconds[i] > 0)) continue;
+      const double expected = p.fits.size() == links ? b / p.fits[i].Predict(static_cast<double>(b)) : -1;
+      health_->Observed(i, p.call, b, expected, b / p.seconds[i]);
+    }
+    p.call = 0;
+    p.plan = nullptr;
   }
 }
 
@@ -641,6 +717,8 @@ void GpuXprocGroup::Hung(const Timed& t, int rank, size_t link, double waited) {
                              " (the hang detector); the results of call " + std::to_string(t.call) +
                              " and of every call enqueued after it cannot be trusted, and the group runs nothing "
                              "more (its streams released, its communicators aborted in every process)";
+  // This process's view: the link missed its deadline (other processes see the group broken).
+  if (health_) health_->Failed(link, t.call, reason, "missed its deadline");
   // Every process's later calls fail with this reason (the segment's abort word), and their
   // watchdogs release their own streams.
   segment_->Abort(rank, reason);

@@ -29,7 +29,11 @@
 // with stream memory operations on flags in it). Stage 2: every rank's event times reach the
 // leader's balancer through the segment's times slots (WriteTimes/GatherTimes below), and stats()
 // counts the calls there; `error` faults fail over across processes (Agree), `slow` and `hang` go on
-// the device as in one process, and a hang detector breaks the group in every process. Stage 1:
+// the device as in one process, and a hang detector breaks the group in every process. Health
+// (docs/faults.md, "GPU groups across processes"): the leader's GroupHealth decides which links a
+// plan leaves out and when one is probed, and says so in the plan slot; every process's first local
+// rank records the same refusals, failovers, probes and event-time rates into its own GroupHealth,
+// so stats()["health"] gives the same verdicts in every process. Stage 1:
 // gpu_xproc_profile.h (the leader decides, every rank enqueues the same profile phase in the same
 // call, the times come back through the segment).
 #pragma once
@@ -49,6 +53,7 @@
 
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/faults.h"
+#include "xla_ffi/core/health.h"
 #include "xla_ffi/core/engine.h"
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/cuda/comm_api.h"
@@ -111,6 +116,8 @@ class GpuXprocGroup {
   std::optional<std::string> broken() const;
   // Stage 1 (the leader's decisions, every rank's enqueue and times).
   GpuXprocProfiler& profiler() { return *profiler_; }
+  // This process's view of the links' health (null with one used link: nothing to fail over to).
+  const std::shared_ptr<GroupHealth>& health() const { return health_; }
 
  private:
   Status EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
@@ -136,18 +143,30 @@ class GpuXprocGroup {
   // leader's process has faults injected (it says so in the plan slot, kAgreeBit of `unhealthy`),
   // so every rank runs the same barriers.
   // An admitted range's injected slow and hang faults go into *effects (FaultyGpuChannel::Admit's
-  // rule), as in one process.
-  Status Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges, std::string_view label,
-               uint64_t call, int64_t run_id, Assignment* work, bool* moved, Effects* effects);
+  // rule), as in one process. `unhealthy`: the leader's unhealthy links (never carriers); *refused_links:
+  // the links refused on any rank in any round. The first local rank records the refusals and
+  // failovers into this process's health and failover log, the same in every process.
+  Status Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges, uint32_t unhealthy,
+               std::string_view label, uint64_t call, int64_t run_id, Assignment* work, bool* moved,
+               uint32_t* refused_links, Effects* effects);
+  // The plan slot's `unhealthy` word for these groups: bits 0..7 the leader's unhealthy links, and
+  // two flags for every rank: kAgreeBit (run the fault agreement: the leader's process has faults
+  // injected), kMaskedBit (the call's shares are not the plan's: unhealthy links left out or a
+  // probe, so no process takes its times as evidence of a link's bandwidth).
   static constexpr uint32_t kAgreeBit = 1u << 31;
+  static constexpr uint32_t kMaskedBit = 1u << 30;
+  static constexpr uint32_t kLinkBits = 0xffu;  // one per link, up to xproc::kMaxXprocLinks
 
   // Stage 2 across processes. Every local rank times its calls with its own events (a ring of
   // kTimed; their start/stop also fork and join the side streams) and, before each arrival, writes
   // the latest call whose events completed into its times slot of the arriving call's parity (the
-  // CPU XprocExecutor's slots and parity argument: rewritten two arrivals later, after the leader
-  // read it right after this one). The leader gathers every rank's times per measured call and, once
-  // all n have reported one, reports the slowest rank's time per link to its balancer and to the
-  // link statistics (stats()). Only the leader's device thread of rank 0 touches `planned_`/`heard_`.
+  // CPU XprocExecutor's slots and parity argument: rewritten two arrivals later, after every
+  // process's first local rank read it right after this one). Each process's first local rank
+  // gathers every rank's times per call it recorded and, once all n have reported one, the leader
+  // reports the slowest rank's time per link to its balancer and to the link statistics (stats()),
+  // and every process judges each link's rate against the leader's fits from the call's slot
+  // (degraded): the same times, fits and rule everywhere, so the same verdict. Only that rank's
+  // device thread touches `planned_`.
   static constexpr size_t kTimed = 4;
   struct Timed {
     uint64_t call = 0;  // 0: free
@@ -170,13 +189,16 @@ class GpuXprocGroup {
     // detector releases it, then 1 for good (the group is broken).
     uint32_t* hang_flag = nullptr;
   };
-  struct Planned {  // the leader's record of a call it planned, until every rank reported it
+  struct Planned {  // a process's record of a call, until every rank reported it
     uint64_t call = 0;
-    std::shared_ptr<const plan::Plan> plan;
+    std::shared_ptr<const plan::Plan> plan;  // the leader's, for stage 2; null elsewhere or when not the plan's
+    bool evidence = false;                   // the plan's own ranges ran: its times judge bandwidth
     uint64_t message_bytes = 0;
-    std::vector<uint64_t> link_bytes;  // per used link: its range's input bytes (stats' convention)
-    int heard = 0;                     // ranks that reported it
-    std::vector<double> seconds;       // per used link: the slowest rank's so far
+    std::vector<uint64_t> link_bytes;    // per used link: its range's input bytes (stats' convention)
+    std::vector<uint64_t> link_message;  // per used link: its range's nccl-tests bytes (health)
+    std::vector<plan::AlphaBeta> fits;   // the leader's fits of the call's slot (empty: none)
+    int heard = 0;                       // ranks that reported it
+    std::vector<double> seconds;         // per used link: the slowest rank's so far
     double call_seconds = 0;
   };
   // The hang detector (docs/faults.md, "GPU links"): the rank's oldest pending call's ranges
@@ -186,7 +208,11 @@ class GpuXprocGroup {
   void Hung(const Timed& t, int rank, size_t link, double waited);
   void ReleaseHangFlags();  // every local rank's flag, for good
   void WriteTimes(int rank, uint64_t call);   // before the arrival of `call`
-  void GatherTimes(uint64_t call);            // the leader, after the arrival of `call`
+  void GatherTimes(uint64_t call);            // each process's first local rank, after the arrival of `call`
+  // After a call's agreement and enqueue, on the first local rank of every process: links that ran
+  // are listed, and an unhealthy one that carried its range (a probe) is re-admitted.
+  void RecordEnqueued(uint64_t call, const std::vector<plan::UnitRange>& ranges, uint32_t unhealthy,
+                      uint32_t refused);
   std::vector<Planned> planned_;              // ring of 2 * kTimed + 2, by call
   std::vector<FaultCounter> fault_calls_;     // per used link: each local rank's ranges admitted
 
@@ -200,6 +226,7 @@ class GpuXprocGroup {
   std::vector<std::string> used_names_;
   std::vector<std::pair<std::string, std::string>> left_out_;
   plan::Balancer balancer_;
+  std::shared_ptr<GroupHealth> health_;
   std::unique_ptr<GpuXprocProfiler> profiler_;
   mutable std::mutex learned_mu_;
   plan::CostModel learned_;  // not the leader: the leader's model, from the slots

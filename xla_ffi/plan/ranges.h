@@ -31,4 +31,10 @@ struct UnitRange {
 std::vector<UnitRange> CutRanges(uint64_t units, size_t element_bytes, std::span<const double> shares,
                                  size_t align_bytes = kCacheLineBytes);
 
+// nccl-tests bytes of range `r` of a call's `virtual_bytes` units: its share of the call's
+// `message_bytes` (what stage 2, health and the link statistics count a range by).
+inline uint64_t RangeMessageBytes(uint64_t message_bytes, UnitRange r, uint64_t virtual_bytes) {
+  return virtual_bytes ? static_cast<uint64_t>(static_cast<double>(message_bytes) * r.size() / virtual_bytes) : 0;
+}
+
 }  // namespace flexlink::plan

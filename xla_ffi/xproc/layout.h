@@ -43,7 +43,7 @@ struct PlanSlot {
   double shares[kMaxXprocLinks];
   // Health and fits as the leader sees them, so that every process decides the same from the same
   // bytes (docs/faults.md, "Across processes"): bit i of `unhealthy`: link i is unhealthy (never a
-  // failover carrier, even while probed); `has_fits`: alpha/beta are the leader's stage-1 fits for
+  // failover carrier, even while probed; GPU groups also use bits 30 and 31 as flags, gpu_xproc.h); `has_fits`: alpha/beta are the leader's stage-1 fits for
   // the call's kind (per-link deadlines and degraded detection predict from them), else none.
   uint32_t unhealthy;
   uint32_t has_fits;

@@ -416,7 +416,7 @@ class XprocExecutor {
     return plan::PredictOrUnfitted(fits, link, bytes);
   }
   static uint64_t RangeBytes(const CallDesc& desc, uint64_t bytes, plan::UnitRange r) {
-    return static_cast<uint64_t>(static_cast<double>(bytes) * r.size() / std::max<uint64_t>(1, desc.virtual_bytes()));
+    return plan::RangeMessageBytes(bytes, r, desc.virtual_bytes());
   }
 
   // An injected error, or a hang: that waits the link's deadline touching nothing (a cross-process
