@@ -652,12 +652,13 @@ void GpuXprocGroup::GatherTimes(uint64_t call) {
     }
     // Degraded, in every process alike: each link's rate (its range's nccl-tests bytes over the
     // slowest rank's event time) against the leader's fit at that size, as the slot carried it.
-    for (size_t i = 0; health_ && p.evidence && i < links && i < p.link_message.size(); ++i) {
-      const uint64_t b = p.link_message[i];
-      if (b == 0 || !(p.seconds[i] > 0)) continue;
-      const double expected = p.fits.size() == links ? b / p.fits[i].Predict(static_cast<double>(b)) : -1;
-      health_->Observed(i, p.call, b, expected, b / p.seconds[i]);
-    }
+    if (health_ && p.evidence)
+      for (size_t i = 0; i < links; ++i) {
+        const uint64_t b = p.link_message[i];
+        if (b == 0 || !(p.seconds[i] > 0)) continue;
+        const double expected = p.fits.size() == links ? b / p.fits[i].Predict(static_cast<double>(b)) : -1;
+        health_->Observed(i, p.call, b, expected, b / p.seconds[i]);
+      }
     p.call = 0;
     p.plan = nullptr;
   }

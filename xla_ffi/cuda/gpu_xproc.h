@@ -116,8 +116,6 @@ class GpuXprocGroup {
   std::optional<std::string> broken() const;
   // Stage 1 (the leader's decisions, every rank's enqueue and times).
   GpuXprocProfiler& profiler() { return *profiler_; }
-  // This process's view of the links' health (null with one used link: nothing to fail over to).
-  const std::shared_ptr<GroupHealth>& health() const { return health_; }
 
  private:
   Status EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
@@ -226,7 +224,7 @@ class GpuXprocGroup {
   std::vector<std::string> used_names_;
   std::vector<std::pair<std::string, std::string>> left_out_;
   plan::Balancer balancer_;
-  std::shared_ptr<GroupHealth> health_;
+  std::shared_ptr<GroupHealth> health_;  // null with one used link: nothing to fail over to
   std::unique_ptr<GpuXprocProfiler> profiler_;
   mutable std::mutex learned_mu_;
   plan::CostModel learned_;  // not the leader: the leader's model, from the slots
