@@ -62,10 +62,13 @@ PIDS_PROG = """
     d, role = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["FLEXLINK_PROCESS_ID"])
     n = int(os.environ["FLEXLINK_NUM_PROCESSES"])
-    open(os.path.join(d, f"rank{rank}.pid"), "w").write(str(os.getpid()))
+    def record(name, pid):  # written whole, then renamed: the test polls the directory meanwhile
+        open(os.path.join(d, name + ".tmp"), "w").write(str(pid))
+        os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name + ".pid"))
+    record(f"rank{rank}", os.getpid())
     if rank == 0:  # a grandchild in rank 0's process group: it must not outlive the job either
         child = subprocess.Popen(["sleep", "300"])
-        open(os.path.join(d, "child.pid"), "w").write(str(child.pid))
+        record("child", child.pid)
     deadline = time.monotonic() + 60
     while len([f for f in os.listdir(d) if f.endswith(".pid")]) < n + 1 and time.monotonic() < deadline:
         time.sleep(0.02)
