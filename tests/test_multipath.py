@@ -4,6 +4,8 @@ Emulated links are real links (shm underneath) paced to a bus bandwidth far belo
 speed, so the pacing, not the CPU, sets each link's time and the optimal split is known analytically:
 shares proportional to the links' bandwidths at large sizes.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,6 +220,20 @@ def test_links_from_the_environment():
     assert "ignoring FLEXLINK_LINKS='shm;bogus'" in res.stderr and 'unknown link kind "bogus"' in res.stderr
 
 
+def _share_ran(printed_ranges, nbytes):
+    """Link a's share of the one call whose rank-0 ranges (one (begin, end) per link) were printed."""
+    ranges, = eval(printed_ranges)
+    assert sum(end - begin for begin, end in ranges) == nbytes, ranges
+    return (ranges[0][1] - ranges[0][0]) / nbytes
+
+
+def _equal_finish_share(a, b, nbytes):
+    """Link a's share at which two α-β fits (the tuning cache's) finish a call of nbytes together."""
+    inv = 1 / a["beta_s_per_byte"] + 1 / b["beta_s_per_byte"]
+    finish = (nbytes + a["alpha_s"] / a["beta_s_per_byte"] + b["alpha_s"] / b["beta_s_per_byte"]) / inv
+    return min(1.0, max(0.0, (finish - a["alpha_s"]) / a["beta_s_per_byte"] / nbytes))
+
+
 def test_tune_runs_stage1_now_and_caches(tmp_path):
     from helpers import run_python
     code = """
@@ -234,18 +250,30 @@ def test_tune_runs_stage1_now_and_caches(tmp_path):
         mesh = Mesh(np.array(jax.devices()), ("x",))
         f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=P("x"),
                                   out_specs=P("x"), check_vma=False))
-        f(jax.device_put(jnp.ones(8 * (1 << 18), jnp.float32), NamedSharding(mesh, P("x"))))
+        f(jax.device_put(jnp.ones(8 * (1 << 18), jnp.float32), NamedSharding(mesh, P("x")))).block_until_ready()
         plan = [p for p in flx.stats()["plans"] if p["bucket_bytes"] == 1 << 20][0]
-        print("FIRST_SHARES", plan["shares"]["a"], plan["mode"])
+        print("MODE", plan["mode"])
+        print("FITS", [(a_alpha, a_beta), (b_alpha, b_beta)])
     """
     env = {"FLEXLINK_TUNE_CACHE": str(tmp_path / "tune.json"), "FLEXLINK_DEBUG": "INFO"}
     first = run_python(code.replace("CACHED", "False"), env_extra=env)
     assert first.returncode == 0, first.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in first.stdout.splitlines() if " " in line)
-    assert 1.5 < float(out["BW_RATIO"]) < 2.6, out  # b is half as fast: twice the seconds per byte
+    # b is half as fast: twice the seconds per byte. Paced links timed on a loaded 2-core VM read
+    # up to ~2.7 (session 25's CI); equal or inverted fits would still fail.
+    assert 1.5 < float(out["BW_RATIO"]) < 2.8, out
     assert int(out["THRESHOLD"]) <= 1 << 20, out  # splitting wins (at least) at the largest size
-    share_a = float(out["FIRST_SHARES"].split()[0])
-    assert abs(share_a - 2 / 3) < 0.05, out  # stage 1 alone lands near the optimum, before stage 2
+    assert out["MODE"] in ("converging", "settled"), out
+    # Stage 1 alone installs the split at which both fitted links finish together (near 2/3 on a).
+    # It is read from stage 1's own log line: stage 2 moves the plan from there already during
+    # tune() (its timed split calls report to it) and again on the call above, and on a loaded
+    # machine one noisy call moves it far (CI once saw 0.78 after the call, from fits whose split
+    # was 0.69).
+    stage1 = re.search(r"stage 1 for all_reduce on group .*; plan all_reduce 1 MiB \[converging\] a=([0-9.]+)",
+                       first.stderr)
+    assert stage1, first.stderr[-2000:]
+    a, b = ({"alpha_s": alpha, "beta_s_per_byte": beta} for alpha, beta in eval(out["FITS"]))
+    assert abs(float(stage1.group(1)) - _equal_finish_share(a, b, 1 << 20)) < 0.01, (out, stage1.group(0))
     assert "stage 1 for all_reduce on group" in first.stderr and "from cache" not in first.stderr
     assert (tmp_path / "tune.json").exists()
     second = run_python(code.replace("CACHED", "True"), env_extra=env)
@@ -285,20 +313,6 @@ ENGINE_STAGE1 = """
 """
 
 
-def _share_ran(printed_ranges, nbytes):
-    """Link a's share of the one call whose rank-0 ranges (one (begin, end) per link) were printed."""
-    ranges, = eval(printed_ranges)
-    assert sum(end - begin for begin, end in ranges) == nbytes, ranges
-    return (ranges[0][1] - ranges[0][0]) / nbytes
-
-
-def _equal_finish_share(a, b, nbytes):
-    """Link a's share at which two α-β fits (the tuning cache's) finish a call of nbytes together."""
-    inv = 1 / a["beta_s_per_byte"] + 1 / b["beta_s_per_byte"]
-    finish = (nbytes + a["alpha_s"] / a["beta_s_per_byte"] + b["alpha_s"] / b["beta_s_per_byte"]) / inv
-    return min(1.0, max(0.0, (finish - a["alpha_s"]) / a["beta_s_per_byte"] / nbytes))
-
-
 def test_stage1_runs_in_the_engine_on_the_first_large_call(tmp_path):
     """No tune(): the first call of >= 1 MiB profiles both links, and the call itself already runs
     the fitted split; the next process takes the fits from the cache without profiling."""
@@ -318,7 +332,7 @@ def test_stage1_runs_in_the_engine_on_the_first_large_call(tmp_path):
     assert entry["ranks"] == 8 and set(entry["fits"]) == {"all_reduce"}, entry
     assert "all_reduce" in entry["split_min_bytes"], entry
     a, b = entry["fits"]["all_reduce"]
-    assert 1.5 < b["beta_s_per_byte"] / a["beta_s_per_byte"] < 2.6, entry
+    assert 1.5 < b["beta_s_per_byte"] / a["beta_s_per_byte"] < 2.8, entry  # as in the test above
     # The split each call ran (its ranges; the plan printed after it may already hold stage 2's
     # first step, which one noisy call on a loaded machine makes large) is the one at which both
     # fitted links finish together (near 2/3 on a, the bandwidth ratio, moved off it by the fitted
