@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -342,16 +343,18 @@ void TestSilentPeerPpermute(Link& tcp) {
   SetTimeoutSeconds(saved);
 }
 
-// Median of rank 0's time over `reps` calls.
+// The fastest of `reps` calls, each timed by its slowest rank. Pacing only adds time, and so does a
+// neighbour on two cores (Bazel runs another test beside this one: a median of 5 once read 7.59 ms
+// against the formula's 6.59), so the least disturbed call is the one to hold to the formula; a link
+// that paces too fast still reads below it.
 double TimeCall(Communicator& comm, const std::vector<CallDesc>& descs, size_t units, int reps) {
-  std::vector<double> t;
+  double best = std::numeric_limits<double>::infinity();
   for (int i = 0; i < reps; ++i) {
     std::vector<double> s;
     RunCall(comm, descs, {{0, {0, units}}}, &s);
-    t.push_back(*std::max_element(s.begin(), s.end()));
+    best = std::min(best, *std::max_element(s.begin(), s.end()));
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return best;
 }
 
 std::vector<CallDesc> Descs(Kind kind, int n, size_t units, std::vector<std::vector<float>>& bufs) {
@@ -669,15 +672,15 @@ void TestEmulatedMultiPart() {
     for (auto& th : threads) th.join();
     t.push_back(*std::max_element(sec.begin(), sec.end()));
   }
-  std::sort(t.begin(), t.end());
+  std::sort(t.begin(), t.end());  // t[0]: the least disturbed call, as in TimeCall
   bool ok = true;
   for (int r = 0; r < n; ++r) ok &= st[r].ok() && a[2 * r + 1][0] == 8.f && b[2 * r + 1][0] == 8.f;
   Expect(ok, "emulated 2-part all_reduce: correct");
   char buf[160];
   std::snprintf(buf, sizeof buf, "emulated all_reduce of 2 parts (96 Ki + 32 Ki floats) @0.2 GB/s +300 us: %.2f ms, formula %.2f ms",
-                t[2] * 1e3, want * 1e3);
+                t[0] * 1e3, want * 1e3);
   std::printf("%s\n", buf);
-  Expect(std::fabs(t[2] / want - 1) <= 0.15, buf);
+  Expect(std::fabs(t[0] / want - 1) <= 0.15, buf);
 }
 
 }  // namespace
