@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flexlink as flx
 from jax_flexlink import _flexlink, launch
-from jax_flexlink._src import config, runtime
+from jax_flexlink._src import config, native, runtime
 from helpers import N, run_python
 
 # -- the Python API ---------------------------------------------------------------------------------
@@ -192,13 +192,15 @@ ENV_PROBE = """
     warnings.simplefilter("always")
     with warnings.catch_warnings(record=True) as caught:
         import jax_flexlink as flx
+        from jax_flexlink._src import native
         from jax_flexlink._src.config import ENV
     print("RESULT", json.dumps({
         "warnings": [str(w.message) for w in caught if "jax_flexlink" in str(w.message)],
         "env": {k: v for k, v in vars(ENV).items()}, "links": flx.links(),
         "timeout": flx._flexlink.timeout(), "autotune": flx._flexlink.autotune_min_bytes(),
         "tune_max": flx._flexlink.tune_max_bytes(), "replacing": flx.replacing_collectives(),
-        "config_warnings": flx._flexlink.config_warnings()}))
+        "config_warnings": flx._flexlink.config_warnings(),
+        "gpu_links": None if native.cuda_module() is None else native.cuda_module().links()}))
 """
 
 DEFAULTS = {"timeout_s": 300.0, "autotune_min_bytes": 1 << 20, "tune_max_bytes": 16 << 20,
@@ -224,7 +226,7 @@ BAD_ENV = [
      "FLEXLINK_XPROC_SLOT_BYTES": ("0", "using the default 4M"),
      "FLEXLINK_DEBUG": ("\u00e9", "(no logging)"),
      "FLEXLINK_REPLACE_COLLECTIVES": ("2", "using the default false"),
-     "FLEXLINK_LINKS": ("nccl", "no CUDA module"),
+     "FLEXLINK_LINKS": ("nccl;pcie", "no CUDA module"),
      "FLEXLINK_EMULATED_HOSTS": ("two", "using the default 1"),
      "FLEXLINK_LINK_TIMEOUT_S": ("soon", "using the default 10")},
 ]
@@ -239,12 +241,19 @@ def _probe(env):
 
 @pytest.mark.parametrize("batch", range(len(BAD_ENV)))
 def test_bad_environment_values_warn_and_use_the_default(batch):
-    bad = BAD_ENV[batch]
-    got = _probe({name: value for name, (value, _) in bad.items()})
+    env = {name: value for name, (value, _) in BAD_ENV[batch].items()}
+    bad = dict(BAD_ENV[batch])
+    if env["FLEXLINK_LINKS"] == "nccl;pcie" and native.cuda_module() is not None:
+        # A build with the CUDA module takes GPU links for its GPU engine; the CPU engine keeps shm.
+        del bad["FLEXLINK_LINKS"]
+    got = _probe(env)
     for name, (value, fragment) in bad.items():
         mine = [w for w in got["warnings"] if f"ignoring {name}={value!r}" in w]
         assert len(mine) == 1 and fragment in mine[0], (name, got["warnings"])
     assert len(got["warnings"]) == len(bad), got["warnings"]
+    # The GPU engine's links: its default (nccl) unless the spec was a valid GPU one.
+    assert got["gpu_links"] == (None if native.cuda_module() is None
+                                else ["nccl", "pcie"] if "FLEXLINK_LINKS" not in bad else ["nccl"]), got
     for key, default in DEFAULTS.items():
         assert got["env"][key] == default or key == "links", (key, got["env"])
     assert got["links"] == ["shm"] and got["timeout"] == 300.0 and got["autotune"] == 1 << 20

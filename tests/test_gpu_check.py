@@ -133,7 +133,9 @@ def test_no_gpu_on_this_machine(tmp_path):
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("this machine has an NVIDIA driver")
     out = tmp_path / "out"
-    env = dict(os.environ, GPU_CHECK_PYTHON=sys.executable)
+    # An empty C++ build directory: the checkout's own (build/gpu-check-tests) holds binaries once
+    # gpu_check.sh has built there, and the cpp step's note then counts them.
+    env = dict(os.environ, GPU_CHECK_PYTHON=sys.executable, GPU_CHECK_BUILD_DIR=str(tmp_path / "cpp"))
     env.pop("JAX_PLATFORMS", None)
     res = _run([str(out), "--skip-build"], env=env)
     assert res.returncode == 1, res.stdout + res.stderr
