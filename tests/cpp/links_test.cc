@@ -672,15 +672,15 @@ void TestEmulatedMultiPart() {
     for (auto& th : threads) th.join();
     t.push_back(*std::max_element(sec.begin(), sec.end()));
   }
-  std::sort(t.begin(), t.end());  // t[0]: the least disturbed call, as in TimeCall
+  const double best = *std::min_element(t.begin(), t.end());  // the least disturbed call, as in TimeCall
   bool ok = true;
   for (int r = 0; r < n; ++r) ok &= st[r].ok() && a[2 * r + 1][0] == 8.f && b[2 * r + 1][0] == 8.f;
   Expect(ok, "emulated 2-part all_reduce: correct");
   char buf[160];
   std::snprintf(buf, sizeof buf, "emulated all_reduce of 2 parts (96 Ki + 32 Ki floats) @0.2 GB/s +300 us: %.2f ms, formula %.2f ms",
-                t[0] * 1e3, want * 1e3);
+                best * 1e3, want * 1e3);
   std::printf("%s\n", buf);
-  Expect(std::fabs(t[0] / want - 1) <= 0.15, buf);
+  Expect(std::fabs(best / want - 1) <= 0.15, buf);
 }
 
 }  // namespace
