@@ -56,9 +56,15 @@ list(APPEND FLEXLINK_CUDA_RUNTIME_SOURCES xla_ffi/ffi/decode.cc)
 add_library(flexlink_cuda_runtime STATIC ${FLEXLINK_CUDA_RUNTIME_SOURCES})
 target_include_directories(flexlink_cuda_runtime PRIVATE ${FLEXLINK_NCCL_INCLUDE_DIR})
 target_link_libraries(flexlink_cuda_runtime PUBLIC flexlink_gpu_engine CUDA::cudart_static ${CMAKE_DL_LIBS})
+# --fmad=false: no multiply-add contracted into an FMA in device code. The kernels' arithmetic
+# (xla_ffi/cuda/elementwise.h) must be the host's bit for bit (nvcc's default --fmad=true made the
+# complex product fused, off the CPU engine in the last bits); elementwise.h already writes every floating
+# operation with the non-contractible _rn intrinsics, and this keeps any plain a*b+c added to device
+# code later honest too. The kernels are memory-bound: FMA would gain nothing. (Bazel's nvcc rule,
+# xla_ffi/BUILD.bazel, passes the same.)
 target_compile_options(flexlink_cuda_runtime PRIVATE
   $<$<COMPILE_LANGUAGE:CXX>:-O3 -Wall -Wextra -fvisibility=hidden>
-  $<$<COMPILE_LANGUAGE:CUDA>:-O3 -Xcompiler=-fvisibility=hidden>)
+  $<$<COMPILE_LANGUAGE:CUDA>:-O3 --fmad=false -Xcompiler=-fvisibility=hidden>)
 
 nanobind_add_module(_flexlink_cuda NB_STATIC xla_ffi/cuda/runtime/module.cc)
 target_link_libraries(_flexlink_cuda PRIVATE flexlink_cuda_runtime)

@@ -168,3 +168,56 @@ def test_flexlink_runs_the_gpu_collectives(two_gpus, flexlink_on_gpus):
     with flx.replace_collectives():
         report = flx.collectives(_psum_program(lax, mesh), x)
     assert [c.runner for c in report] == ["flexlink"], report
+
+
+# Floating max/min with NaN: NCCL's semantics on both links, as native lax on the GPU -------------------
+#
+# XLA:GPU's all-reduce with max/min is ncclMax/ncclMin, whose kernels use fmaxf/fmax/__hmax: a NaN
+# operand is dropped, the result is NaN only where every rank's is. FlexLink's GPU engine gives the
+# same on the nccl link (NCCL itself) and the pcie link (its own kernels, xla_ffi/cuda/elementwise.h),
+# so the result does not depend on the split. (On CPU, lax and FlexLink propagate NaN instead.) The
+# sign of a zero max/min is not part of the contract: values are compared, +0 == -0.
+
+
+def _nan_rows(dtype, n, m, seed):
+    """n ranks' rows of m values: in each 16 columns, NaN on one rank, on all but one, on every rank,
+    on every other rank, beside +-inf and +-0; ordinary values in the rest."""
+    x = helpers.make_data("float64", (n, m), seed=seed)
+    k = np.arange(m) % 16
+    x[0, k == 0] = np.nan                                    # one rank
+    x[: n - 1, k == 1] = np.nan                              # all but the last
+    x[:, k == 2] = np.nan                                    # every rank
+    x[1::2, k == 3] = np.nan                                 # every other rank
+    x[0, k == 4], x[n - 1, k == 4] = np.inf, np.nan          # +inf beside a NaN
+    x[:, k == 5] = -np.inf
+    x[n - 1, k == 5] = np.nan                                # -inf everywhere but one NaN
+    x[:, k == 6] = 0.0
+    x[0, k == 6] = -0.0                                      # zeros of both signs
+    x[:, k == 7] = -0.0
+    x[n - 1, k == 7] = np.nan                                # -0 beside a NaN
+    x[0, k == 8], x[n - 1, k == 8] = np.inf, -np.inf         # both infinities
+    return x.astype(jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("op", ["pmax", "pmin"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_pmax_pmin_with_nans_match_lax(two_gpus, flexlink_on_gpus, links, op, dtype):
+    n, mesh = len(two_gpus), _mesh(two_gpus)
+    make = CASES[op][0]
+    lax_fn = helpers.per_device(make(lax), mesh)
+    flx_fn = helpers.per_device(make(flx), mesh)
+    nan_max = np.fmax if op == "pmax" else np.fmin   # IEEE maxNum/minNum: NaN only if both are NaN
+    for m in (32771, 125):  # several chunks, odd per rank; and small, not a multiple of 64 bytes
+        x = _nan_rows(dtype, n, m, seed=m)
+        want = np.asarray(lax_fn(x))
+        got = np.asarray(flx_fn(x))
+        what = f"{op} {dtype} {m} per rank over {links}"
+        # NaN positions equal, values equal (+0 == -0): FlexLink against native lax on the GPUs.
+        helpers.assert_leaf_equal(got, want, what)
+        # The contract itself (and what lax on a GPU should give): NaN only where every rank is NaN.
+        ref = np.broadcast_to(nan_max.reduce(x.astype(np.float64), axis=0), (n, m))
+        helpers.assert_leaf_equal(got.astype(np.float64), ref, what + ", against numpy's fmax/fmin")
+        assert np.isnan(got.astype(np.float64)[:, 2::16]).all() and not np.isnan(got.astype(np.float64)[:, 0::16]).any()
+    if ";" in links:
+        moved = {name: s["bytes"] for name, s in flx.stats()["links"].items()}
+        assert all(moved.get(k, 0) > 0 for k in ("nccl", "pcie")), moved

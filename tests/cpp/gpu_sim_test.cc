@@ -2,11 +2,16 @@
 // CUDA runtime, NCCL and the kernels' launch — the links' schedules (every copy, kernel, event and
 // cross-rank wait of nccl and pcie), the executor's fork/join and timing, stage 1 and stage 2, the
 // setup, error paths — with every collective checked against the independent reference. The
-// simulated NCCL reduces in rank order like the reference, so results are compared bitwise.
+// simulated NCCL reduces in rank order like the reference, so results are compared bitwise; floating
+// max/min are NCCL's on the GPU (a NaN operand dropped, elementwise.h), checked against a reference
+// of their own (TestElementwiseFloatMaxMinIsNccls, TestFloatMaxMinThroughEachLink).
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <thread>
 
 #include "tests/cpp/check.h"
@@ -62,8 +67,16 @@ struct Sim {
 
 double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// Floating max/min, which on the GPU follow NCCL (maxNum/minNum: a NaN operand is dropped) and not
+// the CPU engine (XLA:CPU's NaN-propagating max): elementwise.h's header.
+bool FloatMinMax(DType t, ReduceOp op) {
+  const bool floating = t == DType::kF16 || t == DType::kBF16 || t == DType::kF32 || t == DType::kF64;
+  return floating && (op == ReduceOp::kMax || op == ReduceOp::kMin);
+}
+
 // The kernels' element code (xla_ffi/cuda/elementwise.h) against the CPU engine's kernels, bitwise
-// but for NaN payloads: a GPU reduces exactly as the CPU engine does.
+// but for NaN payloads: a GPU reduces exactly as the CPU engine does, but for floating max/min
+// (TestElementwiseFloatMaxMinIsNccls).
 void TestElementwiseMatchesCpuEngine() {
   const DType all[] = {DType::kPred, DType::kS8, DType::kS16, DType::kS32, DType::kS64, DType::kU8, DType::kU16,
                        DType::kU32, DType::kU64, DType::kF16, DType::kBF16, DType::kF32, DType::kF64, DType::kC64,
@@ -72,7 +85,7 @@ void TestElementwiseMatchesCpuEngine() {
   for (DType t : all)
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMax, ReduceOp::kMin}) {
       ReduceKernel cpu = GetReduceKernel(t, op);
-      if (!cpu) continue;
+      if (!cpu || FloatMinMax(t, op)) continue;
       for (int n : {2, 5}) {
         const size_t count = 999, w = ByteWidth(t);
         std::vector<std::vector<uint8_t>> rows(n);
@@ -103,7 +116,153 @@ void TestElementwiseMatchesCpuEngine() {
         ++checked;
       }
     }
-  Expect(checked == 2 * (13 * 4 + 2 * 2), "elementwise: every (dtype, op) checked");
+  Expect(checked == 2 * (13 * 4 + 2 * 2 - 4 * 2), "elementwise: every (dtype, op) but floating max/min checked");
+}
+
+// NCCL's float max/min as FlexLink's GPU contract states it (elementwise.h's header), written apart
+// from elementwise.h: the largest (smallest) non-NaN contribution by value, +0 above -0; only if every
+// contribution is NaN, the canonical NaN (float16 0x7E00, bfloat16 0x7FFF, float32 0x7FFFFFFF,
+// float64 0x7FFFFFFFFFFFFFFF). Values through reference.h's conversions (GCC's _Float16), exact.
+double RefValue(DType t, const uint8_t* p) {
+  switch (t) {
+    case DType::kF16: { uint16_t h; std::memcpy(&h, p, 2); return RefHalfToFloat(h); }
+    case DType::kBF16: { uint16_t h; std::memcpy(&h, p, 2); return RefBf16ToFloat(h); }
+    case DType::kF32: { float f; std::memcpy(&f, p, 4); return f; }
+    default: { double d; std::memcpy(&d, p, 8); return d; }
+  }
+}
+
+void RefNcclMinMax(DType t, ReduceOp op, const std::vector<const uint8_t*>& rows, size_t i, uint8_t* dst) {
+  const size_t w = ByteWidth(t);
+  const bool is_max = op == ReduceOp::kMax;
+  int best = -1;
+  double bv = 0;
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const double v = RefValue(t, rows[k] + i * w);
+    if (std::isnan(v)) continue;
+    const bool better = best < 0 || (is_max ? v > bv : v < bv) ||
+                        (v == bv && (is_max ? std::signbit(bv) && !std::signbit(v) : std::signbit(v) && !std::signbit(bv)));
+    if (better) best = static_cast<int>(k), bv = v;
+  }
+  if (best >= 0) {
+    std::memcpy(dst, rows[best] + i * w, w);
+    return;
+  }
+  const uint64_t nan = t == DType::kF16 ? 0x7E00 : t == DType::kBF16 ? 0x7FFF : t == DType::kF32 ? 0x7FFFFFFF : 0x7FFFFFFFFFFFFFFFull;
+  std::memcpy(dst, &nan, w);  // little-endian: the low w bytes
+}
+
+// Bit patterns of every class: NaNs (quiet, negative with a payload, signalling), +-inf, +-0, a
+// subnormal, ordinary and extreme values.
+std::vector<uint64_t> MinMaxPalette(DType t) {
+  switch (t) {
+    case DType::kF16: return {0x7E00, 0xFE35, 0x7C01, 0x7C00, 0xFC00, 0x0000, 0x8000, 0x3E00, 0xBE00, 0x0001, 0xFBFF, 0x4000};
+    case DType::kBF16: return {0x7FC0, 0xFFC5, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x3FC0, 0xBFC0, 0x0001, 0xFF7F, 0x4000};
+    case DType::kF32:
+      return {0x7FC00000, 0xFFC12345, 0x7F800001, 0x7F800000, 0xFF800000, 0x00000000,
+              0x80000000, 0x3FC00000, 0xBFC00000, 0x00000001, 0xFF7FFFFF, 0x40000000};
+    default:
+      return {0x7FF8000000000000ull, 0xFFF8000000012345ull, 0x7FF0000000000001ull, 0x7FF0000000000000ull,
+              0xFFF0000000000000ull, 0x0000000000000000ull, 0x8000000000000000ull, 0x3FF8000000000000ull,
+              0xBFF8000000000000ull, 0x0000000000000001ull, 0xFFEFFFFFFFFFFFFFull, 0x4000000000000000ull};
+  }
+}
+constexpr int kPaletteNaNs = 3;  // the first three entries
+
+// n rows of `count` elements: column e is the palette combination e (mixed radix, rank 0 fastest),
+// so `count` = palette^n covers every combination of n ranks: NaN on one rank, several and all, with
+// infinities, zeros of both signs and ordinary values. Beyond that, columns repeat.
+std::vector<std::vector<uint8_t>> MinMaxRows(DType t, int n, size_t count) {
+  const auto pal = MinMaxPalette(t);
+  const size_t w = ByteWidth(t), p = pal.size();
+  std::vector<std::vector<uint8_t>> rows(n, std::vector<uint8_t>(count * w));
+  for (size_t e = 0; e < count; ++e) {
+    size_t c = e;
+    for (int k = 0; k < n; ++k, c /= p) std::memcpy(&rows[k][e * w], &pal[c % p], w);
+  }
+  return rows;
+}
+
+// Elements that differ, and how: `exact` compares bits (NaN's too); otherwise NaN must meet NaN (any
+// payload) and numbers must be equal as values (+0 == -0: the sign of a zero max/min is not part of
+// the contract, and NCCL's is the hardware's).
+size_t CountMinMaxWrong(DType t, const uint8_t* got, const uint8_t* want, size_t count, bool exact) {
+  const size_t w = ByteWidth(t);
+  size_t wrong = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (std::memcmp(got + i * w, want + i * w, w) == 0) continue;
+    if (exact) {
+      ++wrong;
+      continue;
+    }
+    const double g = RefValue(t, got + i * w), x = RefValue(t, want + i * w);
+    if (std::isnan(g) && std::isnan(x)) continue;
+    if (!(g == x)) ++wrong;
+  }
+  return wrong;
+}
+
+// elementwise.h's FMax/FMin (what the pcie link's kernels and the simulated device run) against the
+// reference above, bit for bit, NaN bits included, for 2, 3 (every palette combination), 5 and 8
+// rows; and the same bits with the rows reversed (the rule does not depend on the order, so neither
+// a ring's order nor a split changes it).
+void TestElementwiseFloatMaxMinIsNccls() {
+  int checked = 0;
+  for (DType t : {DType::kF16, DType::kBF16, DType::kF32, DType::kF64})
+    for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin})
+      for (int n : {2, 3, 5, 8}) {
+        const size_t w = ByteWidth(t), pal = MinMaxPalette(t).size();
+        size_t count = 1;
+        for (int k = 0; k < std::min(n, 3); ++k) count *= pal;
+        auto rows = MinMaxRows(t, n, count);
+        if (n > 3) {
+          // Past 3 rows, random combinations, plus every rank NaN but one, and all NaN.
+          std::mt19937 rng(static_cast<uint32_t>(n * 100 + static_cast<int>(t)));
+          const auto p = MinMaxPalette(t);
+          for (size_t e = 0; e < count; ++e)
+            for (int k = 0; k < n; ++k) std::memcpy(&rows[k][e * w], &p[rng() % pal], w);
+          for (int keep = -1; keep < n; ++keep)
+            for (size_t v = 0; v < pal; ++v) {
+              const size_t e = (keep + 1) * pal + v;
+              for (int k = 0; k < n; ++k) std::memcpy(&rows[k][e * w], &p[k == keep ? v : k % kPaletteNaNs], w);
+            }
+        }
+        std::vector<const uint8_t*> srcs;
+        for (const auto& r : rows) srcs.push_back(r.data());
+        std::vector<uint8_t> want(count * w);
+        size_t all_nan = 0;
+        for (size_t e = 0; e < count; ++e) {
+          RefNcclMinMax(t, op, srcs, e, &want[e * w]);
+          all_nan += std::isnan(RefValue(t, &want[e * w]));
+        }
+        for (bool reversed : {false, true}) {
+          std::vector<uint8_t> packed, got(count * w, 0xCD);
+          for (int k = 0; k < n; ++k) {
+            const auto& r = rows[reversed ? n - 1 - k : k];
+            packed.insert(packed.end(), r.begin(), r.end());
+          }
+          gpu::ReduceArgs a;
+          a.dtype = t;
+          a.op = op;
+          a.dst = got.data();
+          a.rows = packed.data();
+          a.row_stride = count;
+          a.nrows = n;
+          a.own = 1;
+          a.own_src = rows[reversed ? n - 2 : 1].data();
+          a.count = count;
+          const bool ok = gpu::DispatchReduce(t, op, [&]<class Op>() {
+            for (size_t i = 0; i < count; ++i) gpu::ReduceAt<Op>(a, i);
+          });
+          const size_t wrong = CountMinMaxWrong(t, got.data(), want.data(), count, /*exact=*/true);
+          Expect(ok && wrong == 0, "elementwise NCCL " + std::string(Name(t)) + " " + std::string(Name(op)) +
+                                       " n=" + std::to_string(n) + (reversed ? " reversed" : "") + ": " +
+                                       std::to_string(wrong) + " of " + std::to_string(count) + " wrong");
+        }
+        Expect(all_nan >= static_cast<size_t>(kPaletteNaNs), "elementwise NCCL: all-NaN columns present");
+        ++checked;
+      }
+  Expect(checked == 4 * 2 * 4, "elementwise NCCL: every (dtype, op, n) checked");
 }
 
 // Pack then unpack through the [outer, n, inner] index math, against direct indexing.
@@ -242,6 +401,131 @@ void TestCollectives() {
     Sim s(8, {.jitter_us = 10}, /*one_device=*/true);
     RunSuite(s, "pcie@slot_mib=0.25", {}, 40000, "8 virtual ranks on one device, pcie");
   }
+}
+
+// Runs a one-operand reduction `c` with the given inputs (xs[r]: rank r's) on every rank, a thread
+// each, as gpu_cases.h's RunRanks does with its random inputs; returns every rank's output.
+std::vector<std::vector<uint8_t>> RunWithInputs(Sim& s, const Case& c, const std::vector<std::vector<uint8_t>>& xs,
+                                                const std::string& what) {
+  const int n = s.h.ranks;
+  const DType t = c.dtypes[0];
+  const size_t w = ByteWidth(t), in = Count(c.dims[0]), outc = OutCount(c, 0, n);
+  std::vector<int64_t> groups, sizes{n};
+  for (int r = 0; r < n; ++r) groups.push_back(r);
+  std::vector<void*> din(n), dout(n);
+  const std::vector<int64_t> out_dims{static_cast<int64_t>(outc)};
+  for (int r = 0; r < n; ++r) {
+    din[r] = s.h.alloc(s.h.device_of(r), in * w);
+    s.h.upload(din[r], xs[r].data(), in * w);
+    dout[r] = s.h.alloc(s.h.device_of(r), outc * w);
+    std::vector<uint8_t> garbage(outc * w, 0xCD);
+    s.h.upload(dout[r], garbage.data(), outc * w);
+  }
+  const int64_t run = NextRunId();
+  std::vector<Status> status(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      std::vector<OperandRequest> ops(1);
+      ops[0].in_dtype = ops[0].out_dtype = t;
+      ops[0].in_dims = c.dims[0];
+      ops[0].out_dims = c.kind == Kind::kAllReduce ? std::span<const int64_t>(c.dims[0]) : std::span<const int64_t>(out_dims);
+      ops[0].in = din[r];
+      ops[0].out = dout[r];
+      CollectiveArgs a;
+      a.groups = groups;
+      a.group_sizes = sizes;
+      a.device = r;
+      a.run_id = run;
+      a.label = "test";
+      a.request.kind = c.kind;
+      a.request.reduction = Name(c.op);
+      a.request.axis = c.axis;
+      a.request.operands = ops;
+      status[r] = s.engine->Run(a, s.h.streams[r]);
+    });
+  for (auto& th : threads) th.join();
+  for (int r = 0; r < n; ++r) s.h.sync(s.h.streams[r]);
+  std::vector<std::vector<uint8_t>> out(n, std::vector<uint8_t>(outc * w));
+  for (int r = 0; r < n; ++r) {
+    Expect(status[r].ok(), what + ": " + c.Name() + ": rank " + std::to_string(r) + ": " + status[r].message());
+    s.h.download(out[r].data(), dout[r], outc * w);
+  }
+  return out;
+}
+
+// Floating max/min with NaN, infinities and signed zeros through the nccl link alone (the simulated
+// NCCL: the C library's fmax/fmin, sim_reduce.h), the pcie link alone (elementwise.h's FMax/FMin in
+// the simulated kernels) and split over both, all_reduce and reduce_scatter (outer > 1: staged through
+// layout copies on both links), on 4 ranks with every palette combination of the 4 ranks (NaN on one
+// rank, several, all). pcie must be the reference bit for bit (NaN bits and zero signs included); nccl
+// and the split NaN exactly where the reference is and equal values elsewhere (the sign of a zero is
+// NCCL's); and the two links must agree with each other the same way.
+void TestFloatMaxMinThroughEachLink() {
+  SetAutotuneMinBytes(0);
+  const int n = 4;
+  Sim s(n, {.jitter_us = 10});
+  struct Config {
+    std::string links;
+    std::vector<double> shares;
+    bool exact;
+  };
+  const std::vector<Config> configs = {
+      {"nccl@staging_mib=0.0625", {}, false},
+      {"pcie@slot_mib=0.0625", {}, true},
+      {"nccl@staging_mib=0.0625;pcie@slot_mib=0.0625", {0.5, 0.5}, false},
+  };
+  const auto t0 = Clock::now();
+  size_t cases = 0;
+  for (DType t : {DType::kF16, DType::kBF16, DType::kF32, DType::kF64})
+    for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
+      const size_t pal = MinMaxPalette(t).size(), combos = pal * pal * pal * pal;  // 20736
+      const std::vector<Case> kinds = {
+          {Kind::kAllReduce, op, {t}, {{static_cast<int64_t>(combos)}}, 0, {}, false},
+          {Kind::kReduceScatter, op, {t}, {{3, n * static_cast<int64_t>(combos / 3 / n)}}, 1, {}, false},
+      };
+      for (const Case& c : kinds) {
+        const size_t in = Count(c.dims[0]), outc = OutCount(c, 0, n), w = ByteWidth(t);
+        const auto xs = MinMaxRows(t, n, in);
+        // Expected per rank, column by column over the ranks.
+        std::vector<std::vector<uint8_t>> want(n, std::vector<uint8_t>(outc * w));
+        std::vector<const uint8_t*> srcs;
+        for (const auto& x : xs) srcs.push_back(x.data());
+        for (int r = 0; r < n; ++r) {
+          if (c.kind == Kind::kAllReduce) {
+            for (size_t e = 0; e < in; ++e) RefNcclMinMax(t, op, srcs, e, &want[r][e * w]);
+            continue;
+          }
+          const size_t outer = static_cast<size_t>(c.dims[0][0]), inner = outc / outer;
+          for (size_t o = 0; o < outer; ++o)
+            for (size_t e = 0; e < inner; ++e)
+              RefNcclMinMax(t, op, srcs, (o * n + r) * inner + e, &want[r][(o * inner + e) * w]);
+        }
+        std::vector<std::vector<std::vector<uint8_t>>> got;
+        for (const Config& cfg : configs) {
+          const std::string what = cfg.links;
+          Expect(s.engine->ConfigureLinks(cfg.links).ok(), "max/min: configure " + cfg.links);
+          if (!cfg.shares.empty()) PinShares(*s.engine, c, n, cfg.shares);
+          got.push_back(RunWithInputs(s, c, xs, what));
+          for (int r = 0; r < n; ++r) {
+            const size_t wrong = CountMinMaxWrong(t, got.back()[r].data(), want[r].data(), outc, cfg.exact);
+            Expect(wrong == 0, "max/min " + what + ": " + c.Name() + " rank " + std::to_string(r) + ": " +
+                                   std::to_string(wrong) + " of " + std::to_string(outc) + " wrong" +
+                                   (cfg.exact ? " (bitwise)" : ""));
+          }
+          ++cases;
+        }
+        for (int r = 0; r < n; ++r) {
+          Expect(CountMinMaxWrong(t, got[0][r].data(), got[1][r].data(), outc, false) == 0,
+                 "max/min: nccl and pcie agree: " + c.Name() + " rank " + std::to_string(r));
+          Expect(CountMinMaxWrong(t, got[2][r].data(), got[1][r].data(), outc, false) == 0,
+                 "max/min: the split and pcie agree: " + c.Name() + " rank " + std::to_string(r));
+        }
+      }
+    }
+  s.ExpectNoSimErrors("max/min");
+  std::printf("  %-58s %4zu cases %6.2f s\n", "4 ranks, float max/min with NaN, inf, +-0: nccl, pcie, both", cases,
+              Seconds(t0));
 }
 
 void TestNcclRefusesSharedDevice() {
@@ -867,6 +1151,8 @@ int main(int argc, char** argv) {
   flexlink::SetTuneCachePath("/tmp/flexlink-gpu-sim-none.json");
   flexlink::SetTuneUseCache(false);
   Timed("TestElementwiseMatchesCpuEngine", TestElementwiseMatchesCpuEngine);
+  Timed("TestElementwiseFloatMaxMinIsNccls", TestElementwiseFloatMaxMinIsNccls);
+  Timed("TestFloatMaxMinThroughEachLink", TestFloatMaxMinThroughEachLink);
   Timed("TestLayoutRoundTrip", TestLayoutRoundTrip);
   Timed("TestPcieChunks", TestPcieChunks);
   Timed("TestNcclMapping", TestNcclMapping);

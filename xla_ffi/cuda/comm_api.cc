@@ -98,7 +98,9 @@ NcclReduction NcclReductionOf(DType dtype, ReduceOp op) {
     // NCCL reduces float16/bfloat16 in their own precision, rounding at every step of its ring;
     // FlexLink's contract is float32 accumulation in rank order, rounded once (the CPU engine's and
     // the pcie link's result, bitwise), so these gather and reduce with the engine's kernel. max/min
-    // round nothing and stay native.
+    // round nothing and stay native. (Floating max/min everywhere on the GPU are NCCL's: a NaN operand
+    // is dropped, as XLA:GPU's own all-reduce does; the engine's kernels for the pcie link do the same,
+    // elementwise.h's FMax/FMin, so a split call gives one result. The CPU engine propagates NaN.)
     case DType::kF16:
       if (op == ReduceOp::kMax || op == ReduceOp::kMin) return Native(CommType::kFloat16, o);
       return {};
