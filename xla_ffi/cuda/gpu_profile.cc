@@ -207,7 +207,10 @@ Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::spa
   FLEXLINK_RETURN_IF_ERROR(api.Record(pr.fork, stream));
   FLEXLINK_RETURN_IF_ERROR(api.Wait(pr.stream, pr.fork));
   FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(in_bytes, pr.stream, &in));
-  FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(out_bytes, pr.stream, &out));
+  if (Status s = api.MallocAsync(out_bytes, pr.stream, &out); !s.ok()) {
+    (void)api.FreeAsync(in, pr.stream);  // nothing else would: the profile's scratch is per call
+    return s;
+  }
   // Zeros: sums and gathers of them are exact, whatever the split.
   FLEXLINK_RETURN_IF_ERROR(api.Zero(in, in_bytes, pr.stream));
   FLEXLINK_RETURN_IF_ERROR(api.Zero(out, out_bytes, pr.stream));

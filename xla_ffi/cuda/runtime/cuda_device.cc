@@ -3,8 +3,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <mutex>
-
 #include <string>
 
 #include "xla_ffi/cuda/runtime/kernels.h"
@@ -15,9 +16,33 @@ namespace {
 cudaStream_t S(Stream s) { return static_cast<cudaStream_t>(s); }
 cudaEvent_t E(Event e) { return static_cast<cudaEvent_t>(e); }
 
+// Every failed runtime call turned into a Status here also clears the thread's last error: the
+// runtime keeps the last failure of any call (per host thread, per instance of the runtime: this
+// module links its own, statically) until cudaGetLastError reads it, so a non-sticky error
+// (cudaErrorNotReady, an out-of-memory, an invalid value) reported once here would otherwise come
+// back from the next cudaGetLastError on this thread as someone else's failure. A sticky error (the
+// context is lost) is not cleared by this and keeps failing every later call, as it must.
+void ClearLastError() { (void)cudaGetLastError(); }
+
 Status Check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
+  ClearLastError();
   return Status::Internal(std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+std::string Describe(cudaError_t err) { return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")"; }
+
+// The device whose work `stream` holds: its own device (cudaStreamGetDevice), else the current one,
+// which device_api.h's contract makes the same.
+int DeviceOf(cudaStream_t stream) {
+  int device = -1;
+  if (cudaStreamGetDevice(stream, &device) == cudaSuccess && device >= 0) return device;
+  ClearLastError();
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    ClearLastError();
+    return -1;
+  }
+  return device;
 }
 
 }  // namespace
@@ -27,7 +52,7 @@ int CudaDevice::DeviceCount(std::string* why) {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     if (why) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
-    (void)cudaGetLastError();  // not sticky: leave no error behind for XLA's next check
+    ClearLastError();  // not sticky: leave no error behind for this thread's next check
     return 0;
   }
   return count;
@@ -66,7 +91,12 @@ Status CudaDevice::AllocPinnedHost(size_t bytes, void** ptr) {
 
 Status CudaDevice::PreloadKernels(int device) {
   FLEXLINK_RETURN_IF_ERROR(SetDevice(device));
-  return Check(PreloadAllKernels(), "loading the engine's kernels");
+  FLEXLINK_RETURN_IF_ERROR(Check(PreloadAllKernels(), "loading the engine's kernels"));
+  // Every group's setup preloads each of its devices: the place to prepare what later calls of
+  // the device need (its scratch pool and peers' access to it, its copies' pitch limit), so that
+  // none of it is made on a call's path.
+  NoteDevice(device);
+  return Status::Ok();
 }
 
 Status CudaDevice::Record(Event event, Stream stream) { return Check(cudaEventRecord(E(event), S(stream)), "cudaEventRecord"); }
@@ -80,9 +110,37 @@ Status CudaDevice::Copy(void* dst, const void* src, size_t bytes, Stream stream)
   return Check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, S(stream)), "cudaMemcpyAsync");
 }
 
+size_t CudaDevice::MaxPitch() {
+  size_t v = max_pitch_.load(std::memory_order_relaxed);
+  if (v) return v;
+  int device = 0, pitch = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, device) != cudaSuccess ||
+      pitch <= 0) {
+    ClearLastError();
+    pitch = INT_MAX;  // what every current GPU reports (2^31 - 1)
+  }
+  v = static_cast<size_t>(pitch);
+  size_t expected = 0;
+  if (!max_pitch_.compare_exchange_strong(expected, v, std::memory_order_relaxed)) return expected;
+  return v;
+}
+
 Status CudaDevice::Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
                           Stream stream) {
   if (width == 0 || height == 0) return Status::Ok();
+  // cudaMemcpy2DAsync refuses a pitch past cudaDevAttrMaxPitch (cudaErrorInvalidPitchValue; 2^31 - 1
+  // on current GPUs), and the pcie link's rows are whole per-rank blocks: all_gather, reduce_scatter
+  // and all_to_all with blocks of 2 GiB or more. Their rows are few (at most the group's size), so
+  // one plain copy per row costs nothing that matters.
+  const size_t max_pitch = MaxPitch();
+  if (dpitch > max_pitch || spitch > max_pitch || width > max_pitch) {
+    for (size_t row = 0; row < height; ++row)
+      FLEXLINK_RETURN_IF_ERROR(Check(cudaMemcpyAsync(static_cast<char*>(dst) + row * dpitch,
+                                                     static_cast<const char*>(src) + row * spitch, width,
+                                                     cudaMemcpyDefault, S(stream)),
+                                     "cudaMemcpyAsync (a row of a copy past the device's maximum pitch)"));
+    return Status::Ok();
+  }
   return Check(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault, S(stream)),
                "cudaMemcpy2DAsync");
 }
@@ -100,8 +158,106 @@ Status CudaDevice::Layout(const LayoutArgs& args, Stream stream) {
   return Check(LaunchLayout(args, S(stream)), "the layout kernel");
 }
 
+// Stage 1's scratch (gpu_profile.cc) becomes the buffers of NCCL operations, and with every rank of
+// a group in this process NCCL's P2P transport reads and writes a peer GPU's buffers directly. Memory
+// of a memory pool is reachable from another device only once cudaMemPoolSetAccess grants it:
+// cudaDeviceEnablePeerAccess (which NCCL calls) covers cudaMalloc's memory, not a pool's. Taken from
+// the device's default pool (plain cudaMallocAsync), a peer's kernel would fault on it (an illegal
+// address: sticky, the context is lost). So the scratch comes from a pool of FlexLink's own per
+// device (cudaMemPoolCreate), made at the group's setup, with read-write access granted to the
+// other devices the engine set up that can reach it (cudaDeviceCanAccessPeer). Not chosen:
+//   - granting peers access to the default pool: XLA may allocate from it (jax's platform and
+//     cuda_async allocators), so its access flags are XLA's, and changing them is a process-wide
+//     side effect on every allocation of that pool;
+//   - cudaMalloc/cudaFree: they may synchronise the device, which the call path never does
+//     (openxla/xla#6825), and the scratch's size is only known at the first profile, on that path;
+//   - access for every device the process can see: GPUs the engine never uses need none, and mapping
+//     memory for them may initialise their contexts (several processes sharing a host each see all
+//     of them).
+// Only stage 1 allocates here; cudaFreeAsync returns the memory to this pool.
+void CudaDevice::GrantLocked(int owner, Scratch& scratch) {
+  if (!scratch.pool) return;  // its creation failed: `error` says why
+  scratch.error.clear();      // this pass's verdict; a peer refused earlier is tried again
+  for (const auto& entry : scratch_) {
+    const int peer = entry.first;
+    if (peer == owner || std::find(scratch.granted.begin(), scratch.granted.end(), peer) != scratch.granted.end())
+      continue;
+    int can = 0;
+    const cudaError_t q = cudaDeviceCanAccessPeer(&can, peer, owner);  // can `peer` reach `owner`'s memory
+    if (q != cudaSuccess) {
+      ClearLastError();
+      scratch.error = "cudaDeviceCanAccessPeer(" + std::to_string(peer) + ", " + std::to_string(owner) + "): " + Describe(q);
+      continue;
+    }
+    if (!can) continue;  // no P2P between them: NCCL does not use the peer's buffers directly either
+    cudaMemAccessDesc desc = {};
+    desc.location.type = cudaMemLocationTypeDevice;
+    desc.location.id = peer;
+    desc.flags = cudaMemAccessFlagsProtReadWrite;
+    const cudaError_t e = cudaMemPoolSetAccess(static_cast<cudaMemPool_t>(scratch.pool), &desc, 1);
+    if (e != cudaSuccess) {
+      ClearLastError();
+      scratch.error = "cudaMemPoolSetAccess (device " + std::to_string(peer) + " on device " + std::to_string(owner) +
+                      "'s scratch pool): " + Describe(e);
+      continue;
+    }
+    scratch.granted.push_back(peer);
+  }
+}
+
+void CudaDevice::NoteDevice(int device) {
+  if (device < 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  int pitch = 0;
+  if (cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, device) == cudaSuccess && pitch > 0) {
+    size_t seen = max_pitch_.load(std::memory_order_relaxed);
+    while ((seen == 0 || static_cast<size_t>(pitch) < seen) &&
+           !max_pitch_.compare_exchange_weak(seen, static_cast<size_t>(pitch), std::memory_order_relaxed)) {
+    }
+  } else {
+    ClearLastError();
+  }
+  if (scratch_.find(device) == scratch_.end()) {
+    Scratch& mine = scratch_[device];
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;  // no IPC: the pool is this process's
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    const cudaError_t e = cudaMemPoolCreate(&pool, &props);
+    if (e == cudaSuccess) {
+      mine.pool = pool;
+    } else {
+      ClearLastError();
+      mine.error = "cudaMemPoolCreate on device " + std::to_string(device) + ": " + Describe(e);
+    }
+  }
+  // The new device reaches the earlier devices' pools, and they reach its pool.
+  for (auto& [owner, scratch] : scratch_) GrantLocked(owner, scratch);
+}
+
 Status CudaDevice::MallocAsync(size_t bytes, Stream stream, void** ptr) {
-  return Check(cudaMallocAsync(ptr, bytes, S(stream)), "cudaMallocAsync");
+  const int device = DeviceOf(S(stream));
+  if (device < 0) return Status::Internal("stage 1's scratch: the stream's device is unknown");
+  void* pool = nullptr;
+  for (int attempt = 0; attempt < 2 && !pool; ++attempt) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = scratch_.find(device);
+      if (it != scratch_.end()) {
+        if (!it->second.pool || !it->second.error.empty())
+          return Status::Internal("stage 1's scratch pool: " + it->second.error);
+        pool = it->second.pool;
+        break;
+      }
+    }
+    // A device no setup went through (the engine always sets up first): its pool is made now, once.
+    NoteDevice(device);
+  }
+  if (!pool) return Status::Internal("stage 1's scratch pool: none for device " + std::to_string(device));
+  return Check(cudaMallocFromPoolAsync(ptr, bytes, static_cast<cudaMemPool_t>(pool), S(stream)),
+               "cudaMallocFromPoolAsync (stage 1's scratch)");
 }
 
 Status CudaDevice::FreeAsync(void* ptr, Stream stream) { return Check(cudaFreeAsync(ptr, S(stream)), "cudaFreeAsync"); }
@@ -121,6 +277,7 @@ Poll CudaDevice::Query(Event event, std::string* error) {
     (void)cudaGetLastError();  // cudaErrorNotReady is not an error; clear it
     return Poll::kPending;
   }
+  ClearLastError();  // reported here, not left for the thread's next cudaGetLastError
   if (error) *error = std::string("cudaEventQuery: ") + cudaGetErrorString(err);
   return Poll::kError;
 }
@@ -148,6 +305,7 @@ Status DriverEntry(const char* name, F* out) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
   const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+  if (e != cudaSuccess) ClearLastError();
   if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn)
     return Status::FailedPrecondition(std::string("the CUDA driver has no ") + name +
                                       " (stream memory operations, needed by the pcie link across processes)");

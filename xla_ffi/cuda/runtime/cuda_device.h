@@ -4,6 +4,13 @@
 // record and wait on.
 #pragma once
 
+#include <atomic>
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
 #include "xla_ffi/cuda/device_api.h"
 
 namespace flexlink::gpu {
@@ -35,6 +42,25 @@ class CudaDevice : public DeviceApi {
   Status RegisterHost(void* ptr, size_t bytes) override;
   Status WriteValue32(uint32_t* flag, uint32_t value, Stream stream) override;
   Status WaitValue32(const uint32_t* flag, uint32_t value, Stream stream) override;
+
+ private:
+  // A device the engine set up (PreloadKernels at a group's setup): its stage-1 scratch pool,
+  // made then, with access granted to the other such devices that can reach it (MallocAsync).
+  struct Scratch {
+    void* pool = nullptr;      // cudaMemPool_t
+    std::string error;         // why the pool is missing or a peer that can reach it lacks access
+    std::vector<int> granted;  // devices with read-write access to the pool
+  };
+  // Records `device` as one of the engine's and brings every noted device's scratch pool up to date
+  // (setup only; MallocAsync too, should a device reach it without setup).
+  void NoteDevice(int device);
+  void GrantLocked(int owner, Scratch& scratch);
+  // cudaDevAttrMaxPitch, the least over the devices seen; read once per device (Copy2D).
+  size_t MaxPitch();
+
+  std::mutex mu_;
+  std::map<int, Scratch> scratch_;  // by CUDA ordinal, under mu_
+  std::atomic<size_t> max_pitch_{0};  // 0: not read yet
 };
 
 }  // namespace flexlink::gpu

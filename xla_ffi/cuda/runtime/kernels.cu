@@ -3,6 +3,7 @@
 #include "xla_ffi/cuda/runtime/kernels.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace flexlink::gpu {
 namespace {
@@ -58,6 +59,25 @@ __global__ void WaitFlagKernel(const unsigned int* flag, unsigned long long max_
 
 unsigned Blocks(size_t n) { return static_cast<unsigned>(std::max<size_t>(1, std::min(kMaxBlocks, (n + kThreads - 1) / kThreads))); }
 
+// Launches `kernel` on `stream` and returns this launch's own error. Not <<<>>> followed by
+// cudaGetLastError(): that returns the last error of any earlier runtime call on this thread (a
+// cudaErrorNotReady from an event query, an out-of-memory already reported), which would then be
+// reported as this launch's failure. cudaLaunchKernelEx (cuda_runtime.h, type-checked against the
+// kernel's parameters) returns the launch's status itself. A failed launch also leaves its error as
+// the thread's last error; the caller's Check (cuda_device.cc) clears it.
+template <class... Params, class... Args>
+cudaError_t Launch(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = nullptr;
+  config.numAttrs = 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
 const DType kDTypes[] = {DType::kPred, DType::kS8, DType::kS16, DType::kS32, DType::kS64, DType::kU8, DType::kU16,
                          DType::kU32, DType::kU64, DType::kF16, DType::kBF16, DType::kF32, DType::kF64, DType::kC64,
                          DType::kC128};
@@ -69,8 +89,7 @@ cudaError_t LaunchReduce(const ReduceArgs& a, cudaStream_t stream) {
   if (a.count == 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;
   DispatchReduce(a.dtype, a.op, [&]<class Op>() {
-    ReduceKernel<Op><<<Blocks(a.count), kThreads, 0, stream>>>(a);
-    err = cudaGetLastError();
+    err = Launch(ReduceKernel<Op>, Blocks(a.count), kThreads, stream, a);
   });
   return err;
 }
@@ -79,25 +98,22 @@ cudaError_t LaunchLayout(const LayoutArgs& a, cudaStream_t stream) {
   if (a.total() == 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;
   DispatchWidth(a.width, [&]<class E>() {
-    LayoutKernel<E><<<Blocks(a.total()), kThreads, 0, stream>>>(a);
-    err = cudaGetLastError();
+    err = Launch(LayoutKernel<E>, Blocks(a.total()), kThreads, stream, a);
   });
   return err;
 }
 
 cudaError_t LaunchDelay(double seconds, cudaStream_t stream) {
   if (!(seconds > 0)) return cudaSuccess;
-  DelayKernel<<<1, 1, 0, stream>>>(static_cast<unsigned long long>(seconds * 1e9));
-  return cudaGetLastError();
+  return Launch(DelayKernel, 1, 1, stream, static_cast<unsigned long long>(seconds * 1e9));
 }
 
 cudaError_t LaunchWaitFlag(const unsigned int* flag, double max_seconds, cudaStream_t stream) {
   void* device_flag = nullptr;
   const cudaError_t err = cudaHostGetDevicePointer(&device_flag, const_cast<unsigned int*>(flag), 0);
   if (err != cudaSuccess) return err;
-  WaitFlagKernel<<<1, 1, 0, stream>>>(static_cast<const unsigned int*>(device_flag),
-                                      static_cast<unsigned long long>(std::max(0.0, max_seconds) * 1e9));
-  return cudaGetLastError();
+  return Launch(WaitFlagKernel, 1, 1, stream, static_cast<const unsigned int*>(device_flag),
+                static_cast<unsigned long long>(std::max(0.0, max_seconds) * 1e9));
 }
 
 cudaError_t PreloadAllKernels() {

@@ -8,7 +8,10 @@
 
 namespace flexlink::gpu {
 
-// cudaErrorInvalidValue when (dtype, op) has no kernel (the engine never asks for one).
+// Each launcher returns its own launch's status (cudaLaunchKernelEx's), never an earlier call's
+// error left as the thread's last error; a failed launch leaves its error there too, for the caller
+// to clear (cuda_device.cc's Check). cudaErrorInvalidValue when (dtype, op) has no kernel (the
+// engine never asks for one).
 cudaError_t LaunchReduce(const ReduceArgs& args, cudaStream_t stream);
 cudaError_t LaunchLayout(const LayoutArgs& args, cudaStream_t stream);
 // Injected faults (device_api.h Delay, WaitFlag): one-thread kernels that nap on the device's

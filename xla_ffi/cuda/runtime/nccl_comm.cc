@@ -5,10 +5,14 @@
 #include <link.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
-#include <thread>
 #include <string>
+#include <thread>
+
+#include "xla_ffi/core/config.h"
 
 namespace flexlink::gpu {
 
@@ -71,6 +75,57 @@ std::string PathOf(void* lib) {
   return "libnccl.so.2";
 }
 
+// cudaSetDevice for NCCL (ncclCommInitRank* takes the current device); a failure is reported as a
+// Status and cleared from the thread's last error (cuda_device.cc's Check does the same).
+bool SetDeviceFor(int device) {
+  if (cudaSetDevice(device) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  return false;
+}
+
+using Clock = std::chrono::steady_clock;
+
+// The engine's deadline (FLEXLINK_TIMEOUT_S) from now.
+Clock::time_point DeadlineFromNow(double* seconds) {
+  *seconds = std::clamp(TimeoutSeconds(), 0.0, kMaxTimeoutSeconds);
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*seconds));
+}
+
+std::string Seconds(double s) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", s);
+  return text;
+}
+
+// Polling NCCL's state of a non-blocking communicator: yields first (a launch handed to NCCL's
+// thread takes microseconds), then naps of up to 1 ms (joining peers takes milliseconds to seconds).
+void Backoff(int polls) {
+  if (polls < 200) std::this_thread::yield();
+  else std::this_thread::sleep_for(std::chrono::microseconds(std::min(1000, 10 * (polls - 199))));
+}
+
+// Whether the in-process communicators (InitAll) are created blocking (ncclConfig_t::blocking).
+//   - Blocking, because a non-blocking communicator pays on every call: NCCL runs each ncclGroupEnd
+//     of one (every collective is a group inside NCCL) on a thread it starts for it (group.cc,
+//     groupLaunchNonBlocking), and the caller polls for its completion (Settle). A thread start per
+//     call costs tens of microseconds against the issue's 10 us budget for a 4 KiB AllReduce.
+//   - What that leaves unbounded: since 2.22 NCCL connects a communicator's peers lazily, at the
+//     first operation of each algorithm and the first send/recv to a peer (NCCL_RUNTIME_CONNECT=1,
+//     the default), inside ncclGroupEnd, where it waits for those peers to do the same. A rank
+//     whose host thread failed between the executor's rendezvous and its NCCL call would leave its
+//     peers there. Every rank passed the same agreement with the same work just before (the
+//     executor's Agree), so only a failure on the host between those two points does it. Non-
+//     blocking would bound it (ncclInProgress, polled by Settle against the deadline), at the cost
+//     above; NCCL_RUNTIME_CONNECT=0 (connect everything at init, from InitAll's one thread, where no
+//     peer can be missing) is process-wide (read once; no ncclConfig_t field through 2.32) and shared
+//     with XLA's own communicators; a warm-up collective at setup connects only the algorithm it
+//     happened to use. docs/cuda.md ("Known limits").
+//   - NCCL_COMM_BLOCKING in the environment overrides ncclConfig_t::blocking in every communicator
+//     (NCCL's envConfigOverride, applied after the config since 2.15), so every path here (InitAll,
+//     Settle) handles non-blocking communicators too: NCCL_COMM_BLOCKING=0 gives the bounded waits
+//     at the per-call cost, for whoever prefers it.
+constexpr int kInProcessBlocking = 1;
+
 }  // namespace
 
 void NcclComm::SetLibrary(std::string path) {
@@ -131,27 +186,80 @@ Status NcclComm::Load() {
 
 Status NcclComm::InitAll(std::span<const int> devices, std::vector<Comm>* comms) {
   FLEXLINK_RETURN_IF_ERROR(Load());
+  comms->clear();
+  const int n = static_cast<int>(devices.size());
+  // Every device is made current once before the group: a failure between ncclGroupStart and
+  // ncclGroupEnd that is not NCCL's own leaves NCCL unaware, and its ncclGroupEnd would then start
+  // joining only the ranks before it, which (blocking) wait for the others forever. Checked here,
+  // the cudaSetDevice inside the group repeats one that just succeeded.
+  for (int r = 0; r < n; ++r)
+    if (!SetDeviceFor(devices[r]))
+      return Status::Internal("cudaSetDevice(" + std::to_string(devices[r]) + ") for NCCL's communicator of rank " +
+                              std::to_string(r));
   ncclUniqueId id;
   FLEXLINK_NCCL(sym_->GetUniqueId(&id), "ncclGetUniqueId");
-  const int n = static_cast<int>(devices.size());
   std::vector<ncclComm_t> made(n, nullptr);
+  // Whatever was made is aborted on every way out but success: ncclCommAbort frees a communicator
+  // whose initialisation failed or is still in progress (non-blocking), and nothing else would.
+  auto give_up = [&](Status why) {
+    for (ncclComm_t& c : made) {
+      if (c) (void)sym_->CommAbort(c);
+      c = nullptr;
+    }
+    return why;
+  };
+  // ncclCommInitRankConfig with blocking set explicitly (kInProcessBlocking above); NCCL before 2.14
+  // has neither it nor non-blocking communicators, only ncclCommInitRank.
+  const bool configured = sym_->CommInitRankConfig && sym_->CommGetAsyncError;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = kInProcessBlocking;
+  auto started = [](ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; };
   // All ranks' communicators in one group from this thread: NCCL initialises them together, and no
   // rank of the group has anything in flight (the executor's setup runs inside the first call's
   // rendezvous, before any rank enqueues; jax-ml/jax#11637).
   FLEXLINK_NCCL(sym_->GroupStart(), "ncclGroupStart");
   for (int r = 0; r < n; ++r) {
-    if (cudaSetDevice(devices[r]) != cudaSuccess) {
+    if (!SetDeviceFor(devices[r])) {
       (void)sym_->GroupEnd();
-      return Status::Internal("cudaSetDevice(" + std::to_string(devices[r]) + ") for NCCL's communicator of rank " +
-                              std::to_string(r));
+      return give_up(Status::Internal("cudaSetDevice(" + std::to_string(devices[r]) +
+                                      ") for NCCL's communicator of rank " + std::to_string(r)));
     }
-    const ncclResult_t res = sym_->CommInitRank(&made[r], n, id, r);
-    if (res != ncclSuccess) {
+    // A failure inside the group is NCCL's group error too: its ncclGroupEnd then starts nothing.
+    const ncclResult_t res = configured ? sym_->CommInitRankConfig(&made[r], n, id, r, &config)
+                                        : sym_->CommInitRank(&made[r], n, id, r);
+    if (!started(res)) {
       (void)sym_->GroupEnd();
-      return Status::Internal(std::string("ncclCommInitRank: ") + sym_->GetErrorString(res));
+      return give_up(Status::Internal(std::string(configured ? "ncclCommInitRankConfig" : "ncclCommInitRank") +
+                                      " (rank " + std::to_string(r) + " of " + std::to_string(n) +
+                                      "): " + sym_->GetErrorString(res)));
     }
   }
-  FLEXLINK_NCCL(sym_->GroupEnd(), "ncclGroupEnd (creating the communicators)");
+  const ncclResult_t end = sym_->GroupEnd();
+  if (!started(end))
+    return give_up(Status::Internal(std::string("ncclGroupEnd (creating the communicators): ") +
+                                    sym_->GetErrorString(end)));
+  // Non-blocking (NCCL_COMM_BLOCKING=0, or kInProcessBlocking = 0): ncclGroupEnd returned with the
+  // initialisation running on NCCL's threads. Every rank is in this group, so no peer can be
+  // missing; the deadline only keeps a broken NCCL or driver from holding setup forever.
+  if (configured) {
+    double seconds = 0;
+    const auto deadline = DeadlineFromNow(&seconds);
+    for (int r = 0; r < n; ++r) {
+      for (int polls = 0;; ++polls) {
+        ncclResult_t state = ncclSuccess;
+        const ncclResult_t q = sym_->CommGetAsyncError(made[r], &state);
+        if (q != ncclSuccess) state = q;
+        if (state == ncclSuccess) break;
+        if (state != ncclInProgress)
+          return give_up(Status::Internal("creating NCCL's communicator of rank " + std::to_string(r) + " of " +
+                                          std::to_string(n) + ": " + sym_->GetErrorString(state)));
+        if (Clock::now() >= deadline)
+          return give_up(Status::DeadlineExceeded("NCCL's communicators of " + std::to_string(n) +
+                                                  " ranks were not complete after " + Seconds(seconds) + " s"));
+        Backoff(polls);
+      }
+    }
+  }
   comms->assign(made.begin(), made.end());
   return Status::Ok();
 }
@@ -178,11 +286,19 @@ Status NcclComm::InitRanksAsync(const CommId& cid, int nranks, std::span<const i
   ncclUniqueId id;
   std::memcpy(&id, cid.data(), kCommIdBytes);
   const size_t m = ranks.size();
+  // As in InitAll: every device made current once before the group, so that the cudaSetDevice
+  // inside it cannot be the first to fail (NCCL would then start joining only the ranks before it).
+  for (size_t i = 0; i < m; ++i)
+    if (!SetDeviceFor(devices[i]))
+      return Status::Internal("cudaSetDevice(" + std::to_string(devices[i]) + ") for NCCL's communicator of rank " +
+                              std::to_string(ranks[i]));
   std::vector<ncclComm_t> made(m, nullptr);
   // Non-blocking (blocking = 0): ncclCommInitRankConfig and ncclGroupEnd return ncclInProgress
   // instead of blocking until every process has joined, so a peer that died before or while joining
   // cannot leave this process stuck inside NCCL: the caller polls ncclCommGetAsyncError against its
-  // deadline and the peers' liveness, and aborts (CommApi::InitRanks).
+  // deadline and the peers' liveness, and aborts (CommApi::InitRanks). NCCL_COMM_BLOCKING=1 in the
+  // environment overrides it (kInProcessBlocking's note): ncclGroupEnd then blocks until every
+  // process has joined, and a dead peer holds this thread there with no deadline.
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   auto started = [](ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; };
@@ -191,7 +307,7 @@ Status NcclComm::InitRanksAsync(const CommId& cid, int nranks, std::span<const i
   // arrival, where no local rank has anything of the group in flight (jax-ml/jax#11637).
   FLEXLINK_NCCL(sym_->GroupStart(), "ncclGroupStart");
   for (size_t i = 0; i < m; ++i) {
-    if (cudaSetDevice(devices[i]) != cudaSuccess) {
+    if (!SetDeviceFor(devices[i])) {
       (void)sym_->GroupEnd();
       for (ncclComm_t c : made) comms->push_back(c);  // aborted by the caller
       return Status::Internal("cudaSetDevice(" + std::to_string(devices[i]) + ") for NCCL's communicator of rank " +
@@ -224,21 +340,40 @@ Status NcclComm::JoinState(Comm comm, bool* done) {
 
 Status NcclComm::Settle(int r, std::span<const Comm> comms, const char* what) {
   if (r == ncclSuccess) return Status::Ok();
-  if (r != ncclInProgress) return Status::Internal(std::string(what) + ": " + sym_->GetErrorString(static_cast<ncclResult_t>(r)));
-  // A non-blocking communicator (InitRanksAsync) may answer an operation or ncclGroupEnd with
-  // ncclInProgress: the enqueue is still under way on the host. Polled to completion, bounded: the
-  // enqueue waits for no peer (the device does), so it takes microseconds; the bound only keeps a
-  // broken NCCL from hanging the device thread.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  if (r != ncclInProgress || !sym_->CommGetAsyncError) {
+    std::string message = std::string(what) + ": " + sym_->GetErrorString(static_cast<ncclResult_t>(r));
+    // NCCL refuses an operation on a communicator whose previous one never settled (a Settle that
+    // gave up below) with ncclInvalidArgument; say so instead of leaving "invalid argument".
+    if (r == ncclInvalidArgument && sym_->CommGetAsyncError)
+      for (Comm c : comms) {
+        ncclResult_t state = ncclSuccess;
+        if (sym_->CommGetAsyncError(static_cast<ncclComm_t>(c), &state) == ncclSuccess && state == ncclInProgress) {
+          message += " (the communicator's previous operation never completed: it is unusable)";
+          break;
+        }
+      }
+    return Status::Internal(message);
+  }
+  // A non-blocking communicator (InitRanksAsync's; InitAll's under NCCL_COMM_BLOCKING=0) answers an
+  // operation or ncclGroupEnd with ncclInProgress: NCCL's thread is still issuing it. Usually that
+  // is microseconds of host work, but the first operations of a communicator also connect it to its
+  // peers (runtime connect), which waits for the peers to issue theirs: a rank that never does
+  // leaves it in progress. Polled against the engine's deadline (FLEXLINK_TIMEOUT_S); past it the
+  // call fails and the communicator stays in progress: NCCL refuses its later operations at once
+  // (ncclInvalidArgument, worded above), and an abort (the hang detector's) frees it.
+  double seconds = 0;
+  const auto deadline = DeadlineFromNow(&seconds);
   for (Comm c : comms) {
-    for (;;) {
+    for (int polls = 0;; ++polls) {
       ncclResult_t state = ncclSuccess;
       FLEXLINK_NCCL(sym_->CommGetAsyncError(static_cast<ncclComm_t>(c), &state), "ncclCommGetAsyncError");
       if (state == ncclSuccess) break;
       if (state != ncclInProgress) return Status::Internal(std::string(what) + ": " + sym_->GetErrorString(state));
-      if (std::chrono::steady_clock::now() >= deadline)
-        return Status::DeadlineExceeded(std::string(what) + ": still in progress after 60 s");
-      std::this_thread::yield();
+      if (Clock::now() >= deadline)
+        return Status::DeadlineExceeded(std::string(what) + ": still in progress after " + Seconds(seconds) +
+                                        " s (NCCL connects a communicator's peers at its first operations and waits "
+                                        "for them: a rank of the group that never issued its part?)");
+      Backoff(polls);
     }
   }
   return Status::Ok();
@@ -270,7 +405,7 @@ Status NcclComm::Issued(int r, Comm comm, const char* what) {
   if (t_group.depth > 0) {
     // Inside a group the operation runs at ncclGroupEnd, which settles it.
     t_group.comms.push_back(comm);
-    return Settle(r == ncclInProgress ? ncclSuccess : r, {}, what);
+    return Settle(r == ncclInProgress ? ncclSuccess : r, std::span<const Comm>(&comm, 1), what);
   }
   return Settle(r, std::span<const Comm>(&comm, 1), what);
 }

@@ -41,8 +41,10 @@ class NcclComm : public CommApi {
 
  private:
   Status Load();
-  // `r` of an operation or ncclGroupEnd: ncclInProgress (non-blocking communicators) polled until
-  // each of `comms` settles (bounded), anything else but ncclSuccess an error naming `what`.
+  // `r` of an operation or ncclGroupEnd: ncclInProgress (non-blocking communicators: all of ours,
+  // nccl_comm.cc's kInProcessBlocking) polled until each of `comms` settles, against the engine's
+  // deadline (TimeoutSeconds; kDeadlineExceeded past it), anything else but ncclSuccess an error
+  // naming `what`.
   Status Settle(int r, std::span<const Comm> comms, const char* what);
   Status Issued(int r, Comm comm, const char* what);
 
