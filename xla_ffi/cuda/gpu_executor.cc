@@ -239,57 +239,98 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   Rank& k = ranks_[rank];
   if (state.profile.session) FLEXLINK_RETURN_IF_ERROR(profiler_.Enqueue(state.profile, rank, stream, ctx.label()));
 
-  // This call's timing slot; one still in flight from long ago is given up.
-  std::lock_guard<std::mutex> slots_lock(k.slots_mu);
-  Slot& slot = k.slots[k.next_slot];
-  k.next_slot = (k.next_slot + 1) % k.slots.size();
-  if (slot.busy && !ReadSlot(rank, slot)) {
-    timings_.Lose(slot.record);
-    slot.busy = false;
+  // This call's timing slot, claimed under the lock (one still in flight from long ago is given
+  // up), then filled without it: the links' enqueues below may wait on the host (the pcie gate, up
+  // to the deadline; NCCL's host calls), and the poll (stats(), the watchdog's hang detection) must
+  // not wait for them. The slot stays unpublished (busy false: PollTimings reads nothing else of
+  // it) until its fields are set, under the lock, at the end.
+  Slot* claimed = nullptr;
+  {
+    std::lock_guard<std::mutex> slots_lock(k.slots_mu);
+    claimed = &k.slots[k.next_slot];
+    k.next_slot = (k.next_slot + 1) % k.slots.size();
+    if (claimed->busy && !ReadSlot(rank, *claimed)) {
+      timings_.Lose(claimed->record);
+      claimed->busy = false;
+    }
   }
-  slot.used.clear();
+  Slot& slot = *claimed;
+  std::vector<size_t> used;
   for (size_t i = 0; i < work.size(); ++i)
-    if (!work[i].empty()) slot.used.push_back(i);
+    if (!work[i].empty()) used.push_back(i);
   const int n = group_.size();
   const uint64_t message = MessageBytes(desc, n);
-  slot.call = state.call;
-  slot.kind = desc.kind;
-  slot.started = false;
-  slot.budget.assign(work.size(), 0.0);
+  std::vector<double> budget(work.size(), 0.0);
+  std::vector<size_t> begun;  // links whose range was started (and whose stop event was recorded)
 
   const std::string where = ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
                             FormatIds(group_.ids) + ": ";
   auto check = [&](Status s) { return s.ok() || s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message()); };
-  FLEXLINK_RETURN_IF_ERROR(check(api_.Record(slot.start, stream)));
+  Status status = check(api_.Record(slot.start, stream));
   thread_local std::vector<Piece> pieces;
-  const bool alone = slot.used.size() == 1;  // one link: on XLA's stream itself, no fork or join
-  for (size_t i : slot.used) {
-    const Stream on = alone ? stream : k.side[i];
-    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, slot.start)));
-    // An injected hang: the stream waits on this rank's flag, which only the hang detector sets;
-    // the device-side bound is the global timeout, far past the link's deadline.
-    if (effects[i].hang) FLEXLINK_RETURN_IF_ERROR(check(api_.WaitFlag(k.hang_flag, TimeoutSeconds(), on)));
-    // Its own range, then the ranges it carries for failed links, in the same order on every rank.
+  const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
+  for (size_t i = 0; i < used.size() && status.ok(); ++i) {
+    const size_t l = used[i];
+    const Stream on = alone ? stream : k.side[l];
+    // The range's deadline first (host arithmetic only), so that a range cut short by an error has
+    // one too: the hang detector watches a failed call's ranges as well (below).
     double predicted = 0;
-    for (const plan::UnitRange& r : work[i]) {
-      desc.PiecesOf(UnitRange{r.begin, r.end}, &pieces);
-      FLEXLINK_RETURN_IF_ERROR(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, ctx.label()}));
-      predicted += Predict(state, i, static_cast<double>(RangeMessageBytes(message, r, desc.virtual_bytes())));
-    }
+    for (const plan::UnitRange& r : work[l])
+      predicted += Predict(state, l, static_cast<double>(RangeMessageBytes(message, r, desc.virtual_bytes())));
     // An injected slow link: (K - 1) x the ranges' predicted time after them, on the device, so
     // that the link's stop event (stage 2, health) shows a K x slower range. Its deadline allows it.
-    const double delay = effects[i].slow > 1 ? (effects[i].slow - 1) * predicted : 0;
-    if (delay > 0) {
-      FLEXLINK_RETURN_IF_ERROR(check(api_.Delay(delay, on)));
-      // Before this rank's slot is busy, so before the record can be complete (and reported).
-      timings_.MarkSlowed(state.record, i);
+    const double delay = effects[l].slow > 1 ? (effects[l].slow - 1) * predicted : 0;
+    budget[l] = LinkBudgetSeconds(predicted) + delay;
+    if (!alone) {
+      status = check(api_.Wait(on, slot.start));  // fork
+      if (!status.ok()) break;                       // nothing of this call is on the side stream
     }
-    slot.budget[i] = LinkBudgetSeconds(predicted) + delay;
-    FLEXLINK_RETURN_IF_ERROR(check(api_.Record(slot.stop[i], on)));
-    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, slot.stop[i])));
+    // From here on the link's stream has work of this call (or is XLA's own): whatever happens
+    // below, its stop event is recorded and, on a side stream, XLA's stream waits on it (join), so
+    // that XLA never runs past this call's device work, also when the call fails half way: XLA
+    // frees or reuses the outputs after a failed execution, while the work already enqueued (an
+    // NCCL kernel waiting for its peers, pcie copies) still writes them. The channels join their
+    // own streams into `on` the same way. The join never waits on anything unbounded: every wait
+    // in the work refers to work already submitted, except a hang flag and an NCCL kernel whose
+    // peer gave up, and those are bounded by the hang detector, which watches this call's ranges
+    // also when the call failed (the slot is published below either way).
+    if (effects[l].hang) {
+      // An injected hang: the stream waits on this rank's flag, which only the hang detector sets;
+      // the device-side bound is the global timeout, far past the link's deadline.
+      status = check(api_.WaitFlag(k.hang_flag, TimeoutSeconds(), on));
+    }
+    // Its own range, then the ranges it carries for failed links, in the same order on every rank.
+    for (const plan::UnitRange& r : work[l]) {
+      if (!status.ok()) break;
+      desc.PiecesOf(UnitRange{r.begin, r.end}, &pieces);
+      status = channels_[l]->Enqueue(GpuWork{&desc, rank, pieces, on, ctx.label()});
+    }
+    if (status.ok() && delay > 0) {
+      status = check(api_.Delay(delay, on));
+      // Before this rank's slot is busy, so before the record can be complete (and reported).
+      if (status.ok()) timings_.MarkSlowed(state.record, l);
+    }
+    Status end = check(api_.Record(slot.stop[l], on));
+    if (end.ok()) {
+      begun.push_back(l);
+      if (!alone) end = check(api_.Wait(stream, slot.stop[l]));  // join
+    }
+    if (status.ok()) status = end;
   }
-  slot.record = state.record;
-  slot.busy = true;
+  {
+    // Published under the lock: a completed call for stage 2 and the hang detector; a failed one
+    // (no timing record: Run gives its times up) for the hang detector only, which bounds the
+    // joins above (its ranges may wait on a peer that gave up).
+    std::lock_guard<std::mutex> slots_lock(k.slots_mu);
+    slot.used = begun;
+    slot.budget = std::move(budget);
+    slot.call = state.call;
+    slot.kind = desc.kind;
+    slot.started = false;
+    slot.record = status.ok() ? state.record : 0;
+    slot.busy = !begun.empty();
+  }
+  if (!status.ok()) return status;
   if (splits_->enabled()) {
     SplitRecord rec{FormatIds(group_.ids), ctx.run_id(), ctx.call_number(), rank, {}};
     for (const auto& r : state.ranges) rec.ranges.emplace_back(r.begin, r.end);

@@ -13,6 +13,9 @@
 //      work); a timing event on XLA's stream; each link with a range either directly on XLA's
 //      stream (one link) or on its own side stream, forked from XLA's stream with that event and
 //      joined back with the link's end event; then return. The host never waits for the device.
+//      Every stream forked from XLA's stream is joined back also when the call fails half way
+//      (here, and inside the links for their own streams), and a failed call's ranges are watched
+//      by the hang detector like any others, which bounds what such a join can wait for.
 // Faults and health (docs/faults.md, "GPU links"): the call's shares leave out unhealthy links (and
 // give one due for a probe a small range); with faults injected, every rank asks each link whether
 // its range may be enqueued and the ranks agree at a host barrier before anything is enqueued, so a
@@ -90,7 +93,9 @@ class GpuExecutor {
     Event start = nullptr;
     std::vector<Event> stop;  // per link
     std::vector<size_t> used;
-    uint64_t record = 0;
+    uint64_t record = 0;  // its timing record; 0 for a failed call (watched, never reported)
+    // Published: set under the rank's slots_mu once every field above and below is filled; the
+    // poll reads nothing else of a slot that is not busy (Enqueue fills it without the lock).
     bool busy = false;
     // The hang detector's: the call, its kind, each used link's deadline (seconds from the moment
     // a poll first saw the start event complete, i.e. the ranges could run).
@@ -101,7 +106,9 @@ class GpuExecutor {
     Clock::time_point started_at;
   };
   struct Rank {
-    // The rank's timing slots are read by its device thread and by PollAll (another thread).
+    // The rank's timing slots are read by its device thread and by PollAll (another thread). Held
+    // only to claim a slot and to publish it (Enqueue), never across the links' enqueues, which may
+    // wait on the host (the pcie gate, NCCL's host calls): stats() and the watchdog poll meanwhile.
     std::mutex slots_mu;
     std::vector<Stream> side;  // per link
     ProfileRank profile;  // stage 1's stream and events

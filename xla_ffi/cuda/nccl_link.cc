@@ -143,9 +143,16 @@ Status NcclChannel::Enqueue(const GpuWork& work) {
   Status s = EnqueueDirect(c, direct);
   for (const Piece* piece : staged)
     if (s.ok()) s = EnqueueStaged(c, *piece);
-  if (s.ok() && c.forked) {
-    s = api_.Record(c.rank->join, c.rank->comp);
-    if (s.ok()) s = api_.Wait(work.stream, c.rank->join);
+  // The kernel stream, once forked, is joined back into the call's stream also when a staged chunk
+  // failed half way, so that the caller's stream never runs past kernels already enqueued into its
+  // buffers. The join adds no unbounded wait of its own: the kernel stream waits only on NCCL
+  // operations already enqueued (nccl_done: this call's, on the call's stream, which runs them
+  // before the join anyway, or an earlier call's), and an NCCL operation whose peer gave up is the
+  // hang detector's to release (it watches every call's ranges, failed ones too: gpu_executor.h).
+  if (c.forked) {
+    Status j = api_.Record(c.rank->join, c.rank->comp);
+    if (j.ok()) j = api_.Wait(work.stream, c.rank->join);
+    if (s.ok()) s = j;  // the first error is the call's
   }
   if (!s.ok()) {
     const bool prefixed = s.message().rfind("flexlink:", 0) == 0;
@@ -248,11 +255,13 @@ Status NcclChannel::EnqueueStaged(Call& c, const Piece& piece) {
   for (size_t b = piece.units.begin; b < piece.units.end; b += step)
     chunks.emplace_back(b, std::min(step, piece.units.end - b));
 
-  // g: the chunk's index among the call's staged chunks (scratch parity and reuse waits).
+  // g: the chunk's index among the rank's staged chunks, across calls (scratch parity; Rank::staged).
+  const uint64_t base = k.staged;
   auto pack_chunk = [&](size_t ci) -> Status {
-    const size_t g = c.staged + ci;
+    const uint64_t g = base + ci;
     const int lp = static_cast<int>(g % 2);
-    if (g >= 2) FLEXLINK_RETURN_IF_ERROR(api_.Wait(k.comp, k.nccl_done[lp]));
+    // send[lp]'s last reader, NCCL's op of chunk g - 2 (maybe of an earlier call, on another stream).
+    FLEXLINK_RETURN_IF_ERROR(api_.Wait(k.comp, k.nccl_done[lp]));
     LayoutArgs a{LayoutArgs::kPack, w, nn, p.inner, chunks[ci].first, chunks[ci].second, 0, nn, chunks[ci].second,
                  k.send[lp], Bytes(p.in)};
     FLEXLINK_RETURN_IF_ERROR(api_.Layout(a, k.comp));
@@ -261,14 +270,15 @@ Status NcclChannel::EnqueueStaged(Call& c, const Piece& piece) {
   if (pack && !chunks.empty()) FLEXLINK_RETURN_IF_ERROR(pack_chunk(0));
   for (size_t ci = 0; ci < chunks.size(); ++ci) {
     const auto [cb, cu] = chunks[ci];
-    const size_t g = c.staged + ci;
+    const uint64_t g = base + ci;
     const int lp = static_cast<int>(g % 2);
     uint8_t* send = Bytes(k.send[lp]);
     uint8_t* recv = Bytes(k.recv[lp]);
     const size_t row = cu * w;
     // NCCL's part, on the link's stream.
     if (pack) FLEXLINK_RETURN_IF_ERROR(api_.Wait(st, k.packed[lp]));
-    if (kernel && g >= 2) FLEXLINK_RETURN_IF_ERROR(api_.Wait(st, k.kernel_done[lp]));
+    // recv[lp]'s last reader, the kernel of chunk g - 2 (maybe of an earlier call, on another stream).
+    if (kernel) FLEXLINK_RETURN_IF_ERROR(api_.Wait(st, k.kernel_done[lp]));
     switch (mode) {
       case Staged::kGather:
       case Staged::kGatherReduce:
@@ -339,7 +349,7 @@ Status NcclChannel::EnqueueStaged(Call& c, const Piece& piece) {
     }
     FLEXLINK_RETURN_IF_ERROR(api_.Record(k.kernel_done[lp], k.comp));
   }
-  c.staged += chunks.size();
+  k.staged += chunks.size();
   return Status::Ok();
 }
 

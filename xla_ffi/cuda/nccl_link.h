@@ -65,18 +65,23 @@ class NcclChannel : public GpuChannel {
     Comm comm = nullptr;
     Stream comp = nullptr;
     Event fork = nullptr, join = nullptr;
-    // Per local parity: NCCL's op on the chunk done, the packed send rows ready, the kernel that
-    // read the received rows done.
+    // Per local parity (staged % 2): NCCL's op on the chunk done, the packed send rows ready, the
+    // kernel that read the received rows done.
     Event nccl_done[2] = {}, packed[2] = {}, kernel_done[2] = {};
     void* send[2] = {};
     void* recv[2] = {};
+    // Staged chunks so far, across calls (and pieces): chunk g uses send/recv[g % 2]. Carried across
+    // calls, and every reuse of a buffer waits on its last reader's event (nccl_done for send,
+    // kernel_done for recv) however long ago: consecutive calls may come on different XLA streams
+    // (multi-stream scheduling), so nothing else orders a call's first chunks after the previous
+    // call's last kernels. A wait on an event already complete costs nothing on the device.
+    uint64_t staged = 0;
   };
   struct Call {
     const GpuWork* work;
     Rank* rank;
     int r, n;
-    bool forked = false;  // the kernel stream joined this call's work
-    size_t staged = 0;    // staged chunks so far in this call: buffers alternate across pieces too
+    bool forked = false;  // the kernel stream was forked from the call's stream (joined at the end, always)
   };
   // A piece NCCL takes as it is (no staging).
   bool Direct(const CallDesc& d, const Piece& piece) const;

@@ -1,8 +1,10 @@
 // The pcie link's schedule per collective: which copies and kernels each rank issues for each chunk,
 // on which of its three streams, between which events. Host slot layouts are those of pcie_chunks.h;
 // "cells" below are regions of a host slot, "rows" regions of a device scratch buffer. Local buffers
-// (recv, send, their events) alternate by the chunk's parity within the call (lp); host slots by the
-// chunk's sequence number in its round (HostSlot), which continues across calls.
+// (recv, send, their events) alternate by the rank's chunk count, which continues across calls (lp,
+// LocalParity), and every write of one waits on its last reader's event, recorded in this call or an
+// earlier one; host slots alternate by the chunk's sequence number in its round (HostSlot), which
+// continues across calls too.
 #include <algorithm>
 #include <cstdint>
 
@@ -36,7 +38,7 @@ Status PcieChannel::AllReduce(Call& c) {
     const uint64_t s = base1 + ci;
     uint8_t* host = HostSlot(1, s);  // cells [slice j], laid out as the chunk itself
     PCIE_TRY(ProduceBegin(c, 1, s));
-    PCIE_TRY(api_.Wait(k.d2h, k.kernel_done[ci % 2]));
+    PCIE_TRY(api_.Wait(k.d2h, k.kernel_done[LocalParity(c, ci)]));
     if (sl.size(r)) PCIE_TRY(api_.Copy(host + sl.begin(r) * w, y + sl.begin(r) * w, sl.size(r) * w, k.d2h));
     PCIE_TRY(ProduceEnd(c, 1, s));
     PCIE_TRY(ConsumeBegin(c, 1, s, others));
@@ -57,7 +59,7 @@ Status PcieChannel::AllReduce(Call& c) {
     uint8_t* y = Bytes(p.out) + ch.begin * w;
     const uint64_t s = base0 + ci;
     uint8_t* host = HostSlot(0, s);  // cells [slice j][producer p]
-    const int lp = static_cast<int>(ci % 2);
+    const int lp = LocalParity(c, ci);
 
     // Round 0, producer: slice j of this chunk to cell [j][r], for every j but r. Runs of full
     // slices go as one 2-D copy.
@@ -79,7 +81,7 @@ Status PcieChannel::AllReduce(Call& c) {
     // Round 0, consumer: cells [r][p] for p != r into recv rows p; then reduce slice r on the GPU.
     PCIE_TRY(ConsumeBegin(c, 0, s, others));
     if (sl.size(r)) {
-      if (ci >= 2) PCIE_TRY(api_.Wait(k.h2d, k.kernel_done[lp]));
+      PCIE_TRY(api_.Wait(k.h2d, k.kernel_done[lp]));  // recv[lp]'s last reader, maybe of an earlier call
       uint8_t* recv = Bytes(k.recv[lp]);
       const uint8_t* mine = host + static_cast<size_t>(r) * n * cell;
       if (r) PCIE_TRY(api_.Copy(recv, mine, r * cell, k.h2d));
@@ -107,6 +109,7 @@ Status PcieChannel::AllReduce(Call& c) {
   if (m > 0) PCIE_TRY(round1(m - 1));
   k.seq[0] += m;
   k.seq[1] += m;
+  k.local += m;
   return Status::Ok();
 }
 
@@ -135,7 +138,7 @@ Status PcieChannel::AllGather(Call& c) {
     const size_t w = p.width(), cell = ch.units * w, row = p.inner * w;
     const uint64_t s = base + ci;
     uint8_t* host = HostSlot(0, s);  // cells [producer p]
-    const int lp = static_cast<int>(ci % 2);
+    const int lp = LocalParity(c, ci);
     PCIE_TRY(ProduceBegin(c, 0, s));
     PCIE_TRY(api_.Copy(host + r * cell, Bytes(p.in) + ch.begin * w, cell, k.d2h));
     PCIE_TRY(ProduceEnd(c, 0, s));
@@ -148,7 +151,7 @@ Status PcieChannel::AllGather(Call& c) {
       PCIE_TRY(ConsumeEnd(c, 0, s));
       continue;
     }
-    if (ci >= 2) PCIE_TRY(api_.Wait(k.h2d, k.kernel_done[lp]));
+    PCIE_TRY(api_.Wait(k.h2d, k.kernel_done[lp]));  // recv[lp]'s last reader, maybe of an earlier call
     uint8_t* recv = Bytes(k.recv[lp]);
     if (r) PCIE_TRY(api_.Copy(recv, host, r * cell, k.h2d));
     if (r + 1 < n) PCIE_TRY(api_.Copy(recv + (r + 1) * cell, host + (r + 1) * cell, (n - r - 1) * cell, k.h2d));
@@ -164,6 +167,7 @@ Status PcieChannel::AllGather(Call& c) {
     PCIE_TRY(api_.Record(k.kernel_done[lp], k.comp));
   }
   k.seq[0] += c.chunks.size();
+  k.local += c.chunks.size();
   return Status::Ok();
 }
 
@@ -233,8 +237,8 @@ Status PcieChannel::ReduceScatterOrAllToAll(Call& c) {
     const PcieChunk& ch = c.chunks[ci];
     const Part& p = d.parts[ch.part];
     if (p.outer == 1) return Status::Ok();
-    const int lp = static_cast<int>(ci % 2);
-    if (ci >= 2) PCIE_TRY(api_.Wait(k.comp, k.sent[lp]));
+    const int lp = LocalParity(c, ci);
+    PCIE_TRY(api_.Wait(k.comp, k.sent[lp]));  // send[lp]'s last copy out, maybe of an earlier call
     LayoutArgs a{LayoutArgs::kPack, p.width(), static_cast<size_t>(n), p.inner, ch.begin, ch.units, 0,
                  static_cast<size_t>(n), ch.units, k.send[lp], Bytes(p.in)};
     PCIE_TRY(api_.Layout(a, k.comp));
@@ -248,7 +252,7 @@ Status PcieChannel::ReduceScatterOrAllToAll(Call& c) {
     const size_t w = p.width(), cell = ch.units * w, row = p.inner * w;
     const uint64_t s = base + ci;
     uint8_t* host = HostSlot(0, s);  // cells [consumer j][producer p]
-    const int lp = static_cast<int>(ci % 2);
+    const int lp = LocalParity(c, ci);
     const bool packed = p.outer > 1;
     // Producer: row j (x[o, j, i] over the chunk's units) to cell [j][r], for every j but r.
     const uint8_t* rows = packed ? Bytes(k.send[lp]) : Bytes(p.in) + ch.begin * w;
@@ -273,7 +277,7 @@ Status PcieChannel::ReduceScatterOrAllToAll(Call& c) {
       PCIE_TRY(ConsumeEnd(c, 0, s));
       continue;
     }
-    if (ci >= 2) PCIE_TRY(api_.Wait(k.h2d, k.kernel_done[lp]));
+    PCIE_TRY(api_.Wait(k.h2d, k.kernel_done[lp]));  // recv[lp]'s last reader, maybe of an earlier call
     uint8_t* recv = Bytes(k.recv[lp]);
     if (r) PCIE_TRY(api_.Copy(recv, mine, r * cell, k.h2d));
     if (r + 1 < n) PCIE_TRY(api_.Copy(recv + (r + 1) * cell, mine + (r + 1) * cell, (n - r - 1) * cell, k.h2d));
@@ -309,6 +313,7 @@ Status PcieChannel::ReduceScatterOrAllToAll(Call& c) {
     PCIE_TRY(api_.Record(k.kernel_done[lp], k.comp));
   }
   k.seq[0] += m;
+  k.local += m;
   return Status::Ok();
 }
 

@@ -73,22 +73,35 @@ Status PcieChannel::Enqueue(const GpuWork& work) {
 Status PcieChannel::EnqueueOrFail(Call& c) {
   Rank& k = *c.rank;
   const Stream stream = c.work->stream;
-  // Fork the link's streams from the caller's stream, run the schedule, join them back.
-  FLEXLINK_RETURN_IF_ERROR(api_.Record(k.fork, stream));
-  for (Stream s : {k.d2h, k.h2d, k.comp}) FLEXLINK_RETURN_IF_ERROR(api_.Wait(s, k.fork));
-  switch (c.work->desc->kind) {
-    case Kind::kAllReduce: FLEXLINK_RETURN_IF_ERROR(AllReduce(c)); break;
-    case Kind::kAllGather: FLEXLINK_RETURN_IF_ERROR(AllGather(c)); break;
-    case Kind::kReduceScatter:
-    case Kind::kAllToAll: FLEXLINK_RETURN_IF_ERROR(ReduceScatterOrAllToAll(c)); break;
-    case Kind::kPpermute: FLEXLINK_RETURN_IF_ERROR(Ppermute(c)); break;
-  }
   const Stream own[3] = {k.d2h, k.h2d, k.comp};
-  for (int i = 0; i < 3; ++i) {
-    FLEXLINK_RETURN_IF_ERROR(api_.Record(k.join[i], own[i]));
-    FLEXLINK_RETURN_IF_ERROR(api_.Wait(stream, k.join[i]));
+  // Fork the link's streams from the caller's stream, run the schedule, join them back: every
+  // stream forked is joined also when the schedule fails half way (a gate timed out or aborted by a
+  // failed peer, a refused copy), so that the caller's stream never runs past copies already
+  // enqueued into its buffers. Such a join waits for nothing unbounded: every wait on these streams
+  // was issued after the record it binds to (the gate), so it refers to work already submitted.
+  FLEXLINK_RETURN_IF_ERROR(api_.Record(k.fork, stream));
+  bool forked[3] = {false, false, false};
+  Status s;
+  for (int i = 0; i < 3 && s.ok(); ++i) {
+    s = api_.Wait(own[i], k.fork);
+    forked[i] = s.ok();
   }
-  return Status::Ok();
+  if (s.ok()) {
+    switch (c.work->desc->kind) {
+      case Kind::kAllReduce: s = AllReduce(c); break;
+      case Kind::kAllGather: s = AllGather(c); break;
+      case Kind::kReduceScatter:
+      case Kind::kAllToAll: s = ReduceScatterOrAllToAll(c); break;
+      case Kind::kPpermute: s = Ppermute(c); break;
+    }
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (!forked[i]) continue;
+    Status j = api_.Record(k.join[i], own[i]);
+    if (j.ok()) j = api_.Wait(stream, k.join[i]);
+    if (s.ok()) s = j;  // the first error is the call's
+  }
+  return s;
 }
 
 Status PcieChannel::CopyRows(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows,

@@ -63,13 +63,19 @@ class PcieChannel : public GpuChannel {
     Stream d2h = nullptr, h2d = nullptr, comp = nullptr;
     Event fork = nullptr, join[3] = {};
     Event ring[PcieGate::kNumKinds][kRing] = {};
-    // Per local parity (chunk index % 2 within a call): the host-to-device copies of a chunk done,
-    // the kernel that read recv done, the packed send buffer ready, its device-to-host copy done.
+    // Per local parity (LocalParity): the host-to-device copies of a chunk done, the kernel that
+    // read recv done, the packed send buffer ready, its device-to-host copy done.
     Event h2d_done[2] = {}, kernel_done[2] = {}, packed[2] = {}, sent[2] = {};
     Event d2h_end = nullptr;  // a call's copies out all issued (in-place ppermute's local parts wait)
     void* recv[2] = {};
     void* send[2] = {};
     uint64_t seq[2] = {0, 0};                // chunks of round 0 / 1 so far (the same on every rank)
+    // Chunks so far, across calls: chunk ci of a call uses recv/send[(local + ci) % 2] and their
+    // events. Carried across calls, and every reuse of a buffer waits on the event of its last
+    // reader (kernel_done, sent) however long ago: consecutive calls may come on different XLA
+    // streams (multi-stream scheduling), so nothing else orders a call's first chunks after the
+    // previous call's last kernels. A wait on an event already complete costs nothing on the device.
+    uint64_t local = 0;
   };
   // One rank's view of one call, for the per-kind schedules (pcie_kinds.cc).
   struct Call {
@@ -94,6 +100,8 @@ class PcieChannel : public GpuChannel {
   Status ConsumeEnd(Call& c, int round, uint64_t s);
 
   uint8_t* HostSlot(int round, uint64_t s) const { return static_cast<uint8_t*>(host_[round][s % 2]); }
+  // The local buffers' parity of chunk `ci` of the call (Rank::local).
+  static int LocalParity(const Call& c, size_t ci) { return static_cast<int>((c.rank->local + ci) % 2); }
   // `rows` copies of `width` bytes (one 2-D copy; nothing for an empty one).
   Status CopyRows(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows, Stream s);
   std::vector<int> Others(int r) const;
