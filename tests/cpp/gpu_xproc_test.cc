@@ -21,6 +21,8 @@
 //     (3 s), the join aborted, a later call failing at once;
 //   - CommApi::InitRanks's waiting on a scripted library (abort all on an error, a failed check or the
 //     deadline; none returned);
+//   - a peer killed while the pcie link's streams wait on its flags: the hang detector breaks the
+//     group and the link raises the flags, so the survivors' devices drain (mode 18);
 //   - nothing left in /dev/shm (segments and the simulation's communicator files).
 // The parent starts no threads before forking; alarm() backstops any hang.
 #include <dirent.h>
@@ -34,6 +36,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -104,7 +107,8 @@ struct Scenario {
                  // processes (the hang detector breaks the group in every process); 13: stage 1
                  // across processes; 14: stage 1 with one process unable to time it; 15: stage 1
                  // from the tuning cache; 16: links configured after the set-up; 17: health (unhealthy,
-                 // probed and re-admitted; degraded and recovered) the same in every process
+                 // probed and re-admitted; degraded and recovered) the same in every process; 18: a peer
+                 // killed while the survivors' streams wait on its pcie flags (the link releases them)
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -161,6 +165,8 @@ struct Local {
   // The link-set version the calls say they were lowered with (CollectiveArgs::links_version; 0:
   // not said, as every scenario but "links configured after the set-up" leaves it).
   uint64_t lowered = 0;
+  // Run's hook between the host's enqueue (every rank's Run returned) and the device's drain.
+  std::function<void()> after_enqueue;
 
   // Runs `c` on this process's ranks; outputs per local rank and operand.
   std::vector<Status> Run(const Case& c, std::vector<std::vector<std::vector<uint8_t>>>* out, int64_t run) {
@@ -216,6 +222,7 @@ struct Local {
         status[i] = engine->Run(a, streams[i]);
       });
     for (auto& t : threads) t.join();
+    if (after_enqueue) after_enqueue();
     device.SynchronizeAll();
     out->assign(per, std::vector<std::vector<uint8_t>>(k));
     for (int i = 0; i < per; ++i)
@@ -724,13 +731,18 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     L.engine->splits().SetEnabled(true);
     const int calls = 12;
     for (int i = 0; i < calls; ++i) L.Check(c, ++run, s.what);
-    ShareSplits(L.engine->splits().Take(), p, shared);
+    const std::vector<SplitRecord> records = L.engine->splits().Take();
+    ShareSplits(records, p, shared);
     gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
     // The profile's NCCL operations ran in every process: phase 1 alone times nccl at 5 sizes,
-    // 14 runs, beside the 12 calls' own.
-    Expect(L.comm.operations() >= size_t{calls} + 14,
+    // 14 runs, beside the calls' own: one per local rank and call whose nccl range is not empty
+    // (stage 2 may give a call's every byte to pcie on a loaded machine).
+    size_t own = 0;
+    for (const SplitRecord& rec : records) own += !rec.ranges.empty() && rec.ranges[0].second > rec.ranges[0].first;
+    Expect(L.comm.operations() >= own + 14,
            s.what + ": process " + std::to_string(p) + " enqueued the profile (" +
-               std::to_string(L.comm.operations()) + " NCCL operations)");
+               std::to_string(L.comm.operations()) + " NCCL operations, " + std::to_string(own) +
+               " of them the calls' own)");
     if (p == 0 && g) {
       const plan::CostModel m = g->balancer().Model();
       const auto fits = m.Has(c.kind) ? m.Fits(c.kind) : std::span<const plan::AlphaBeta>();
@@ -796,6 +808,53 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       std::printf("  %s: drained in %.2f s (link deadline 0.3 s), call 3 refused in %.3f s\n", s.what.c_str(), drained,
                   refused);
     Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
+    (void)L.device.TakeErrors();
+  } else if (s.mode == 18) {
+    // A peer process killed while the device runs a call of the pcie link: pcie:hang@at_call=2 in
+    // the victim (the last process) only, so its streams wait on their hang flags before staging
+    // call 2, and it dies (SIGKILL) as soon as its ranks have enqueued call 2: they never post
+    // call 2's first step. The survivors' streams wait on its flags (on a GPU
+    // cuStreamWaitValue32, which has no timeout). Their hang detector breaks the group at the 0.3 s
+    // deadline and the link raises every rank's flag, so their devices drain within seconds, not at
+    // the simulation's 20 s wait timeout (which stands in for "never" and records an error), and
+    // call 3 fails at once.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
+    const std::vector<std::string> names{"pcie"};
+    const int victim = s.processes - 1;
+    HealthOptions o = GetHealthOptions();
+    o.link_timeout_s = 0.3;
+    SetHealthOptions(o);
+    // The fault agreement runs when the leader's process has faults: one there that never fires.
+    Expect(gpu::SetGpuFaults(p == victim ? "pcie:hang@at_call=2" : "pcie:hang@at_call=1000000", names).ok(),
+           s.what + ": set");
+    L.Check(c, ++run, s.what + ": call 1");
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    if (p == victim) {
+      std::fflush(stdout);  // its own failures, if any, before it dies
+      L.after_enqueue = [] { raise(SIGKILL); };  // call 2 enqueued; its streams wait on the hang flags
+      (void)L.Run(c, &out, ++run);
+      _exit(43);
+    }
+    const auto t0 = Clock::now();
+    const auto status = L.Run(c, &out, ++run);  // returns once the device drained (SynchronizeAll)
+    const double drained = Seconds(t0);
+    for (size_t i = 0; i < status.size(); ++i)
+      Expect(status[i].ok(), s.what + ": call 2 enqueues on rank " + std::to_string(L.local[i]) + ": " + status[i].message());
+    const std::vector<std::string> errors = L.device.TakeErrors();
+    bool released = true;
+    for (const std::string& e : errors) released = released && e.find("waited more than") == std::string::npos;
+    Expect(released && drained < 5, s.what + ": the device drained after the 0.3 s deadline, its flag waits released by the "
+                                    "link, not by the simulation's 20 s timeout (" + std::to_string(drained) + " s, " +
+                                    std::to_string(errors.size()) + " simulation errors" +
+                                    (errors.empty() ? std::string() : ": " + errors[0]) + ")");
+    const auto t1 = Clock::now();
+    const auto again = L.Run(c, &out, ++run);
+    const double refused = Seconds(t1);
+    for (size_t i = 0; i < again.size(); ++i)
+      Expect(!again[i].ok() && refused < 2, s.what + ": call 3 fails at once on rank " + std::to_string(L.local[i]) +
+                                                " (" + std::to_string(refused) + " s): " + again[i].message());
+    if (p == 0) std::printf("  %s: drained in %.2f s (link deadline 0.3 s), call 3 refused in %.3f s\n", s.what.c_str(),
+                            drained, refused);
     (void)L.device.TakeErrors();
   } else if (s.mode == 10) {
     // Injected rank:absent across processes: the group's last rank (in the last process) stays away
@@ -1052,8 +1111,8 @@ void RunScenario(const Scenario& s) {
     // The stalled peer outlives the survivors' deadline by design: ended once they are done.
     if (s.mode == 7 && p == victim) kill(kids[p], SIGKILL);
     waitpid(kids[p], &status, 0);
-    if (s.mode >= 3 && s.mode <= 7 && p == victim) {
-      const bool died = s.mode == 3 || s.mode == 7 ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
+    if (((s.mode >= 3 && s.mode <= 7) || s.mode == 18) && p == victim) {
+      const bool died = s.mode == 3 || s.mode == 7 || s.mode == 18 ? WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
                                                    : WIFEXITED(status) && WEXITSTATUS(status) == 42;
       Expect(died, s.what + ": the victim died as planned");
       continue;
@@ -1233,6 +1292,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie stage 1 from the tuning cache", 2, per, "nccl@staging_mib=0.0625;pcie", 15});
     RunScenario({shape + "links configured after the set-up", 2, per, "nccl@staging_mib=0.0625", 16});
     RunScenario({shape + "nccl;pcie health across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 17});
+    RunScenario({shape + "pcie, a peer SIGKILLed during a call", 2, per, "pcie", 18});
   }
   const auto after = ShmEntries();
   std::string left;

@@ -49,10 +49,17 @@ class GpuChannel {
   // Called by every rank with the same pieces, each rank on its own thread.
   virtual Status Enqueue(const GpuWork& work) = 0;
   // After a hang (gpu_executor.h): ends what may keep the link's work in flight on the device
-  // forever (nccl: ncclCommAbort of every rank's communicator). Called once, from one thread, when
-  // no rank is enqueuing; the channel is never used again. Links whose waits are all CUDA events on
-  // their own work (pcie) have nothing of their own to release.
+  // forever (nccl: ncclCommAbort of every rank's communicator; pcie across processes: every rank's
+  // step flag raised past any step, since cuStreamWaitValue32 has no timeout). Called once, from
+  // one thread, when no rank is enqueuing; the channel is never used again. Links whose waits are
+  // all CUDA events on work already submitted (pcie in one process) have nothing of their own to
+  // release.
   virtual Status Abort() { return Status::Ok(); }
+  // After Abort, on every later poll of the hang detector while the process lives: re-opens any
+  // device-side wait on host memory that a peer's late write may have closed again (pcie across
+  // processes: a stream still draining stores its own, smaller step into a flag Abort raised).
+  // Idempotent and cheap; never blocks.
+  virtual void Unblock() {}
 };
 
 class GpuLink {

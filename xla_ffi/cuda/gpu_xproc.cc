@@ -447,43 +447,69 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
   };
   const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
   // This call's timing entry; one still unread (its call not complete on the device after kTimed
-  // later calls were enqueued) is given up: its events are recorded again for this call.
-  std::lock_guard<std::mutex> lock(k.timed_mu);  // the watchdog's PollHangs reads the entry
-  Timed& t = k.timed[call % kTimed];
-  t.call = 0;
+  // later calls were enqueued) is given up: its events are recorded again for this call. Claimed
+  // (call 0: the watchdog's PollHangs skips it) and published under the lock; filled without it,
+  // so that a rank waiting inside a link's enqueue (NCCL settling, the deadline) never holds up the
+  // watchdog and with it every group's hang detection (as GpuExecutor::Enqueue).
+  Timed* claimed = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(k.timed_mu);
+    claimed = &k.timed[call % kTimed];
+    claimed->call = 0;
+  }
+  Timed& t = *claimed;
   t.kind = desc.kind;
   t.started = false;
+  for (size_t i = 0; i < t.used.size(); ++i) t.used[i] = 0, t.budget[i] = 0;
   FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.start, stream)));
   thread_local std::vector<Piece> pieces;
   const uint64_t message = MessageBytes(desc, group_.size());
-  for (size_t i = 0; i < t.used.size(); ++i) t.used[i] = 0, t.budget[i] = 0;
+  Status failed;
   for (size_t i : used) {
     const Stream on = alone ? stream : k.side[i];
-    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(on, t.start)));
-    // An injected hang: the stream waits on this rank's flag, which only the hang detector sets;
-    // the device-side bound is the global timeout, far past the link's deadline.
-    if (effects[i].hang) FLEXLINK_RETURN_IF_ERROR(check(api_.WaitFlag(k.hang_flag, TimeoutSeconds(), on)));
-    // Its own range, then any it carries for a refused link, in link order: the same on every rank.
-    pieces.clear();
-    thread_local std::vector<Piece> more;
-    uint64_t units = 0;
-    for (const plan::UnitRange& r : work[i]) {
-      desc.PiecesOf(UnitRange{r.begin, r.end}, &more);
-      pieces.insert(pieces.end(), more.begin(), more.end());
-      units += r.size();
+    if (!alone) {
+      failed = check(api_.Wait(on, t.start));
+      if (!failed.ok()) break;
     }
-    FLEXLINK_RETURN_IF_ERROR(check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label})));
-    const double predicted = plan::PredictOrUnfitted(
-        fits, i, desc.virtual_bytes() ? double(message) * double(units) / double(desc.virtual_bytes()) : 0);
+    // From here the link's stream has started: whatever happens, its stop is recorded and XLA's
+    // stream waits for it, so that XLA never frees or reuses this call's buffers while the link's
+    // work still reads or writes them. A wait that could last for good (a peer gone: NCCL's kernel,
+    // the pcie link's flags) ends when the group breaks (the enqueue's error breaks it in every
+    // process) and Watch aborts the links.
+    const double predicted = [&] {
+      uint64_t units = 0;
+      for (const plan::UnitRange& r : work[i]) units += r.size();
+      return plan::PredictOrUnfitted(
+          fits, i, desc.virtual_bytes() ? double(message) * double(units) / double(desc.virtual_bytes()) : 0);
+    }();
     // An injected slow fault: a device-side delay after the range, K - 1 times its predicted time.
     const double delay = effects[i].slow > 1 ? (effects[i].slow - 1) * predicted : 0;
-    if (delay > 0) FLEXLINK_RETURN_IF_ERROR(check(api_.Delay(delay, on)));
     t.budget[i] = LinkBudgetSeconds(predicted) + delay;
-    FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.stop[i], on)));
-    if (!alone) FLEXLINK_RETURN_IF_ERROR(check(api_.Wait(stream, t.stop[i])));
-    t.used[i] = 1;
+    // An injected hang: the stream waits on this rank's flag, which only the hang detector sets;
+    // the device-side bound is the global timeout, far past the link's deadline.
+    if (effects[i].hang) failed = check(api_.WaitFlag(k.hang_flag, TimeoutSeconds(), on));
+    if (failed.ok()) {
+      // Its own range, then any it carries for a refused link, in link order: the same on every rank.
+      pieces.clear();
+      thread_local std::vector<Piece> more;
+      for (const plan::UnitRange& r : work[i]) {
+        desc.PiecesOf(UnitRange{r.begin, r.end}, &more);
+        pieces.insert(pieces.end(), more.begin(), more.end());
+      }
+      failed = check(channels_[i]->Enqueue(GpuWork{&desc, rank, pieces, on, label}));
+    }
+    if (failed.ok() && delay > 0) failed = check(api_.Delay(delay, on));
+    Status joined = check(api_.Record(t.stop[i], on));
+    if (joined.ok() && !alone) joined = check(api_.Wait(stream, t.stop[i]));
+    t.used[i] = joined.ok();
+    if (failed.ok()) failed = joined;
+    if (!failed.ok()) break;
   }
-  t.call = call;
+  {
+    std::lock_guard<std::mutex> lock(k.timed_mu);
+    t.call = call;  // published: the hang detector watches its ranges, a failed call's too
+  }
+  if (!failed.ok()) return failed;
   if (splits_ && splits_->enabled()) {
     SplitRecord rec{FormatIds(group_.ids), run_id, call, rank, {}};
     for (const auto& r : ranges) rec.ranges.emplace_back(r.begin, r.end);
@@ -740,7 +766,11 @@ void GpuXprocGroup::Watch() {
   // wait on peers that will never come, and only aborting the communicators releases them.
   if (!segment_->aborted()) return;
   std::unique_lock<std::mutex> lock(broken_mu_);
-  if (released_) return;
+  if (released_) {
+    lock.unlock();
+    for (auto& channel : channels_) channel->Unblock();
+    return;
+  }
   if (!hung_ && broken_at_ == std::chrono::steady_clock::time_point{}) broken_at_ = std::chrono::steady_clock::now();
   const double since = std::chrono::duration<double>(std::chrono::steady_clock::now() - broken_at_).count();
   // Not while a local rank may be enqueuing on the communicators (as in one process); a rank that

@@ -15,7 +15,11 @@ PcieGate::PcieGate(int ranks) : n_(ranks), recorded_(ranks * kNumKinds), waited_
 
 void PcieGate::Publish(Table* t, int rank, Kind kind, uint64_t seq) {
   (*t)[rank * kNumKinds + kind].store(seq + 1, std::memory_order_release);
-  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+  // Store-buffering against Await (store progress, read sleepers_ | count a sleeper, read
+  // progress): without a full fence on both sides each can miss the other's store (x86's store
+  // buffer allows it), and the sleeper waits out the whole deadline for a record already issued.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_relaxed) > 0) {
     { std::lock_guard<std::mutex> lock(mu_); }  // a sleeper between its check and its wait sees it
     cv_.notify_all();
   }
@@ -41,6 +45,7 @@ Status PcieGate::Await(Ready ready, std::string_view where, std::string_view wha
                             std::chrono::duration<double>(std::min(timeout, 1e9)));
   std::unique_lock<std::mutex> lock(mu_);
   sleepers_.fetch_add(1);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // Publish's fence pairs with this one
   const bool ok = cv_.wait_until(lock, deadline, [&] { return ready() || aborted_.load(); });
   sleepers_.fetch_sub(1);
   if (ok && ready()) return Status::Ok();

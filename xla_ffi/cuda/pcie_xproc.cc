@@ -37,6 +37,36 @@ Status PcieXprocChannel::SetupLocal(std::span<const int> local) {
   return Status::Ok();
 }
 
+void PcieXprocChannel::StoreRaised() {
+  const uint32_t raised = raised_.load(std::memory_order_acquire);
+  for (int j = 0; j < group_.size(); ++j)
+    std::atomic_ref<uint32_t>(*Posted(j)).store(raised, std::memory_order_release);
+}
+
+Status PcieXprocChannel::Abort() {
+  // Waits are GEQ, wrap-aware: (int32_t)(flag - step) >= 0. Every rank's steps are the same
+  // sequence and the host rendezvous keeps their enqueues within one call of each other, so every
+  // pending or future wait, in every process, asks for a step within one call's steps of this
+  // process's furthest rank; 2^30 past it satisfies them all and stays inside the GEQ's half range.
+  uint32_t furthest = 0;
+  bool any = false;
+  for (const Rank& k : ranks_) {
+    if (!k.scratch) continue;  // another process's rank
+    const uint32_t seq = k.seq.load(std::memory_order_acquire);
+    if (!any || static_cast<int32_t>(seq - furthest) > 0) furthest = seq, any = true;
+  }
+  raised_.store(furthest + (1u << 30), std::memory_order_release);
+  aborted_.store(true, std::memory_order_release);
+  StoreRaised();
+  return Status::Ok();
+}
+
+void PcieXprocChannel::Unblock() {
+  // A rank whose stream was still draining when Abort ran stores its own step afterwards, lowering
+  // its flag below what a peer's stream waits for; storing the raised value on every poll ends that.
+  if (aborted_.load(std::memory_order_acquire)) StoreRaised();
+}
+
 Status PcieXprocChannel::Enqueue(const GpuWork& work) {
   FLEXLINK_RETURN_IF_ERROR(breaker_.Check(name_));
   const CallDesc& d = *work.desc;
@@ -53,7 +83,7 @@ Status PcieXprocChannel::Enqueue(const GpuWork& work) {
     if (!s.ok()) goto out; \
   } while (0)
   while (cursor.Next(&pieces)) {
-    const uint32_t step = ++k.seq;
+    const uint32_t step = k.seq.fetch_add(1, std::memory_order_acq_rel) + 1;
     const int b = static_cast<int>(step & 1);
     char* mine = segment_.staging(b, r);
     // Stage. Buffer b was last read at step − 2; every peer finished that before it posted step − 1

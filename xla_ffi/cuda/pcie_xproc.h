@@ -27,6 +27,7 @@
 // whether the waits behave next to XLA's own NCCL kernels is to be checked on a GPU.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -50,13 +51,18 @@ class PcieXprocChannel : public GpuChannel {
   // This process's ranks `local`, once, from one thread: the segment registered, device scratch.
   Status SetupLocal(std::span<const int> local);
   Status Enqueue(const GpuWork& work) override;
+  // The group is broken (a peer process gone or hung): every rank's flag, in every process, raised
+  // to a step no wait asks for, so no stream waits on a peer that will never post.
+  Status Abort() override;
+  void Unblock() override;
 
  private:
   struct Rank {
     void* scratch = nullptr;  // n slots of device memory
-    uint32_t seq = 0;         // steps so far (the same on every rank)
+    std::atomic<uint32_t> seq{0};  // steps so far (the same on every rank); read by Abort
   };
   uint32_t* Posted(int r) const;
+  void StoreRaised();
 
   const std::string name_;
   DeviceApi& api_;
@@ -64,6 +70,8 @@ class PcieXprocChannel : public GpuChannel {
   xproc::ProcessGroup& segment_;
   std::vector<Rank> ranks_;
   Breaker breaker_;
+  std::atomic<bool> aborted_{false};
+  std::atomic<uint32_t> raised_{0};  // what Abort raised every flag to; Unblock stores it again
 };
 
 }  // namespace flexlink::gpu
