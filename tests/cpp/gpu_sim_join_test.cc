@@ -132,6 +132,7 @@ class JoinSim : public sim::SimDevice {
     stall_ = {device, n, seconds};
   }
   bool stalling() const { return stalling_.load(); }
+  int stalls() const { return stalls_.load(); }  // stalls that began
 
   // A later operation on XLA's stream: enqueued on `xla` now, it records, when it runs, how many
   // engine streams of `device` still had work issued before it pending (0: XLA's stream waited for
@@ -206,6 +207,7 @@ class JoinSim : public sim::SimDevice {
                               (what == What::kCopy ? "copy" : "kernel") + " on device " + std::to_string(c->device));
     }
     if (stall > 0) {
+      stalls_.fetch_add(1);
       stalling_.store(true);
       std::this_thread::sleep_for(std::chrono::duration<double>(stall));
       stalling_.store(false);
@@ -223,6 +225,7 @@ class JoinSim : public sim::SimDevice {
   Stall stall_;
   std::atomic<int> injected_{0};
   std::atomic<bool> stalling_{false};
+  std::atomic<int> stalls_{0};
   std::atomic<int> kernel_delay_us_{0};
 };
 
@@ -463,7 +466,7 @@ void TestNcclErrorAfterForkJoins() {
   Warm(f, c, "nccl error");
   f.device.SlowEngineStreams(20000);
   f.device.SetKernelDelay(300000);
-  f.device.FailNth(JoinSim::What::kReduce, 0, 2, 0.1);  // rank 1's nccl range enqueued meanwhile
+  f.device.FailNth(JoinSim::What::kReduce, 0, 2, 0.5 * kStretch);  // rank 1's nccl range enqueued meanwhile
   std::vector<JoinSim::Marker> markers(2);
   Sequence seq;
   seq.cases = {c};
@@ -500,7 +503,7 @@ void TestFailedCallWatchedByHangDetector() {
   PinShares(*f.engine, c, 2, {0.5, 0.5});
   ResetHealth();
   Warm(f, c, "detector");
-  f.device.FailNth(JoinSim::What::kReduce, 0, 1, 0.1);  // rank 1's four gathers enqueued meanwhile
+  f.device.FailNth(JoinSim::What::kReduce, 0, 1, 0.5 * kStretch);  // rank 1's four gathers enqueued meanwhile
   std::vector<JoinSim::Marker> markers(2);
   Sequence seq;
   seq.cases = {c};
@@ -544,6 +547,7 @@ void TestPollWhileEnqueueBlocked() {
   const double stall = 2.0 * std::min(kStretch, 3.0);
   f.device.StallNthCopy(1, 1, stall);
   double polled = -1;
+  bool during = false;  // the poll returned while rank 1 was still stalled inside its enqueue
   std::thread poller([&] {
     const auto t0 = Clock::now();
     while (!f.device.stalling() && Seconds(t0) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -551,11 +555,15 @@ void TestPollWhileEnqueueBlocked() {
     const auto t1 = Clock::now();
     f.engine->PollTimings();
     polled = Seconds(t1);
+    during = f.device.stalling();
   });
   Sequence seq;
   seq.cases = {c};
   RunSequence(f, &seq, [&](int r, size_t) { return f.h.streams[r]; });
   poller.join();
+  Expect(f.device.stalls() == 1 && during, "poll: rank 1 stalled inside its enqueue (" +
+                                              std::to_string(f.device.stalls()) + " stalls) and the poll "
+                                              "returned during it");
   Expect(polled >= 0 && polled < 0.25 * stall,
          "poll: PollTimings returned in " + std::to_string(polled) + " s while a rank was blocked " +
              std::to_string(stall) + " s inside its enqueue");

@@ -119,10 +119,12 @@ void TestElementwiseMatchesCpuEngine() {
   Expect(checked == 2 * (13 * 4 + 2 * 2 - 4 * 2), "elementwise: every (dtype, op) but floating max/min checked");
 }
 
-// NCCL's float max/min as FlexLink's GPU contract states it (elementwise.h's header), written apart
-// from elementwise.h: the largest (smallest) non-NaN contribution by value, +0 above -0; only if every
-// contribution is NaN, the canonical NaN (float16 0x7E00, bfloat16 0x7FFF, float32 0x7FFFFFFF,
-// float64 0x7FFFFFFFFFFFFFFF). Values through reference.h's conversions (GCC's _Float16), exact.
+// NCCL's float max/min rule as FlexLink's GPU contract states it (elementwise.h's header), written
+// apart from elementwise.h: the largest (smallest) non-NaN contribution by value, +0 above -0; only
+// if every contribution is NaN, the pcie link's fixed NaN (float16 0x7E00, bfloat16 0x7FFF, float32
+// 0x7FFFFFFF, float64 0x7FFFFFFFFFFFFFFF). NCCL's own all-NaN bits differ (__hmax gives float16
+// 0x7FFF; sim_reduce.h models that): NaN payloads are not part of the contract, so the links are
+// compared by value. Values through reference.h's conversions (GCC's _Float16), exact.
 double RefValue(DType t, const uint8_t* p) {
   switch (t) {
     case DType::kF16: { uint16_t h; std::memcpy(&h, p, 2); return RefHalfToFloat(h); }

@@ -51,7 +51,8 @@ class GpuChannel {
   // After a hang (gpu_executor.h): ends what may keep the link's work in flight on the device
   // forever (nccl: ncclCommAbort of every rank's communicator; pcie across processes: every rank's
   // step flag raised past any step, since cuStreamWaitValue32 has no timeout). Called once, from
-  // one thread, when no rank is enqueuing; the channel is never used again. Links whose waits are
+  // one thread, when no rank is enqueuing (or one has not come back from its enqueue for 1.5 times
+  // the deadline: GpuXprocGroup::Watch); the channel is never used again. Links whose waits are
   // all CUDA events on work already submitted (pcie in one process) have nothing of their own to
   // release.
   virtual Status Abort() { return Status::Ok(); }

@@ -500,8 +500,8 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
     }
     if (failed.ok() && delay > 0) failed = check(api_.Delay(delay, on));
     Status joined = check(api_.Record(t.stop[i], on));
+    t.used[i] = joined.ok();  // a recorded stop is watched (as GpuExecutor::Enqueue's)
     if (joined.ok() && !alone) joined = check(api_.Wait(stream, t.stop[i]));
-    t.used[i] = joined.ok();
     if (failed.ok()) failed = joined;
     if (!failed.ok()) break;
   }

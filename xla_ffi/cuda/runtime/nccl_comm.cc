@@ -101,7 +101,7 @@ std::string Seconds(double s) {
 // thread takes microseconds), then naps of up to 1 ms (joining peers takes milliseconds to seconds).
 void Backoff(int polls) {
   if (polls < 200) std::this_thread::yield();
-  else std::this_thread::sleep_for(std::chrono::microseconds(std::min(1000, 10 * (polls - 199))));
+  else std::this_thread::sleep_for(std::chrono::microseconds(10 * std::min(100, polls - 199)));
 }
 
 // Whether the in-process communicators (InitAll) are created blocking (ncclConfig_t::blocking).

@@ -41,8 +41,8 @@ class NcclComm : public CommApi {
 
  private:
   Status Load();
-  // `r` of an operation or ncclGroupEnd: ncclInProgress (non-blocking communicators: all of ours,
-  // nccl_comm.cc's kInProcessBlocking) polled until each of `comms` settles, against the engine's
+  // `r` of an operation or ncclGroupEnd: ncclInProgress (non-blocking communicators: those of
+  // InitRanksAsync, and InitAll's under NCCL_COMM_BLOCKING=0; nccl_comm.cc's kInProcessBlocking) polled until each of `comms` settles, against the engine's
   // deadline (TimeoutSeconds; kDeadlineExceeded past it), anything else but ncclSuccess an error
   // naming `what`.
   Status Settle(int r, std::span<const Comm> comms, const char* what);
