@@ -150,9 +150,11 @@ inline size_t CountFar(DType t, const std::vector<uint8_t>& got, const std::vect
 
 // Runs `c` on every rank (a thread each) and returns each rank's status; outputs in *out.
 // Inputs are RandomData seeded by (rank, operand, size), so Inputs() regenerates them for the check.
-// `skip`: a rank that does not call (deadline tests).
+// `skip`: a rank that does not call (deadline tests). `inputs` ([rank][operand]): given inputs
+// instead of the random ones (special values), which Inputs() then does not regenerate.
 inline std::vector<Status> RunRanks(gpu::GpuEngine& engine, Harness& h, const Case& c,
-                                    std::vector<std::vector<std::vector<uint8_t>>>* out, int skip = -1) {
+                                    std::vector<std::vector<std::vector<uint8_t>>>* out, int skip = -1,
+                                    const std::vector<std::vector<std::vector<uint8_t>>>* inputs = nullptr) {
   const int n = h.ranks;
   std::vector<int64_t> groups, sizes{n};
   for (int r = 0; r < n; ++r) groups.push_back(r);
@@ -170,7 +172,7 @@ inline std::vector<Status> RunRanks(gpu::GpuEngine& engine, Harness& h, const Ca
   for (int r = 0; r < n; ++r)
     for (size_t i = 0; i < k; ++i) {
       const size_t w = ByteWidth(c.dtypes[i]), in = Count(c.dims[i]), outc = OutCount(c, i, n);
-      xs[r][i] = RandomData(c.dtypes[i], in, static_cast<uint32_t>(1000 * r + 17 * i + in), false);
+      xs[r][i] = inputs ? (*inputs)[r][i] : RandomData(c.dtypes[i], in, static_cast<uint32_t>(1000 * r + 17 * i + in), false);
       din[r][i] = h.alloc(h.device_of(r), in * w);
       h.upload(din[r][i], xs[r][i].data(), in * w);
       dout[r][i] = c.in_place ? din[r][i] : h.alloc(h.device_of(r), outc * w);

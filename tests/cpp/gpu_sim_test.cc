@@ -405,55 +405,19 @@ void TestCollectives() {
   }
 }
 
-// Runs a one-operand reduction `c` with the given inputs (xs[r]: rank r's) on every rank, a thread
-// each, as gpu_cases.h's RunRanks does with its random inputs; returns every rank's output.
+// Runs a one-operand reduction `c` with the given inputs (xs[r]: rank r's) on every rank through
+// gpu_cases.h's RunRanks; returns every rank's output.
 std::vector<std::vector<uint8_t>> RunWithInputs(Sim& s, const Case& c, const std::vector<std::vector<uint8_t>>& xs,
                                                 const std::string& what) {
-  const int n = s.h.ranks;
-  const DType t = c.dtypes[0];
-  const size_t w = ByteWidth(t), in = Count(c.dims[0]), outc = OutCount(c, 0, n);
-  std::vector<int64_t> groups, sizes{n};
-  for (int r = 0; r < n; ++r) groups.push_back(r);
-  std::vector<void*> din(n), dout(n);
-  const std::vector<int64_t> out_dims{static_cast<int64_t>(outc)};
-  for (int r = 0; r < n; ++r) {
-    din[r] = s.h.alloc(s.h.device_of(r), in * w);
-    s.h.upload(din[r], xs[r].data(), in * w);
-    dout[r] = s.h.alloc(s.h.device_of(r), outc * w);
-    std::vector<uint8_t> garbage(outc * w, 0xCD);
-    s.h.upload(dout[r], garbage.data(), outc * w);
-  }
-  const int64_t run = NextRunId();
-  std::vector<Status> status(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      std::vector<OperandRequest> ops(1);
-      ops[0].in_dtype = ops[0].out_dtype = t;
-      ops[0].in_dims = c.dims[0];
-      ops[0].out_dims = c.kind == Kind::kAllReduce ? std::span<const int64_t>(c.dims[0]) : std::span<const int64_t>(out_dims);
-      ops[0].in = din[r];
-      ops[0].out = dout[r];
-      CollectiveArgs a;
-      a.groups = groups;
-      a.group_sizes = sizes;
-      a.device = r;
-      a.run_id = run;
-      a.label = "test";
-      a.request.kind = c.kind;
-      a.request.reduction = Name(c.op);
-      a.request.axis = c.axis;
-      a.request.operands = ops;
-      status[r] = s.engine->Run(a, s.h.streams[r]);
-    });
-  for (auto& th : threads) th.join();
-  for (int r = 0; r < n; ++r) s.h.sync(s.h.streams[r]);
-  std::vector<std::vector<uint8_t>> out(n, std::vector<uint8_t>(outc * w));
-  for (int r = 0; r < n; ++r) {
+  std::vector<std::vector<std::vector<uint8_t>>> inputs(xs.size()), out;
+  for (size_t r = 0; r < xs.size(); ++r) inputs[r] = {xs[r]};
+  const std::vector<Status> status = RunRanks(*s.engine, s.h, c, &out, -1, &inputs);
+  std::vector<std::vector<uint8_t>> got(out.size());
+  for (size_t r = 0; r < out.size(); ++r) {
     Expect(status[r].ok(), what + ": " + c.Name() + ": rank " + std::to_string(r) + ": " + status[r].message());
-    s.h.download(out[r].data(), dout[r], outc * w);
+    got[r] = std::move(out[r][0]);
   }
-  return out;
+  return got;
 }
 
 // Floating max/min with NaN, infinities and signed zeros through the nccl link alone (the simulated
