@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -148,6 +150,38 @@ inline size_t CountFar(DType t, const std::vector<uint8_t>& got, const std::vect
   return far;
 }
 
+// One rank's call of `c` over its buffers (din/dout/out_dims per operand): the request the engine
+// gets. `ops` holds the operands and must outlive the returned args, as must every span argument.
+inline CollectiveArgs RankArgs(const Case& c, std::span<const int64_t> groups, std::span<const int64_t> sizes,
+                               int64_t device, int64_t run, std::string_view label, std::span<const int64_t> pairs,
+                               const std::vector<void*>& din, const std::vector<void*>& dout,
+                               const std::vector<std::vector<int64_t>>& out_dims, std::vector<OperandRequest>* ops) {
+  const size_t k = c.dims.size();
+  ops->assign(k, OperandRequest{});
+  for (size_t i = 0; i < k; ++i) {
+    OperandRequest& o = (*ops)[i];
+    o.in_dtype = o.out_dtype = c.dtypes[i];
+    o.in_dims = c.dims[i];
+    o.out_dims = c.kind == Kind::kAllReduce || c.kind == Kind::kPpermute || c.kind == Kind::kAllToAll
+                     ? std::span<const int64_t>(c.dims[i])
+                     : std::span<const int64_t>(out_dims[i]);
+    o.in = din[i];
+    o.out = dout[i];
+  }
+  CollectiveArgs a;
+  a.groups = groups;
+  a.group_sizes = sizes;
+  a.device = device;
+  a.run_id = run;
+  a.label = label;
+  a.request.kind = c.kind;
+  a.request.reduction = Name(c.op);
+  a.request.axis = c.axis;
+  a.request.pairs = pairs;
+  a.request.operands = *ops;
+  return a;
+}
+
 // Runs `c` on every rank (a thread each) and returns each rank's status; outputs in *out.
 // Inputs are RandomData seeded by (rank, operand, size), so Inputs() regenerates them for the check.
 // `skip`: a rank that does not call (deadline tests). `inputs` ([rank][operand]): given inputs
@@ -184,27 +218,8 @@ inline std::vector<Status> RunRanks(gpu::GpuEngine& engine, Harness& h, const Ca
     }
   for (int r = 0; r < n; ++r)
     if (r != skip) threads.emplace_back([&, r] {
-      std::vector<OperandRequest> ops(k);
-      for (size_t i = 0; i < k; ++i) {
-        ops[i].in_dtype = ops[i].out_dtype = c.dtypes[i];
-        ops[i].in_dims = c.dims[i];
-        ops[i].out_dims = c.kind == Kind::kAllReduce || c.kind == Kind::kPpermute || c.kind == Kind::kAllToAll
-                              ? std::span<const int64_t>(c.dims[i])
-                              : std::span<const int64_t>(out_dims[r][i]);
-        ops[i].in = din[r][i];
-        ops[i].out = dout[r][i];
-      }
-      CollectiveArgs a;
-      a.groups = groups;
-      a.group_sizes = sizes;
-      a.device = r;
-      a.run_id = run;
-      a.label = "test";
-      a.request.kind = c.kind;
-      a.request.reduction = Name(c.op);
-      a.request.axis = c.axis;
-      a.request.pairs = flat;
-      a.request.operands = ops;
+      std::vector<OperandRequest> ops;
+      const CollectiveArgs a = RankArgs(c, groups, sizes, r, run, "test", flat, din[r], dout[r], out_dims[r], &ops);
       status[r] = engine.Run(a, h.streams[r]);
     });
   for (auto& t : threads) t.join();

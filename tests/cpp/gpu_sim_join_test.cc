@@ -328,29 +328,9 @@ void RunSequence(Fixture& f, Sequence* seq, const std::function<gpu::Stream(int,
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
       for (size_t j = 0; j < calls; ++j) {
-        const Case& c = seq->cases[j];
-        const size_t k = c.dims.size();
-        std::vector<OperandRequest> ops(k);
-        for (size_t i = 0; i < k; ++i) {
-          ops[i].in_dtype = ops[i].out_dtype = c.dtypes[i];
-          ops[i].in_dims = c.dims[i];
-          ops[i].out_dims = c.kind == Kind::kAllReduce || c.kind == Kind::kPpermute || c.kind == Kind::kAllToAll
-                                ? std::span<const int64_t>(c.dims[i])
-                                : std::span<const int64_t>(b[j].out_dims[r][i]);
-          ops[i].in = b[j].din[r][i];
-          ops[i].out = b[j].dout[r][i];
-        }
-        CollectiveArgs a;
-        a.groups = groups;
-        a.group_sizes = sizes;
-        a.device = r;
-        a.run_id = b[j].run;
-        a.label = "join test";
-        a.request.kind = c.kind;
-        a.request.reduction = Name(c.op);
-        a.request.axis = c.axis;
-        a.request.pairs = b[j].pairs;
-        a.request.operands = ops;
+        std::vector<OperandRequest> ops;
+        const CollectiveArgs a = RankArgs(seq->cases[j], groups, sizes, r, b[j].run, "join test", b[j].pairs,
+                                          b[j].din[r], b[j].dout[r], b[j].out_dims[r], &ops);
         seq->status[j][r] = f.engine->Run(a, stream_of(r, j));
         if (after) after(r, j, seq->status[j][r]);
       }
