@@ -1107,6 +1107,93 @@ void TestHang() {
   ResetHealth();
 }
 
+// GPUs out of step (start_board.h). A peer whose GPU reaches a call later than the link's deadline
+// (busy with a long program of its own first) does not make the other ranks' ranges look hung:
+// their clocks start once every rank's device has reached the call, so the group stays whole and
+// healthy. A peer that never reaches it is still bounded: past the global timeout from a rank's own
+// start the group breaks, naming the rank whose device never came, and the streams drain.
+void TestOutOfStep() {
+  SetAutotuneMinBytes(0);
+  const HealthOptions saved = GetHealthOptions();
+  const double saved_timeout = TimeoutSeconds();
+  HealthOptions o = saved;
+  // The link's deadline: far above a clean call's time, also under a sanitizer (milliseconds), with
+  // a smaller stretch than TestHang's, since the test waits 4 x it twice and the global timeout once.
+  const double t = 0.3 * std::min(kSanitizerSlowdown, 3.0);
+  o.link_timeout_s = t;
+  SetHealthOptions(o);
+  Sim s(4, {.jitter_us = 10, .wait_timeout_s = 30 * kSanitizerSlowdown});
+  const std::string group = "[0, 1, 2, 3]";
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{30000}}, 0, {}, false};
+  for (const char* spec : {"nccl", "nccl@staging_mib=0.0625;pcie@slot_mib=0.0625"}) {
+    const std::string what = std::string("out of step: ") + spec;
+    Expect(s.engine->ConfigureLinks(spec).ok(), what + ": configure");
+    const bool two = s.engine->CurrentLinks()->names().size() == 2;
+    if (two) PinShares(*s.engine, c, 4, {0.5, 0.5});
+    ResetHealth();
+    CheckCase(*s.engine, s.h, c, what + ", call 1");
+    // Rank 2's GPU runs 4 x the link's deadline of other work before call 2: the others' ranges wait
+    // that long for it on their devices.
+    Expect(s.device.Delay(4 * t, s.h.streams[2]).ok(), what + ": the delay");
+    const auto t0 = Clock::now();
+    CheckCase(*s.engine, s.h, c, what + ", call 2 with rank 2's device late");
+    const double late = Seconds(t0);
+    Expect(late >= 4 * t, what + ": call 2 waited for rank 2 (" + std::to_string(late) + " s)");
+    CheckCase(*s.engine, s.h, c, what + ", call 3");
+    for (const std::string& link : s.engine->CurrentLinks()->names()) {
+      if (!two) break;
+      const LinkHealthSnapshot h = HealthOf(group, link);
+      Expect(h.state == LinkState::kHealthy, what + ": " + link + " stays healthy: " + h.reason);
+    }
+    std::printf("  %-58s call 2 took %.2f s against a deadline of %.2f s\n", what.c_str(), late, t);
+    s.ExpectNoSimErrors(what);
+  }
+
+  // A peer whose device never reaches the call: rank 2's stream waits on a word only this test sets,
+  // after the break.
+  const double timeout = 1.5 * std::min(kSanitizerSlowdown, 3.0);
+  SetTimeoutSeconds(timeout);
+  Expect(s.engine->ConfigureLinks("nccl").ok(), "never: configure");
+  CheckCase(*s.engine, s.h, c, "never: call 1");
+  alignas(4) uint32_t never = 0;
+  Expect(s.device.WaitFlag(&never, 20 * timeout, s.h.streams[2]).ok(), "never: the wait");
+  const int aborts = s.comm.aborts();
+  const auto t0 = Clock::now();
+  std::vector<std::vector<std::vector<uint8_t>>> out;
+  std::vector<Status> st;
+  // Call 2 enqueues on every rank and returns; RunRanks then waits for every stream, and the others'
+  // devices wait in NCCL for rank 2's, which only this thread lets go, once the group broke (the
+  // watchdog aborted the communicators) or the test gave up.
+  std::thread caller([&] { st = RunRanks(*s.engine, s.h, c, &out); });
+  while (s.comm.aborts() < aborts + 4 && Seconds(t0) < 10 * timeout)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const double broke_after = Seconds(t0);
+  std::atomic_ref<uint32_t>(never).store(1, std::memory_order_release);
+  caller.join();
+  for (int r = 0; r < 4; ++r) Expect(st[r].ok(), "never: call 2 enqueues on rank " + std::to_string(r) + ": " + st[r].message());
+  Expect(s.comm.aborts() == aborts + 4, "never: every rank's communicator aborted (" + std::to_string(s.comm.aborts() - aborts) + ")");
+  Expect(broke_after >= timeout && broke_after < timeout + 1.5 * kSanitizerSlowdown,
+         "never: the group broke " + std::to_string(broke_after) + " s after call 2, its timeout " + std::to_string(timeout));
+  const auto t1 = Clock::now();
+  st = RunRanks(*s.engine, s.h, c, &out);
+  const std::string reason = "all_reduce on group " + group + ": the group is broken: call 2's ranges on group " + group +
+                             " (all_reduce) waited ";
+  for (int r = 0; r < 4; ++r) {
+    const std::string& m = st[r].message();
+    Expect(!st[r].ok() && m.find(reason) != std::string::npos &&
+               m.find("(past the global timeout, FLEXLINK_TIMEOUT_S) after this rank's device reached the call for "
+                      "rank 2 (device 2) to reach it on its device (the hang detector); the results of call 2") !=
+                   std::string::npos,
+           "never: call 3 fails on rank " + std::to_string(r) + ", naming rank 2: " + m);
+  }
+  std::printf("  %-58s broke after %.2f s (global timeout %.2f s), call 3 refused in %.3f s\n",
+              "never: rank 2's device never reaches call 2", broke_after, timeout, Seconds(t1));
+  (void)s.device.TakeErrors();  // rank 2's late NCCL operation met an aborted communicator
+  SetTimeoutSeconds(saved_timeout);
+  SetHealthOptions(saved);
+  ResetHealth();
+}
+
 }  // namespace
 }  // namespace flexlink::testing
 
@@ -1133,6 +1220,7 @@ int main(int argc, char** argv) {
   Timed("TestFaults", TestFaults);
   Timed("TestSlowBecomesDegraded", TestSlowBecomesDegraded);
   Timed("TestHang", TestHang);
+  Timed("TestOutOfStep", TestOutOfStep);
   Timed("TestCollectives", TestCollectives);
   return Summary();
 }

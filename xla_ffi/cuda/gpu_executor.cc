@@ -35,6 +35,7 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
       ranks_(group_.size()),
       timings_(group_.size()),
       profiler_(this),
+      board_(group_.size()),
       absent_calls_(group_.size()),
       clean_rate_(names_.size(), 0.0) {
   for (const auto& link : links_->links)
@@ -132,7 +133,10 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
   status = ctx.Arrive(rank, desc, names_[0]);
   if (status.ok()) status = EnsureSetup(rank, ctx.label());
   if (status.ok() && state->faults) status = Agree(ctx, rank, desc, *state, &work, &effects);
-  if (status.ok()) status = Enqueue(ctx, rank, desc, stream, *state, work, effects);
+  if (status.ok())
+    status = Enqueue(ctx, rank, desc, stream, *state, work, effects);
+  else
+    board_.Reach(rank, state->call);  // nothing of the call goes on this rank's stream: no peer waits for it
   if (rank == 0) RecordHealth(*state, desc, status.ok(), Since(start));
   // A call whose shares are not the plan's teaches stage 2 nothing (as on CPU), so its times go.
   bool moved = false;
@@ -249,9 +253,13 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
     std::lock_guard<std::mutex> slots_lock(k.slots_mu);
     claimed = &k.slots[k.next_slot];
     k.next_slot = (k.next_slot + 1) % k.slots.size();
-    if (claimed->busy && !ReadSlot(rank, *claimed)) {
-      timings_.Lose(claimed->record);
-      claimed->busy = false;
+    if (claimed->busy) {
+      if (ReadSlot(rank, *claimed)) {
+        board_.Reach(rank, claimed->call);
+      } else {
+        timings_.Lose(claimed->record);
+        claimed->busy = false;
+      }
     }
   }
   Slot& slot = *claimed;
@@ -326,9 +334,11 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
     slot.budget = std::move(budget);
     slot.call = state.call;
     slot.kind = desc.kind;
-    slot.started = false;
+    slot.clock = CallClock{};
     slot.record = status.ok() ? state.record : 0;
     slot.busy = !begun.empty();
+    // Nothing of the call is watched on this stream: its peers' clocks must not wait for it.
+    if (!slot.busy) board_.Reach(rank, state.call);
   }
   if (!status.ok()) return status;
   if (splits_->enabled()) {
@@ -385,41 +395,61 @@ void GpuExecutor::PollTimings(int rank) {
   const size_t m = k.slots.size();
   for (size_t j = 0; j < m; ++j) {
     Slot& slot = k.slots[(k.next_slot + j) % m];
-    if (!slot.busy || ReadSlot(rank, slot)) continue;
-    // The oldest call not done on this rank: its ranges' clocks start once its start event is seen
-    // complete (they could run from then on; a host far ahead of the device does not count).
-    std::string error;
-    if (!slot.started) {
-      if (api_.Query(slot.start, &error) != Poll::kDone) break;
-      slot.started = true;
-      slot.started_at = Clock::now();
+    if (!slot.busy) continue;
+    if (ReadSlot(rank, slot)) {
+      board_.Reach(rank, slot.call);
+      continue;
     }
-    const double waited = Since(slot.started_at);
-    for (size_t i : slot.used)
-      if (slot.budget[i] > 0 && waited > slot.budget[i] && api_.Query(slot.stop[i], &error) == Poll::kPending) {
-        Hung(slot, i, waited);
-        break;
-      }
+    // The oldest call not done on this rank: its ranges' clocks start once every rank's device has
+    // reached it (they could run from then on; a host far ahead of its device, or a peer's GPU busy
+    // with other work before the call, does not count against them).
+    const ClockReading clock = TickClock(
+        slot.clock,
+        [&] {
+          std::string error;
+          return api_.Query(slot.start, &error) == Poll::kDone;
+        },
+        board_, rank, slot.call);
+    if (clock.state == ClockReading::kPeersLate) {
+      PeersLate(slot, clock);
+    } else if (clock.state == ClockReading::kRunning) {
+      std::string error;
+      for (size_t i : slot.used)
+        if (slot.budget[i] > 0 && clock.waited > slot.budget[i] && api_.Query(slot.stop[i], &error) == Poll::kPending) {
+          Hung(slot, i, clock.waited);
+          break;
+        }
+    }
     break;
   }
 }
 
 void GpuExecutor::Hung(const Slot& slot, size_t link, double waited) {
+  char budget[64];
+  std::snprintf(budget, sizeof budget, "%.3g s (waited %.3g s)", slot.budget[link], waited);
+  Break(slot.call,
+        "call " + std::to_string(slot.call) + "'s " + names_[link] + " range on group " + FormatIds(group_.ids) +
+            " (" + std::string(Name(slot.kind)) + ") did not complete on the device within its deadline of " + budget,
+        link);
+}
+
+void GpuExecutor::PeersLate(const Slot& slot, const ClockReading& reading) {
+  Break(slot.call,
+        PeersLateReason(slot.call, FormatIds(group_.ids), Name(slot.kind), reading.waited, reading.behind,
+                        [&](int r) { return "rank " + std::to_string(r) + " (device " + std::to_string(group_.ids[r]) + ")"; }),
+        std::nullopt);
+}
+
+void GpuExecutor::Break(uint64_t call, const std::string& reason, std::optional<size_t> link) {
   {
     std::lock_guard<std::mutex> lock(broken_mu_);
     if (!broken_.empty()) return;
-    char budget[64];
-    std::snprintf(budget, sizeof budget, "%.3g s (waited %.3g s)", slot.budget[link], waited);
-    const std::string reason = "call " + std::to_string(slot.call) + "'s " + names_[link] + " range on group " +
-                               FormatIds(group_.ids) + " (" + std::string(Name(slot.kind)) +
-                               ") did not complete on the device within its deadline of " + budget;
-    broken_ = "the group is broken: " + reason +
-              " (the hang detector); the results of call " + std::to_string(slot.call) +
-              " and of every call enqueued after it cannot be trusted, and the group runs nothing more "
-              "(its link " + names_[link] + " is unhealthy, its streams released; configure the links again "
-              "for new groups)";
+    broken_ = "the group is broken: " + reason + " (the hang detector); the results of call " + std::to_string(call) +
+              " and of every call enqueued after it cannot be trusted, and the group runs nothing more (" +
+              (link ? "its link " + names_[*link] + " is unhealthy, its" : "its") +
+              " streams released; configure the links again for new groups)";
     broken_at_ = Clock::now();
-    if (names_.size() > 1) health_->Failed(link, slot.call, reason, "missed its deadline");
+    if (link && names_.size() > 1) health_->Failed(*link, call, reason, "missed its deadline");
     LogInfo("group " + FormatIds(group_.ids) + ": " + broken_);
   }
   // Release what an injected hang waits on, now (a host write; WaitFlag's device-side poll sees it).

@@ -24,9 +24,10 @@
 //
 // Health from the device (docs/faults.md, "GPU links"): the event times read a call or more later
 // feed GroupHealth against stage 1's fits, as the CPU executor's do (degraded), and a hang detector
-// gives every link's range a deadline (LinkBudgetSeconds, from the moment its call's start event was
-// seen complete). Polling (PollTimings) runs at every call and on the engine's watchdog thread
-// (Watch); a range past its deadline marks the link unhealthy, breaks the group (every later call
+// gives every link's range a deadline (LinkBudgetSeconds, from the moment every rank's device was
+// seen to reach the call: start_board.h; a rank whose peers never reach it breaks the group past
+// the global timeout, naming them). Polling (PollTimings) runs at every call and on the engine's
+// watchdog thread (Watch); a range past its deadline marks the link unhealthy, breaks the group (every later call
 // fails at once, naming the hung call) and releases the stream: the rank's hang flags are set, and
 // the watchdog aborts the group's NCCL communicators once no rank is inside a call.
 #pragma once
@@ -36,6 +37,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +55,7 @@
 #include "xla_ffi/cuda/gpu_profile.h"
 #include "xla_ffi/cuda/gpu_timing.h"
 #include "xla_ffi/cuda/setup_once.h"
+#include "xla_ffi/cuda/start_board.h"
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/plan/ranges.h"
 
@@ -98,12 +101,11 @@ class GpuExecutor {
     // poll reads nothing else of a slot that is not busy (Enqueue fills it without the lock).
     bool busy = false;
     // The hang detector's: the call, its kind, each used link's deadline (seconds from the moment
-    // a poll first saw the start event complete, i.e. the ranges could run).
+    // a poll saw every rank's device reach the call, i.e. the ranges could run: start_board.h).
     uint64_t call = 0;
     Kind kind = Kind::kAllReduce;
     std::vector<double> budget;
-    bool started = false;
-    Clock::time_point started_at;
+    CallClock clock;
   };
   struct Rank {
     // The rank's timing slots are read by its device thread and by PollAll (another thread). Held
@@ -159,6 +161,12 @@ class GpuExecutor {
   // A range past its deadline (PollTimings, under the rank's slots_mu): health, the group broken,
   // the streams' hang flags released.
   void Hung(const Slot& slot, size_t link, double waited);
+  // Peers that never reached the slot's call on their devices within the global timeout of this
+  // rank's (start_board.h): the group broken, naming them, the streams' hang flags released.
+  void PeersLate(const Slot& slot, const ClockReading& reading);
+  // The break itself: `reason` is what every later call's error says; `link`, when one link's range
+  // hung, becomes unhealthy.
+  void Break(uint64_t call, const std::string& reason, std::optional<size_t> link);
   // Rank 0, once per call, after the agreement or a clean enqueue: health and the failover log.
   void RecordHealth(CallState& state, const CallDesc& desc, bool enqueued, double seconds);
   void PollTimings(int rank);
@@ -178,6 +186,7 @@ class GpuExecutor {
   std::vector<Rank> ranks_;
   TimingBook timings_;
   GpuProfiler profiler_;
+  StartBoard board_;  // the latest call each rank's device reached (the hang detector's clocks)
 
   FaultCounter absent_calls_;  // the group's calls per rank, for injected rank:absent
   SetupOnce setup_;  // the group's set-up (streams, events, NCCL communicators, pinned pools)

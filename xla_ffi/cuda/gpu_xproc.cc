@@ -71,7 +71,12 @@ GpuXprocGroup::GpuXprocGroup(std::unique_ptr<xproc::ProcessGroup> segment, Group
         return names;
       }(), options),
       ranks_(group_.size()),
-      absent_calls_(group_.size()) {
+      absent_calls_(group_.size()),
+      board_(std::make_unique<StartBoard>([&] {
+        std::vector<std::atomic<uint64_t>*> words;
+        for (int r = 0; r < segment_->size(); ++r) words.push_back(segment_->device_reached(r));
+        return words;
+      }())) {
   const GpuXprocLinks which = GpuXprocLinksOf(*links_);
   left_out_ = which.left_out;
   for (size_t i : which.used) {
@@ -459,7 +464,7 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
   }
   Timed& t = *claimed;
   t.kind = desc.kind;
-  t.started = false;
+  t.clock = CallClock{};
   for (size_t i = 0; i < t.used.size(); ++i) t.used[i] = 0, t.budget[i] = 0;
   FLEXLINK_RETURN_IF_ERROR(check(api_.Record(t.start, stream)));
   thread_local std::vector<Piece> pieces;
@@ -696,7 +701,7 @@ void GpuXprocGroup::PollHangs(int rank) {
   Rank& k = ranks_[rank];
   std::lock_guard<std::mutex> lock(k.timed_mu);
   // The oldest call still pending on the device (calls complete in order on XLA's stream): its
-  // ranges' clocks start once its start event is seen complete.
+  // ranges' clocks start once every rank's device, in every process, has reached it.
   Timed* oldest = nullptr;
   for (Timed& t : k.timed)
     if (t.call != 0 && (!oldest || t.call < oldest->call)) oldest = &t;
@@ -706,46 +711,63 @@ void GpuXprocGroup::PollHangs(int rank) {
     for (size_t i = 0; i < oldest->used.size(); ++i)
       if (oldest->used[i]) pending |= api_.Query(oldest->stop[i], &error) == Poll::kPending;
     if (!pending) {  // done: the next one, if any, is the oldest pending
+      board_->Reach(rank, oldest->call);
       Timed* next = nullptr;
       for (Timed& t : k.timed)
         if (t.call > oldest->call && (!next || t.call < next->call)) next = &t;
       oldest = next;
       continue;
     }
-    if (!oldest->started) {
-      if (api_.Query(oldest->start, &error) != Poll::kDone) return;
-      oldest->started = true;
-      oldest->started_at = std::chrono::steady_clock::now();
+    // A rank that gave a call up before its stream reached it failed the group in every process
+    // (Run's Abort), and one whose process died never comes: no peer's clock waits for either (the
+    // link's deadline then finds the range that waits on a dead peer, as before its start counted).
+    const ClockReading clock = TickClock(
+        oldest->clock, [&] { return api_.Query(oldest->start, &error) == Poll::kDone; }, *board_, rank, oldest->call,
+        [&] { return segment_->ExitedRanks(); });
+    if (clock.state == ClockReading::kPeersLate) {
+      PeersLate(*oldest, rank, clock);
+    } else if (clock.state == ClockReading::kRunning) {
+      for (size_t i = 0; i < oldest->used.size(); ++i)
+        if (oldest->used[i] && oldest->budget[i] > 0 && clock.waited > oldest->budget[i] &&
+            api_.Query(oldest->stop[i], &error) == Poll::kPending) {
+          Hung(*oldest, rank, i, clock.waited);
+          break;
+        }
     }
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest->started_at).count();
-    for (size_t i = 0; i < oldest->used.size(); ++i)
-      if (oldest->used[i] && oldest->budget[i] > 0 && waited > oldest->budget[i] &&
-          api_.Query(oldest->stop[i], &error) == Poll::kPending) {
-        Hung(*oldest, rank, i, waited);
-        return;
-      }
     return;
   }
 }
 
 void GpuXprocGroup::Hung(const Timed& t, int rank, size_t link, double waited) {
+  char budget[64];
+  std::snprintf(budget, sizeof budget, "%.3g s (waited %.3g s)", t.budget[link], waited);
+  Break(t.call, rank,
+        "call " + std::to_string(t.call) + "'s " + used_names_[link] + " range on group " + FormatIds(group_.ids) +
+            " (" + std::string(Name(t.kind)) + ", " + std::string(kGpuXprocLink) +
+            ") did not complete on the device of " + segment_->DescribeRank(rank) + " within its deadline of " + budget,
+        link);
+}
+
+void GpuXprocGroup::PeersLate(const Timed& t, int rank, const ClockReading& reading) {
+  Break(t.call, rank,
+        PeersLateReason(t.call, FormatIds(group_.ids), std::string(Name(t.kind)) + ", " + std::string(kGpuXprocLink),
+                        reading.waited, reading.behind, [&](int r) { return segment_->DescribeRank(r); }) +
+            " (seen by " + segment_->DescribeRank(rank) + ")",
+        std::nullopt);
+}
+
+void GpuXprocGroup::Break(uint64_t call, int rank, const std::string& what, std::optional<size_t> link) {
   {
     std::lock_guard<std::mutex> lock(broken_mu_);
     if (hung_) return;
     hung_ = true;
     broken_at_ = std::chrono::steady_clock::now();
   }
-  char budget[64];
-  std::snprintf(budget, sizeof budget, "%.3g s (waited %.3g s)", t.budget[link], waited);
-  const std::string reason = "call " + std::to_string(t.call) + "'s " + used_names_[link] + " range on group " +
-                             FormatIds(group_.ids) + " (" + std::string(Name(t.kind)) + ", " +
-                             std::string(kGpuXprocLink) + ") did not complete on the device of " +
-                             segment_->DescribeRank(rank) + " within its deadline of " + budget +
-                             " (the hang detector); the results of call " + std::to_string(t.call) +
+  const std::string reason = what + " (the hang detector); the results of call " + std::to_string(call) +
                              " and of every call enqueued after it cannot be trusted, and the group runs nothing "
                              "more (its streams released, its communicators aborted in every process)";
   // This process's view: the link missed its deadline (other processes see the group broken).
-  if (health_) health_->Failed(link, t.call, reason, "missed its deadline");
+  if (health_ && link) health_->Failed(*link, call, reason, "missed its deadline");
   // Every process's later calls fail with this reason (the segment's abort word), and their
   // watchdogs release their own streams.
   segment_->Abort(rank, reason);

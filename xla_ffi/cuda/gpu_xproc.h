@@ -63,6 +63,7 @@
 #include "xla_ffi/cuda/gpu_link_set.h"
 #include "xla_ffi/cuda/gpu_xproc_profile.h"
 #include "xla_ffi/cuda/setup_once.h"
+#include "xla_ffi/cuda/start_board.h"
 #include "xla_ffi/plan/balancer.h"
 #include "xla_ffi/plan/ranges.h"
 
@@ -172,11 +173,11 @@ class GpuXprocGroup {
     std::vector<Event> stop;  // per used link
     std::vector<char> used;   // per used link: had a range
     // The hang detector's (as the in-process executor's slots): the call's kind, each used link's
-    // deadline (seconds from the moment a poll first saw the start event complete), and that moment.
+    // deadline (seconds from the moment a poll saw every rank's device reach the call, in any
+    // process: start_board.h), and its clock.
     Kind kind = Kind::kAllReduce;
     std::vector<double> budget;
-    bool started = false;
-    std::chrono::steady_clock::time_point started_at;
+    CallClock clock;
   };
   struct Rank {
     std::vector<Stream> side;  // per used link
@@ -204,6 +205,11 @@ class GpuXprocGroup {
   // word, whose reason every later call of every process reports) and releases the hang flags.
   void PollHangs(int rank);
   void Hung(const Timed& t, int rank, size_t link, double waited);
+  // Peers that never reached the call on their devices within the global timeout of this rank's.
+  void PeersLate(const Timed& t, int rank, const ClockReading& reading);
+  // The break (once per process): `reason` into the segment's abort word, for every process's later
+  // calls; `link`, when one link's range hung, unhealthy in this process's health.
+  void Break(uint64_t call, int rank, const std::string& reason, std::optional<size_t> link);
   void ReleaseHangFlags();  // every local rank's flag, for good
   void WriteTimes(int rank, uint64_t call);   // before the arrival of `call`
   void GatherTimes(uint64_t call);            // each process's first local rank, after the arrival of `call`
@@ -231,6 +237,8 @@ class GpuXprocGroup {
   std::vector<int> local_;  // local ranks, ascending
   std::vector<Rank> ranks_;
   FaultCounter absent_calls_;  // the group's calls per local rank, for injected rank:absent
+  // Every rank's latest call reached on its device, in the segment's rank blocks (start_board.h).
+  std::unique_ptr<StartBoard> board_;
 
   SetupOnce setup_;  // this process's part of the set-up (SetupLocal)
 

@@ -20,8 +20,9 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // 2: plan slots in the header, times slots per rank; 3: failover masks in the times slots;
 // 4: arrival times in the rank blocks (straggler detection); 5: the leader's unhealthy links and
 // stage-1 fits in the plan slot, failover masks per round parity (several failover rounds);
-// 6: GPU groups' stage 1 (the profile fields of the plan slot, ProfileTimes)
-inline constexpr uint32_t kLayoutVersion = 7;
+// 6: GPU groups' stage 1 (the profile fields of the plan slot, ProfileTimes); 7: the plan slot's
+// measured and profiled bytes; 8: the rank blocks' device_reached (GPU groups' hang detector)
+inline constexpr uint32_t kLayoutVersion = 8;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -129,8 +130,12 @@ struct alignas(64) RankBlock {
   // slot is rewritten two arrivals later, which needs the leader past the barrier in between, so
   // the leader always reads the call it waited at.
   std::atomic<int64_t> arrived_ns[2];
+  // GPU groups (cuda/start_board.h): the latest of the group's calls this rank's device has
+  // reached, which starts its peers' hang-detector clocks; written by the rank's process only.
+  std::atomic<uint64_t> device_reached;
 };
 static_assert(sizeof(RankBlock) == 64);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 inline constexpr size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }
 

@@ -85,6 +85,8 @@ class ProcessGroup {
   TimesSlot& times_slot(int rank, uint64_t call) { return times_[static_cast<size_t>(rank) * 2 + (call & 1)]; }
   ProfileTimes& profile_times(int rank) { return profile_[rank]; }
   uint64_t rank_calls(int rank) const { return calls_[rank].load(std::memory_order_relaxed); }
+  // GPU groups' start board (cuda/start_board.h): rank `rank`'s word in its control block.
+  std::atomic<uint64_t>* device_reached(int rank) const { return &ranks_[rank].device_reached; }
 
   const std::string& name() const { return segment_->name(); }
   const std::vector<int64_t>& devices() const { return devices_; }
