@@ -687,6 +687,101 @@ void TestStageOne() {
   SetAutotuneMinBytes(0);
 }
 
+// A rank whose stage 1 cannot be enqueued (its scratch allocation fails, as on a GPU whose memory
+// XLA took): the other ranks' profile operations wait for it on their devices (and the pcie link's
+// enqueue at the host, until it is told), and their XLA streams with them, so the group breaks at
+// once, naming the rank; the communicators are aborted
+// once every rank has left the call, every stream drains well before the simulation's wait
+// timeout, and the next call fails at once with the reason. The failing rank's own profile stream
+// is joined back into its XLA stream (its scratch freed) although its profile failed half way.
+void TestStageOneFailsOnOneRank() {
+  SetTuneUseCache(false);
+  Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "stage 1 fails: configure");
+  s.engine->SetAutotune(256 << 10);
+  s.engine->SetTuneMax(512 << 10);
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{300000}}, 0, {}, false};
+  const std::string group = "[0, 1, 2, 3]";
+  s.device.SetMallocFailsOn(2);
+  const int aborts = s.comm.aborts();
+  std::vector<std::vector<std::vector<uint8_t>>> out;
+  auto t0 = Clock::now();
+  auto st = RunRanks(*s.engine, s.h, c, &out);  // returns once every stream drained
+  const double drained = Seconds(t0);
+  for (int r = 0; r < 4; ++r) {
+    const std::string& m = st[r].message();
+    if (r == 2)
+      Expect(!st[r].ok() && m.find("stage 1 on group " + group) != std::string::npos &&
+                 m.find("out of memory (injected)") != std::string::npos,
+             "stage 1 fails: rank 2 says why: " + m);
+    else  // enqueued, or woken from the pcie link's host-side wait for rank 2 (Forsake)
+      Expect(st[r].ok() || m.find("a peer rank failed while the ranks were enqueuing their copies") != std::string::npos ||
+                 m.find("failed (in this call or an earlier one) and stays off: rank 2 (device 2) could not enqueue "
+                        "stage 1's profile of call 1 (all_reduce)") != std::string::npos,
+             "stage 1 fails: rank " + std::to_string(r) + " enqueued or was told rank 2 failed: " + m);
+  }
+  Expect(drained < 0.5 * s.device.wait_timeout_s(),
+         "stage 1 fails: every stream drained in " + std::to_string(drained) + " s, not at the simulation's wait timeout");
+  Expect(s.comm.aborts() == aborts + 4, "stage 1 fails: every rank's communicator aborted (" +
+                                            std::to_string(s.comm.aborts() - aborts) + ")");
+  t0 = Clock::now();
+  st = RunRanks(*s.engine, s.h, c, &out);
+  const double refused = Seconds(t0);
+  for (int r = 0; r < 4; ++r) {
+    const std::string& m = st[r].message();
+    Expect(!st[r].ok() && m.find("all_reduce on group " + group + ": the group is broken: rank 2 (device 2) could not "
+                                 "enqueue stage 1's profile of call 1 (all_reduce), which its peers' profile "
+                                 "operations wait for: ") != std::string::npos,
+           "stage 1 fails: call 2 fails on rank " + std::to_string(r) + " with the reason: " + m);
+  }
+  Expect(refused < 1.0 * kSanitizerSlowdown, "stage 1 fails: call 2 refused at once (" + std::to_string(refused) + " s)");
+  std::printf("  stage 1 fails on rank 2: drained in %.2f s, call 2 refused in %.3f s\n", drained, refused);
+  s.device.SetMallocFailsOn(-1);
+  s.ExpectNoSimErrors("stage 1 fails");
+  SetAutotuneMinBytes(0);
+}
+
+// Stage 1's profile is watched by the hang detector: the call that runs it records the clock's
+// event before the profile, so a peer whose device never reaches that call (rank 2's stream waits
+// on a word this test sets only after the break) leaves the others' profile operations waiting,
+// and the group breaks past the global timeout naming rank 2. Before, the others' clocks started
+// after their profiles, which never ended, and nothing was ever detected.
+void TestStageOneWatched() {
+  SetTuneUseCache(false);
+  const double saved_timeout = TimeoutSeconds();
+  const double timeout = 1.5 * std::min(kSanitizerSlowdown, 3.0);
+  SetTimeoutSeconds(timeout);
+  Sim s(4, {.jitter_us = 10, .wait_timeout_s = 30 * kSanitizerSlowdown});
+  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "stage 1 watched: configure");
+  s.engine->SetAutotune(256 << 10);
+  s.engine->SetTuneMax(512 << 10);
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{300000}}, 0, {}, false};
+  alignas(4) uint32_t never = 0;
+  Expect(s.device.WaitFlag(&never, 20 * timeout, s.h.streams[2]).ok(), "stage 1 watched: the wait");
+  const int aborts = s.comm.aborts();
+  const auto t0 = Clock::now();
+  std::vector<std::vector<std::vector<uint8_t>>> out;
+  std::vector<Status> st;
+  std::thread caller([&] { st = RunRanks(*s.engine, s.h, c, &out); });  // call 1 profiles
+  while (s.comm.aborts() < aborts + 4 && Seconds(t0) < 10 * timeout) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const double broke_after = Seconds(t0);
+  std::atomic_ref<uint32_t>(never).store(1, std::memory_order_release);
+  caller.join();
+  Expect(s.comm.aborts() == aborts + 4 && broke_after >= timeout && broke_after < timeout + 1.5 * kSanitizerSlowdown,
+         "stage 1 watched: the group broke " + std::to_string(broke_after) + " s after the profiling call (timeout " +
+             std::to_string(timeout) + " s), communicators aborted: " + std::to_string(s.comm.aborts() - aborts));
+  st = RunRanks(*s.engine, s.h, c, &out);
+  for (int r = 0; r < 4; ++r)
+    Expect(!st[r].ok() && st[r].message().find("the group is broken: call 1's ranges on group [0, 1, 2, 3] (all_reduce) "
+                                               "waited ") != std::string::npos &&
+               st[r].message().find("for rank 2 (device 2) to reach it on its device") != std::string::npos,
+           "stage 1 watched: call 2 fails on rank " + std::to_string(r) + " naming rank 2: " + st[r].message());
+  std::printf("  stage 1 watched: broke %.2f s after the profiling call (global timeout %.2f s)\n", broke_after, timeout);
+  (void)s.device.TakeErrors();  // rank 2's late operations met aborted communicators
+  SetTimeoutSeconds(saved_timeout);
+  SetAutotuneMinBytes(0);
+}
+
 // Nominal fits (jax_flexlink.topology's, passed by Python) seed a group's plans before stage 1:
 // a small call of a seeded 2-link group splits at the seed's equal-finish point instead of taking
 // the primary alone, while a large call still profiles; wrong link sets and group sizes are refused.
@@ -1215,6 +1310,8 @@ int main(int argc, char** argv) {
   Timed("TestErrors", TestErrors);
   Timed("TestOneSplitPerCall", TestOneSplitPerCall);
   Timed("TestStageOne", TestStageOne);
+  Timed("TestStageOneFailsOnOneRank", TestStageOneFailsOnOneRank);
+  Timed("TestStageOneWatched", TestStageOneWatched);
   Timed("TestSeedFromNominalFits", TestSeedFromNominalFits);
   Timed("TestStageTwoFavoursTheFasterLink", TestStageTwoFavoursTheFasterLink);
   Timed("TestFaults", TestFaults);

@@ -110,7 +110,8 @@ struct Scenario {
                  // probed and re-admitted; degraded and recovered) the same in every process; 18: a peer
                  // killed while the survivors' streams wait on its pcie flags (the link releases them);
                  // 19: a process's devices reach a call late (past the link's deadline, no break);
-                 // 20: a process's devices never reach a call (the break names its ranks)
+                 // 20: a process's devices never reach a call (the break names its ranks); 21: the
+                 // same at a call that runs stage 1's phase first
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -311,11 +312,11 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
   alarm(120);
   g_passed = g_failed = 0;  // fork copied the parent's counts
   // The stalled-join scenario waits for the deadline itself: a short one keeps it quick.
-  SetTimeoutSeconds(s.mode == 7 ? 3 : s.mode == 10 ? 1 : s.mode == 20 ? 1.5 : 60);
+  SetTimeoutSeconds(s.mode == 7 ? 3 : s.mode == 10 ? 1 : s.mode == 20 || s.mode == 21 ? 1.5 : 60);
   // Stage 1 only where it is the subject: with it on, calls below autotune_min_bytes take the
   // primary link alone until a large call has profiled (as in one process), and the other modes
   // test the split and stage 2 from equal shares at every size. Read when the group registers.
-  const bool stage1 = s.mode >= 13 && s.mode <= 15;
+  const bool stage1 = (s.mode >= 13 && s.mode <= 15) || s.mode == 21;
   SetAutotuneMinBytes(stage1 ? uint64_t{1} << 20 : 0);
   if (stage1) SetTuneMaxBytes(uint64_t{1} << 20);  // stage 1's sizes: 64 KiB to 1 MiB
   Local L(s, p);
@@ -890,16 +891,20 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     for (const gpu::GpuXprocInfo& g : gpu::GpuXprocGroups(*L.engine))
       Expect(!g.broken, s.what + ": the group is whole: " + g.broken.value_or(""));
     if (p == 0) std::printf("  %s: call 2 took %.2f s against a link deadline of 0.3 s\n", s.what.c_str(), late);
-  } else if (s.mode == 20) {
+  } else if (s.mode == 20 || s.mode == 21) {
     // A process's devices never reach call 2 (its streams wait on a word nobody sets until the
     // group broke): the other processes' ranks, whose own devices reached it, break the group
     // past the global timeout (1.5 s here) from their start, naming the late ranks; every process's
-    // devices drain and call 3 fails at once with that reason.
+    // devices drain and call 3 fails at once with that reason. Mode 21: call 2 is the group's first
+    // large call, which runs stage 1's first phase before its own work; the clock starts before
+    // the phase, whose NCCL operations wait for the late ranks too.
+    const bool profiling = s.mode == 21;
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
     HealthOptions o = GetHealthOptions();
     o.link_timeout_s = 0.3;
     SetHealthOptions(o);
     L.Check(c, ++run, s.what + ": call 1");
+    if (profiling) c = Case{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{262144}}, 0, {}, false};  // 1 MiB
     const int late = s.processes - 1;
     alignas(4) static uint32_t never = 0;
     std::thread releaser;
@@ -1375,6 +1380,8 @@ int main(int argc, char** argv) {
     RunScenario({shape + "pcie, a peer SIGKILLed during a call", 2, per, "pcie", 18});
     RunScenario({shape + "nccl;pcie, a process's devices late", 2, per, "nccl@staging_mib=0.0625;pcie", 19});
     RunScenario({shape + "nccl, a process's devices never reach a call", 2, per, "nccl", 20});
+    RunScenario({shape + "nccl;pcie, a process's devices never reach a profiling call", 2, per,
+                 "nccl@staging_mib=0.0625;pcie", 21});
   }
   const auto after = ShmEntries();
   std::string left;

@@ -241,8 +241,6 @@ void GpuExecutor::RecordHealth(CallState& state, const CallDesc& desc, bool enqu
 Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state,
                             const Assignment& work, const Effects& effects) {
   Rank& k = ranks_[rank];
-  if (state.profile.session) FLEXLINK_RETURN_IF_ERROR(profiler_.Enqueue(state.profile, rank, stream, ctx.label()));
-
   // This call's timing slot, claimed under the lock (one still in flight from long ago is given
   // up), then filled without it: the links' enqueues below may wait on the host (the pcie gate, up
   // to the deadline; NCCL's host calls), and the poll (stats(), the watchdog's hang detection) must
@@ -274,7 +272,30 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   const std::string where = ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
                             FormatIds(group_.ids) + ": ";
   auto check = [&](Status s) { return s.ok() || s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message()); };
-  Status status = check(api_.Record(slot.start, stream));
+  // Stage 1's profile, when this call runs it: before the call's own work on XLA's stream (its
+  // timing starts after it), but after the slot's `before` event, from which the hang detector's
+  // clock runs: the profile's NCCL operations wait on every peer's as the ranges do, so a hang in
+  // them is bounded too, with half the global timeout added to each range's deadline for them.
+  Status status;
+  double profile_budget = 0;
+  if (state.profile.session) {
+    status = check(api_.Record(slot.before, stream));
+    if (status.ok()) status = profiler_.Enqueue(state.profile, rank, stream, ctx.label());
+    if (status.ok()) {
+      profile_budget = TimeoutSeconds() / 2;
+    } else {
+      // The other ranks' profile operations (NCCL's among them) wait for this rank's, which never
+      // come, and their XLA streams wait for those: only aborting the communicators releases them,
+      // so the group breaks (as a group across processes does when a rank cannot enqueue), and the
+      // links wake whoever waits at the host for this rank's enqueue.
+      const std::string who = "rank " + std::to_string(rank) + " (device " + std::to_string(group_.ids[rank]) +
+                              ") could not enqueue stage 1's profile of call " + std::to_string(state.call) + " (" +
+                              std::string(Name(desc.kind)) + ")";
+      Break(state.call, who + ", which its peers' profile operations wait for: " + status.message(), std::nullopt);
+      for (auto& channel : channels_) channel->Forsake(who);
+    }
+  }
+  if (status.ok()) status = check(api_.Record(slot.start, stream));
   thread_local std::vector<Piece> pieces;
   const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
   for (size_t i = 0; i < used.size() && status.ok(); ++i) {
@@ -288,7 +309,7 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
     // An injected slow link: (K - 1) x the ranges' predicted time after them, on the device, so
     // that the link's stop event (stage 2, health) shows a K x slower range. Its deadline allows it.
     const double delay = effects[l].slow > 1 ? (effects[l].slow - 1) * predicted : 0;
-    budget[l] = LinkBudgetSeconds(predicted) + delay;
+    budget[l] = LinkBudgetSeconds(predicted) + delay + profile_budget;
     if (!alone) {
       status = check(api_.Wait(on, slot.start));  // fork
       if (!status.ok()) break;                       // nothing of this call is on the side stream
@@ -335,6 +356,7 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
     slot.call = state.call;
     slot.kind = desc.kind;
     slot.clock = CallClock{};
+    slot.profiled = profile_budget > 0;
     slot.record = status.ok() ? state.record : 0;
     slot.busy = !begun.empty();
     // Nothing of the call is watched on this stream: its peers' clocks must not wait for it.
@@ -407,7 +429,7 @@ void GpuExecutor::PollTimings(int rank) {
         slot.clock,
         [&] {
           std::string error;
-          return api_.Query(slot.start, &error) == Poll::kDone;
+          return api_.Query(slot.profiled ? slot.before : slot.start, &error) == Poll::kDone;
         },
         board_, rank, slot.call);
     if (clock.state == ClockReading::kPeersLate) {
@@ -429,14 +451,16 @@ void GpuExecutor::Hung(const Slot& slot, size_t link, double waited) {
   std::snprintf(budget, sizeof budget, "%.3g s (waited %.3g s)", slot.budget[link], waited);
   Break(slot.call,
         "call " + std::to_string(slot.call) + "'s " + names_[link] + " range on group " + FormatIds(group_.ids) +
-            " (" + std::string(Name(slot.kind)) + ") did not complete on the device within its deadline of " + budget,
+            " (" + std::string(Name(slot.kind)) + ") did not complete on the device within its deadline of " + budget +
+            " (the hang detector)",
         link);
 }
 
 void GpuExecutor::PeersLate(const Slot& slot, const ClockReading& reading) {
   Break(slot.call,
         PeersLateReason(slot.call, FormatIds(group_.ids), Name(slot.kind), reading.waited, reading.behind,
-                        [&](int r) { return "rank " + std::to_string(r) + " (device " + std::to_string(group_.ids[r]) + ")"; }),
+                        [&](int r) { return "rank " + std::to_string(r) + " (device " + std::to_string(group_.ids[r]) + ")"; }) +
+            " (the hang detector)",
         std::nullopt);
 }
 
@@ -444,7 +468,7 @@ void GpuExecutor::Break(uint64_t call, const std::string& reason, std::optional<
   {
     std::lock_guard<std::mutex> lock(broken_mu_);
     if (!broken_.empty()) return;
-    broken_ = "the group is broken: " + reason + " (the hang detector); the results of call " + std::to_string(call) +
+    broken_ = "the group is broken: " + reason + "; the results of call " + std::to_string(call) +
               " and of every call enqueued after it cannot be trusted, and the group runs nothing more (" +
               (link ? "its link " + names_[*link] + " is unhealthy, its" : "its") +
               " streams released; configure the links again for new groups)";

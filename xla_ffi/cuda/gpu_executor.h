@@ -106,6 +106,10 @@ class GpuExecutor {
     Kind kind = Kind::kAllReduce;
     std::vector<double> budget;
     CallClock clock;
+    // Recorded before stage 1's profile when the call runs one (`profiled`): the clock then starts
+    // there, not at `start`, which times the call's own work after the profile.
+    Event before = nullptr;
+    bool profiled = false;
   };
   struct Rank {
     // The rank's timing slots are read by its device thread and by PollAll (another thread). Held
@@ -164,8 +168,8 @@ class GpuExecutor {
   // Peers that never reached the slot's call on their devices within the global timeout of this
   // rank's (start_board.h): the group broken, naming them, the streams' hang flags released.
   void PeersLate(const Slot& slot, const ClockReading& reading);
-  // The break itself: `reason` is what every later call's error says; `link`, when one link's range
-  // hung, becomes unhealthy.
+  // The break itself (the hang detector's, or a rank's stage 1 that could not be enqueued): `reason`
+  // is what every later call's error says; `link`, when one link's range hung, becomes unhealthy.
   void Break(uint64_t call, const std::string& reason, std::optional<size_t> link);
   // Rank 0, once per call, after the agreement or a clean enqueue: health and the failover log.
   void RecordHealth(CallState& state, const CallDesc& desc, bool enqueued, double seconds);

@@ -30,6 +30,8 @@ class FaultyGpuChannel : public GpuChannel {
   Status Setup() override { return inner_->Setup(); }
   Status Enqueue(const GpuWork& work) override { return inner_->Enqueue(work); }
   Status Abort() override { return inner_->Abort(); }
+  void Unblock() override { inner_->Unblock(); }
+  void Forsake(const std::string& why) override { inner_->Forsake(why); }
   // What an admitted range carries with it on the device (every rank decides the same).
   struct Effect {
     double slow = 1;    // > 1: delay (slow - 1) x the range's predicted time after it

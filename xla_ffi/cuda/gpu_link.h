@@ -61,6 +61,12 @@ class GpuChannel {
   // processes: a stream still draining stores its own, smaller step into a flag Abort raised).
   // Idempotent and cheap; never blocks.
   virtual void Unblock() {}
+  // A rank of the group failed before it reached this link in the call its peers are enqueuing
+  // (stage 1's profile could not be enqueued on it): wakes, with an error, every host-side wait of
+  // theirs for that rank's enqueue progress (pcie in one process: its gate), so that they leave the
+  // call and the group's communicators can be aborted. The group is broken; the channel refuses
+  // every later call, saying `why`. Never blocks.
+  virtual void Forsake(const std::string& why) { (void)why; }
 };
 
 class GpuLink {
@@ -90,7 +96,7 @@ class Breaker {
   Status Check(std::string_view link) const {
     if (!broken()) return Status::Ok();
     return Status::Internal("flexlink: the " + std::string(link) +
-                            " link of this group failed in an earlier call and stays off: " + message());
+                            " link of this group failed (in this call or an earlier one) and stays off: " + message());
   }
 
  private:

@@ -206,42 +206,54 @@ Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::spa
   void *in = nullptr, *out = nullptr;
   FLEXLINK_RETURN_IF_ERROR(api.Record(pr.fork, stream));
   FLEXLINK_RETURN_IF_ERROR(api.Wait(pr.stream, pr.fork));
-  FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(in_bytes, pr.stream, &in));
-  if (Status s = api.MallocAsync(out_bytes, pr.stream, &out); !s.ok()) {
-    (void)api.FreeAsync(in, pr.stream);  // nothing else would: the profile's scratch is per call
-    return s;
-  }
-  // Zeros: sums and gathers of them are exact, whatever the split.
-  FLEXLINK_RETURN_IF_ERROR(api.Zero(in, in_bytes, pr.stream));
-  FLEXLINK_RETURN_IF_ERROR(api.Zero(out, out_bytes, pr.stream));
+  // From here the profile's stream has work forked from XLA's: whatever fails below, the scratch is
+  // freed and the stream joined back into XLA's (as every link's), so that XLA's stream never runs
+  // ahead of NCCL operations this rank already enqueued.
   const std::string step_label = "stage 1 of " + std::string(label);
-  std::vector<Piece> pieces;
-  for (size_t t = 0; t < steps.size(); ++t) {
-    const ProfileStep& st = steps[t];
-    const CallDesc d = ProfileDesc(kind, sizes[st.size], n, in, out);
-    Event start = pr.events[2 * t], stop = pr.events[2 * t + 1];
-    FLEXLINK_RETURN_IF_ERROR(api.Record(start, pr.stream));
-    if (st.shares.empty()) {
-      d.AllPieces(&pieces);
-      FLEXLINK_RETURN_IF_ERROR(enqueue(st.link, GpuWork{&d, rank, pieces, pr.stream, step_label}));
-    } else {
-      const auto ranges = plan::CutRanges(d.virtual_bytes(), 1, st.shares);
-      for (size_t l = 0; l < links; ++l) {
-        if (ranges[l].empty()) continue;
-        Event end = pr.events[2 * steps.size() + t * links + l];
-        d.PiecesOf(UnitRange{ranges[l].begin, ranges[l].end}, &pieces);
-        FLEXLINK_RETURN_IF_ERROR(api.Wait(side[l], start));
-        FLEXLINK_RETURN_IF_ERROR(enqueue(l, GpuWork{&d, rank, pieces, side[l], step_label}));
-        FLEXLINK_RETURN_IF_ERROR(api.Record(end, side[l]));
-        FLEXLINK_RETURN_IF_ERROR(api.Wait(pr.stream, end));
+  auto steps_on_stream = [&]() -> Status {
+    FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(in_bytes, pr.stream, &in));
+    FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(out_bytes, pr.stream, &out));
+    // Zeros: sums and gathers of them are exact, whatever the split.
+    FLEXLINK_RETURN_IF_ERROR(api.Zero(in, in_bytes, pr.stream));
+    FLEXLINK_RETURN_IF_ERROR(api.Zero(out, out_bytes, pr.stream));
+    std::vector<Piece> pieces;
+    for (size_t t = 0; t < steps.size(); ++t) {
+      const ProfileStep& st = steps[t];
+      const CallDesc d = ProfileDesc(kind, sizes[st.size], n, in, out);
+      Event start = pr.events[2 * t], stop = pr.events[2 * t + 1];
+      FLEXLINK_RETURN_IF_ERROR(api.Record(start, pr.stream));
+      if (st.shares.empty()) {
+        d.AllPieces(&pieces);
+        FLEXLINK_RETURN_IF_ERROR(enqueue(st.link, GpuWork{&d, rank, pieces, pr.stream, step_label}));
+      } else {
+        const auto ranges = plan::CutRanges(d.virtual_bytes(), 1, st.shares);
+        for (size_t l = 0; l < links; ++l) {
+          if (ranges[l].empty()) continue;
+          Event end = pr.events[2 * steps.size() + t * links + l];
+          d.PiecesOf(UnitRange{ranges[l].begin, ranges[l].end}, &pieces);
+          FLEXLINK_RETURN_IF_ERROR(api.Wait(side[l], start));
+          // The side stream is forked: joined back into the profile's stream also when its enqueue fails.
+          Status s = enqueue(l, GpuWork{&d, rank, pieces, side[l], step_label});
+          Status joined = api.Record(end, side[l]);
+          if (joined.ok()) joined = api.Wait(pr.stream, end);
+          FLEXLINK_RETURN_IF_ERROR(s);
+          FLEXLINK_RETURN_IF_ERROR(joined);
+        }
       }
+      FLEXLINK_RETURN_IF_ERROR(api.Record(stop, pr.stream));
     }
-    FLEXLINK_RETURN_IF_ERROR(api.Record(stop, pr.stream));
-  }
-  FLEXLINK_RETURN_IF_ERROR(api.FreeAsync(in, pr.stream));
-  FLEXLINK_RETURN_IF_ERROR(api.FreeAsync(out, pr.stream));
-  FLEXLINK_RETURN_IF_ERROR(api.Record(pr.join, pr.stream));
-  return api.Wait(stream, pr.join);
+    return Status::Ok();
+  };
+  Status status = steps_on_stream();
+  // Nothing else would free the scratch: it is per call.
+  for (void* p : {in, out})
+    if (p) {
+      Status freed = api.FreeAsync(p, pr.stream);
+      if (status.ok()) status = freed;
+    }
+  Status joined = api.Record(pr.join, pr.stream);
+  if (joined.ok()) joined = api.Wait(stream, pr.join);
+  return status.ok() ? joined : status;
 }
 
 Poll ReadProfileTimes(DeviceApi& api, const ProfileRank& pr, size_t steps, std::vector<double>* times) {

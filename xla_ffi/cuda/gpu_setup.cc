@@ -55,6 +55,7 @@ Status GpuExecutor::SetupAll() {
     k.slots.resize(kTimingSlots);
     for (Slot& slot : k.slots) {
       FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &slot.start)));
+      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &slot.before)));
       slot.stop.assign(names_.size(), nullptr);
       for (Event& e : slot.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &e)));
     }

@@ -236,16 +236,25 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     p.seconds.assign(links, 0);
     p.call_seconds = 0;
   }
+  // This call's timing entry, claimed before stage 1's phase: when the call runs one, the entry's
+  // `before` event, recorded ahead of it, starts the hang detector's clock (the phase's NCCL
+  // operations wait on every peer's, as the ranges do), and each range's deadline gets half the
+  // global timeout more for it.
+  Timed& timed = Claim(rank, call);
+  timed.profiled = false;
   // Stage 1's phase, on every rank before the call's own work (the same NCCL operations in the same
   // order everywhere, or none: a rank that could not enqueue fails the group for every process).
   if (slot.profile_phase) {
-    Status ps = profiler_->Enqueue(
-        rank, desc.kind, slot, ranks_[rank].side,
-        [&](size_t link, const GpuWork& w) { return channels_[link]->Enqueue(w); }, stream, label);
+    Status ps = api_.Record(timed.before, stream);
+    if (ps.ok())
+      ps = profiler_->Enqueue(
+          rank, desc.kind, slot, ranks_[rank].side,
+          [&](size_t link, const GpuWork& w) { return channels_[link]->Enqueue(w); }, stream, label);
     if (!ps.ok()) {
       seg.Abort(rank, ps.message());
       return ps;
     }
+    timed.profiled = true;
   }
   Assignment work(links);
   for (size_t i = 0; i < links; ++i)
@@ -271,7 +280,7 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
     std::lock_guard<std::mutex> lock(learned_mu_);
     xproc::LearnSlotModel(slot, desc.kind, links, &learned_);
   }
-  Status s = Enqueue(rank, desc, stream, ranges, work, effects,
+  Status s = Enqueue(rank, timed, desc, stream, ranges, work, effects,
                      std::span<const plan::AlphaBeta>(fits.data(), has_fits ? links : 0), label, call, run_id);
   // A rank that could not enqueue its part leaves its peers' NCCL operations without a partner:
   // the group is failed for every process (their next waits report this reason).
@@ -428,6 +437,7 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
     k.timed.assign(kTimed, Timed{});
     for (Timed& t : k.timed) {
       FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &t.start)));
+      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &t.before)));
       t.stop.assign(channels_.size(), nullptr);
       t.used.assign(channels_.size(), 0);
       t.budget.assign(channels_.size(), 0.0);
@@ -437,7 +447,21 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
   return Status::Ok();
 }
 
-Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
+GpuXprocGroup::Timed& GpuXprocGroup::Claim(int rank, uint64_t call) {
+  // One still unread (its call not complete on the device after kTimed later calls were enqueued)
+  // is given up: its events are recorded again for this call. Claimed (call 0: the watchdog's
+  // PollHangs skips it) under the lock and published by Enqueue under it; filled without it, so
+  // that a rank waiting inside a link's enqueue (NCCL settling, the deadline) never holds up the
+  // watchdog and with it every group's hang detection (as GpuExecutor::Enqueue).
+  Rank& k = ranks_[rank];
+  std::lock_guard<std::mutex> lock(k.timed_mu);
+  Timed& t = k.timed[call % kTimed];
+  t.call = 0;
+  return t;
+}
+
+Status GpuXprocGroup::Enqueue(int rank, Timed& t, const CallDesc& desc, Stream stream,
+                              const std::vector<plan::UnitRange>& ranges,
                               const Assignment& work, const Effects& effects, std::span<const plan::AlphaBeta> fits,
                               std::string_view label, uint64_t call, int64_t run_id) {
   Rank& k = ranks_[rank];
@@ -451,18 +475,6 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
     return s.ok() || s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message());
   };
   const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
-  // This call's timing entry; one still unread (its call not complete on the device after kTimed
-  // later calls were enqueued) is given up: its events are recorded again for this call. Claimed
-  // (call 0: the watchdog's PollHangs skips it) and published under the lock; filled without it,
-  // so that a rank waiting inside a link's enqueue (NCCL settling, the deadline) never holds up the
-  // watchdog and with it every group's hang detection (as GpuExecutor::Enqueue).
-  Timed* claimed = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(k.timed_mu);
-    claimed = &k.timed[call % kTimed];
-    claimed->call = 0;
-  }
-  Timed& t = *claimed;
   t.kind = desc.kind;
   t.clock = CallClock{};
   for (size_t i = 0; i < t.used.size(); ++i) t.used[i] = 0, t.budget[i] = 0;
@@ -489,7 +501,7 @@ Status GpuXprocGroup::Enqueue(int rank, const CallDesc& desc, Stream stream, con
     }();
     // An injected slow fault: a device-side delay after the range, K - 1 times its predicted time.
     const double delay = effects[i].slow > 1 ? (effects[i].slow - 1) * predicted : 0;
-    t.budget[i] = LinkBudgetSeconds(predicted) + delay;
+    t.budget[i] = LinkBudgetSeconds(predicted) + delay + (t.profiled ? TimeoutSeconds() / 2 : 0);
     // An injected hang: the stream waits on this rank's flag, which only the hang detector sets;
     // the device-side bound is the global timeout, far past the link's deadline.
     if (effects[i].hang) failed = check(api_.WaitFlag(k.hang_flag, TimeoutSeconds(), on));
@@ -722,7 +734,9 @@ void GpuXprocGroup::PollHangs(int rank) {
     // (Run's Abort), and one whose process died never comes: no peer's clock waits for either (the
     // link's deadline then finds the range that waits on a dead peer, as before its start counted).
     const ClockReading clock = TickClock(
-        oldest->clock, [&] { return api_.Query(oldest->start, &error) == Poll::kDone; }, *board_, rank, oldest->call,
+        oldest->clock,
+        [&] { return api_.Query(oldest->profiled ? oldest->before : oldest->start, &error) == Poll::kDone; }, *board_,
+        rank, oldest->call,
         [&] { return segment_->ExitedRanks(); });
     if (clock.state == ClockReading::kPeersLate) {
       PeersLate(*oldest, rank, clock);

@@ -128,7 +128,10 @@ class GpuXprocGroup {
   using Effects = std::vector<FaultyGpuChannel::Effect>;  // per used link, this rank's injected device work
   // `fits`: the leader's fits for the call's kind, from the plan slot (empty: none), from which every
   // process predicts a range's time alike (injected slow delays, the hang detector's deadlines).
-  Status Enqueue(int rank, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
+  struct Timed;
+  // Local rank `rank`'s timing entry for `call` (ring of kTimed), claimed before stage 1's phase.
+  Timed& Claim(int rank, uint64_t call);
+  Status Enqueue(int rank, Timed& timed, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
                  const Assignment& work, const Effects& effects, std::span<const plan::AlphaBeta> fits,
                  std::string_view label, uint64_t call, int64_t run_id);
   // `error` faults and failover across processes (docs/faults.md, "GPU links"): the in-process
@@ -178,6 +181,10 @@ class GpuXprocGroup {
     Kind kind = Kind::kAllReduce;
     std::vector<double> budget;
     CallClock clock;
+    // Recorded before stage 1's phase when the call runs one (`profiled`): the clock then starts
+    // there, not at `start`, which times the call's own work after the phase.
+    Event before = nullptr;
+    bool profiled = false;
   };
   struct Rank {
     std::vector<Stream> side;  // per used link

@@ -70,6 +70,11 @@ Status PcieChannel::Enqueue(const GpuWork& work) {
   return s;
 }
 
+void PcieChannel::Forsake(const std::string& why) {
+  (void)breaker_.Break(Status::Internal(why));
+  gate_.Abort();
+}
+
 Status PcieChannel::EnqueueOrFail(Call& c) {
   Rank& k = *c.rank;
   const Stream stream = c.work->stream;

@@ -56,6 +56,7 @@ class PcieChannel : public GpuChannel {
   std::string_view link_name() const override { return name_; }
   Status Setup() override;
   Status Enqueue(const GpuWork& work) override;
+  void Forsake(const std::string& why) override;
 
  private:
   struct Rank {

@@ -218,7 +218,10 @@ Status SimDevice::Layout(const gpu::LayoutArgs& a, gpu::Stream stream) {
   return ok ? Status::Ok() : Status::Internal("sim: no layout copy of this width");
 }
 
-Status SimDevice::MallocAsync(size_t bytes, gpu::Stream, void** ptr) {
+Status SimDevice::MallocAsync(size_t bytes, gpu::Stream stream, void** ptr) {
+  if (S(stream)->device == malloc_fails_on_.load())
+    return Status::Internal("sim: out of memory (injected) allocating " + std::to_string(bytes) + " bytes on device " +
+                            std::to_string(S(stream)->device));
   *ptr = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
   return *ptr ? Status::Ok() : Status::Internal("sim: out of memory");
 }

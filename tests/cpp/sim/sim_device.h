@@ -70,6 +70,9 @@ class SimDevice : public gpu::DeviceApi {
   int flag_waits() const { return flag_waits_.load(); }  // WaitFlags that ended by the host's release
   // On: ElapsedSeconds fails, as cudaEventElapsedTime does once the device reported an error.
   void SetTimingFails(bool on) { timing_fails_.store(on); }
+  // >= 0: MallocAsync on that device's streams fails (out of memory there), as stage 1's scratch
+  // allocation would on a GPU whose memory XLA took; -1: none.
+  void SetMallocFailsOn(int device) { malloc_fails_on_.store(device); }
   // Makes a stream's worker sleep before each operation (a slow link).
   void SetStreamDelay(gpu::Stream stream, int delay_us);
   // Adds an operation that runs `f` on the stream (the simulated NCCL's collectives).
@@ -92,6 +95,7 @@ class SimDevice : public gpu::DeviceApi {
   std::atomic<int> preloads_{0};
   std::atomic<int> flag_waits_{0};
   std::atomic<bool> timing_fails_{false};
+  std::atomic<int> malloc_fails_on_{-1};
 };
 
 }  // namespace flexlink::sim
