@@ -722,6 +722,9 @@ void TestStageOneFailsOnOneRank() {
   }
   Expect(drained < 0.5 * s.device.wait_timeout_s(),
          "stage 1 fails: every stream drained in " + std::to_string(drained) + " s, not at the simulation's wait timeout");
+  // The first abort releases every stream; the watchdog may still be aborting the others.
+  while (s.comm.aborts() < aborts + 4 && Seconds(t0) < 2 * kSanitizerSlowdown)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   Expect(s.comm.aborts() == aborts + 4, "stage 1 fails: every rank's communicator aborted (" +
                                             std::to_string(s.comm.aborts() - aborts) + ")");
   t0 = Clock::now();
@@ -763,7 +766,12 @@ void TestStageOneWatched() {
   std::vector<std::vector<std::vector<uint8_t>>> out;
   std::vector<Status> st;
   std::thread caller([&] { st = RunRanks(*s.engine, s.h, c, &out); });  // call 1 profiles
-  while (s.comm.aborts() < aborts + 4 && Seconds(t0) < 10 * timeout) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  bool profiling = false;  // the call's plan is stage 1's (the primary alone while the profile runs)
+  while (s.comm.aborts() < aborts + 4 && Seconds(t0) < 10 * timeout) {
+    for (const auto& p : s.engine->SnapshotPlans()) profiling = profiling || p.plan.mode == plan::PlanMode::kProfile;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  Expect(profiling, "stage 1 watched: call 1 ran stage 1's profile");
   const double broke_after = Seconds(t0);
   std::atomic_ref<uint32_t>(never).store(1, std::memory_order_release);
   caller.join();
@@ -1241,6 +1249,29 @@ void TestOutOfStep() {
       Expect(h.state == LinkState::kHealthy, what + ": " + link + " stays healthy: " + h.reason);
     }
     std::printf("  %-58s call 2 took %.2f s against a deadline of %.2f s\n", what.c_str(), late, t);
+    s.ExpectNoSimErrors(what);
+  }
+  {
+    // A call every rank gives up on the host (refused by an injected error with no other link to
+    // carry it) while rank 2's device is still behind the call before it: the given-up call counts
+    // as reached only once nothing before it is pending on that device, else the others' clocks
+    // for the earlier call would start at once and break the group at the link's deadline.
+    const std::string what = "out of step: a call given up behind a late device";
+    Expect(s.engine->ConfigureLinks("nccl").ok(), what + ": configure");
+    CheckCase(*s.engine, s.h, c, what + ", call 1");
+    Expect(s.device.Delay(4 * t, s.h.streams[2]).ok(), what + ": the delay");
+    const auto sync = s.h.sync;
+    s.h.sync = [](gpu::Stream) {};  // enqueue call 2 and give up call 3 while rank 2's device is late
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    std::vector<Status> st = RunRanks(*s.engine, s.h, c, &out);
+    for (int r = 0; r < 4; ++r) Expect(st[r].ok(), what + ": call 2 enqueues on rank " + std::to_string(r) + ": " + st[r].message());
+    Expect(gpu::SetGpuFaults("nccl:error@at_call=1", s.engine->CurrentLinks()->names()).ok(), what + ": set");
+    st = RunRanks(*s.engine, s.h, c, &out);
+    for (int r = 0; r < 4; ++r) Expect(!st[r].ok(), what + ": call 3 given up on rank " + std::to_string(r));
+    Expect(gpu::SetGpuFaults("", s.engine->CurrentLinks()->names()).ok(), what + ": cleared");
+    s.h.sync = sync;
+    s.device.SynchronizeAll();
+    CheckCase(*s.engine, s.h, c, what + ", call 4: the group is whole");
     s.ExpectNoSimErrors(what);
   }
 

@@ -136,7 +136,7 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
   if (status.ok())
     status = Enqueue(ctx, rank, desc, stream, *state, work, effects);
   else
-    board_.Reach(rank, state->call);  // nothing of the call goes on this rank's stream: no peer waits for it
+    GaveUp(rank, state->call);  // nothing of the call goes on this rank's stream: no peer waits for it
   if (rank == 0) RecordHealth(*state, desc, status.ok(), Since(start));
   // A call whose shares are not the plan's teaches stage 2 nothing (as on CPU), so its times go.
   bool moved = false;
@@ -360,7 +360,7 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
     slot.record = status.ok() ? state.record : 0;
     slot.busy = !begun.empty();
     // Nothing of the call is watched on this stream: its peers' clocks must not wait for it.
-    if (!slot.busy) board_.Reach(rank, state.call);
+    if (!slot.busy) k.gave_up = std::max(k.gave_up, state.call);
   }
   if (!status.ok()) return status;
   if (splits_->enabled()) {
@@ -410,11 +410,28 @@ void GpuExecutor::PollAll() {
   for (int r = 0; r < group_.size(); ++r) PollTimings(r);
 }
 
+void GpuExecutor::GaveUp(int rank, uint64_t call) {
+  Rank& k = ranks_[rank];
+  std::lock_guard<std::mutex> lock(k.slots_mu);
+  k.gave_up = std::max(k.gave_up, call);
+}
+
 void GpuExecutor::PollTimings(int rank) {
   Rank& k = ranks_[rank];
   std::lock_guard<std::mutex> lock(k.slots_mu);
   // Oldest first; calls complete in order on XLA's stream, so the first pending one ends the scan.
   const size_t m = k.slots.size();
+  uint64_t pending = 0;  // the oldest call still pending on this rank's device (0: none)
+  // A call given up on the host counts as reached once nothing before it is pending on the device.
+  struct ReachGivenUp {
+    GpuExecutor& ex;
+    Rank& k;
+    int rank;
+    const uint64_t& pending;
+    ~ReachGivenUp() {
+      if (k.gave_up && (pending == 0 || pending > k.gave_up)) ex.board_.Reach(rank, k.gave_up);
+    }
+  } reach_given_up{*this, k, rank, pending};
   for (size_t j = 0; j < m; ++j) {
     Slot& slot = k.slots[(k.next_slot + j) % m];
     if (!slot.busy) continue;
@@ -422,6 +439,7 @@ void GpuExecutor::PollTimings(int rank) {
       board_.Reach(rank, slot.call);
       continue;
     }
+    pending = slot.call;
     // The oldest call not done on this rank: its ranges' clocks start once every rank's device has
     // reached it (they could run from then on; a host far ahead of its device, or a peer's GPU busy
     // with other work before the call, does not count against them).

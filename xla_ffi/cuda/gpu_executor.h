@@ -120,6 +120,10 @@ class GpuExecutor {
     ProfileRank profile;  // stage 1's stream and events
     std::vector<Slot> slots;
     size_t next_slot = 0;
+    // The latest call this rank's host gave up before anything watched reached its stream. Put on
+    // the board only once no earlier call is pending on its device (PollTimings): the board's word
+    // is a max, and this rank's device may still be behind the calls before it.
+    uint64_t gave_up = 0;
     // Pinned host word an injected hang's stream waits on (DeviceApi::WaitFlag); 0 until the hang
     // detector releases it, then 1 for good (the group is broken, nothing waits on it again).
     uint32_t* hang_flag = nullptr;
@@ -174,6 +178,8 @@ class GpuExecutor {
   // Rank 0, once per call, after the agreement or a clean enqueue: health and the failover log.
   void RecordHealth(CallState& state, const CallDesc& desc, bool enqueued, double seconds);
   void PollTimings(int rank);
+  // This rank's host gave `call` up before anything watched reached its stream (Rank::gave_up).
+  void GaveUp(int rank, uint64_t call);
   // Reads a slot whose events completed: true when it was read (or given up on error).
   bool ReadSlot(int rank, Slot& slot);
   void Report(const TimingRecord& record);

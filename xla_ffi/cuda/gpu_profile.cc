@@ -210,6 +210,7 @@ Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::spa
   // freed and the stream joined back into XLA's (as every link's), so that XLA's stream never runs
   // ahead of NCCL operations this rank already enqueued.
   const std::string step_label = "stage 1 of " + std::string(label);
+  bool unjoined = false;
   auto steps_on_stream = [&]() -> Status {
     FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(in_bytes, pr.stream, &in));
     FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(out_bytes, pr.stream, &out));
@@ -236,6 +237,9 @@ Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::spa
           Status s = enqueue(l, GpuWork{&d, rank, pieces, side[l], step_label});
           Status joined = api.Record(end, side[l]);
           if (joined.ok()) joined = api.Wait(pr.stream, end);
+          // Not joined (a device error): the side stream may still use the scratch, so it is
+          // left allocated rather than freed under it.
+          if (!joined.ok()) unjoined = true;
           FLEXLINK_RETURN_IF_ERROR(s);
           FLEXLINK_RETURN_IF_ERROR(joined);
         }
@@ -247,7 +251,7 @@ Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::spa
   Status status = steps_on_stream();
   // Nothing else would free the scratch: it is per call.
   for (void* p : {in, out})
-    if (p) {
+    if (p && !unjoined) {
       Status freed = api.FreeAsync(p, pr.stream);
       if (status.ok()) status = freed;
     }

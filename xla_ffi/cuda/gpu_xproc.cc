@@ -667,6 +667,7 @@ void GpuXprocGroup::WriteTimes(int rank, uint64_t call) {
   out.ok = 1;
   out.call = best->call;
   const uint64_t reported = best->call;
+  board_->Reach(rank, reported);  // done on this device: released below, before a poll may see it
   for (Timed& t : k.timed)
     if (t.call != 0 && t.call <= reported) t.call = 0;
 }
@@ -710,6 +711,9 @@ void GpuXprocGroup::GatherTimes(uint64_t call) {
 // --- the hang detector ---------------------------------------------------------------------------
 
 void GpuXprocGroup::PollHangs(int rank) {
+  // Broken already (here or in another process): nothing left to detect, and a late verdict would
+  // only push Watch's release of the communicators further out.
+  if (segment_->aborted()) return;
   Rank& k = ranks_[rank];
   std::lock_guard<std::mutex> lock(k.timed_mu);
   // The oldest call still pending on the device (calls complete in order on XLA's stream): its
@@ -720,8 +724,11 @@ void GpuXprocGroup::PollHangs(int rank) {
   while (oldest) {
     std::string error;
     bool pending = false;
+    bool any = false;
     for (size_t i = 0; i < oldest->used.size(); ++i)
-      if (oldest->used[i]) pending |= api_.Query(oldest->stop[i], &error) == Poll::kPending;
+      if (oldest->used[i]) any = true, pending |= api_.Query(oldest->stop[i], &error) == Poll::kPending;
+    // An entry with no range (its call failed before the first) is done once its start is.
+    if (!any) pending = api_.Query(oldest->start, &error) == Poll::kPending;
     if (!pending) {  // done: the next one, if any, is the oldest pending
       board_->Reach(rank, oldest->call);
       Timed* next = nullptr;
@@ -775,7 +782,7 @@ void GpuXprocGroup::Break(uint64_t call, int rank, const std::string& what, std:
     std::lock_guard<std::mutex> lock(broken_mu_);
     if (hung_) return;
     hung_ = true;
-    broken_at_ = std::chrono::steady_clock::now();
+    if (broken_at_ == std::chrono::steady_clock::time_point{}) broken_at_ = std::chrono::steady_clock::now();
   }
   const std::string reason = what + " (the hang detector); the results of call " + std::to_string(call) +
                              " and of every call enqueued after it cannot be trusted, and the group runs nothing "

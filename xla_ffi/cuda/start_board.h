@@ -6,7 +6,7 @@
 // make its peers' ranges look hung and break the group for good. Each rank publishes on the board
 // the latest of the group's calls its stream has reached (a poll saw the call's start event
 // complete, or its whole call done) or that its host gave up before anything watched reached its
-// stream; the board is process memory for a group in one process, and a word in each rank's block
+// stream (once no earlier call is pending on its device); the board is process memory for a group in one process, and a word in each rank's block
 // of the shared segment for a group across processes. A rank whose peers never reach the call is
 // still bounded: past the global timeout (FLEXLINK_TIMEOUT_S) from its own start, the detector
 // breaks the group naming the ranks that never arrived on the device.
@@ -73,7 +73,7 @@ ClockReading TickClock(CallClock& clock, const std::function<bool()>& own_starte
                        uint64_t call, const std::function<std::vector<int>()>& gone = nullptr);
 
 // The hang detector's reason for a call whose peers never reached it on their devices: "call 7's
-// ranges on group [0, 1] (all_reduce) waited 60 s (the global timeout, FLEXLINK_TIMEOUT_S) after
+// ranges on group [0, 1] (all_reduce) waited 300 s (past the global timeout, FLEXLINK_TIMEOUT_S) after
 // this rank's device reached the call for rank 1 (device 1) to reach it on its device". `rank_name`
 // names a rank as the group's messages do.
 std::string PeersLateReason(uint64_t call, const std::string& group, std::string_view kind, double waited,
