@@ -1241,7 +1241,8 @@ void TestOutOfStep() {
     const auto t0 = Clock::now();
     CheckCase(*s.engine, s.h, c, what + ", call 2 with rank 2's device late");
     const double late = Seconds(t0);
-    Expect(late >= 4 * t, what + ": call 2 waited for rank 2 (" + std::to_string(late) + " s)");
+    // The delay runs from its enqueue, a little before t0.
+    Expect(late >= 3.5 * t, what + ": call 2 waited for rank 2 (" + std::to_string(late) + " s)");
     CheckCase(*s.engine, s.h, c, what + ", call 3");
     for (const std::string& link : s.engine->CurrentLinks()->names()) {
       if (!two) break;

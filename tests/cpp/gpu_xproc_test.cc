@@ -887,7 +887,9 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     const auto t0 = Clock::now();
     L.Check(c, ++run, s.what + ": call 2, the last process's devices late");
     const double late = Seconds(t0);
-    Expect(late >= 1.2, s.what + ": call 2 waited for the late devices (" + std::to_string(late) + " s)");
+    // The delay runs from its enqueue, a little before t0 (in the late process; the others start
+    // their clock within milliseconds of it): 1 s of it is what no clean call here takes.
+    Expect(late >= 1.0, s.what + ": call 2 waited for the late devices (" + std::to_string(late) + " s)");
     L.Check(c, ++run, s.what + ": call 3");
     for (const gpu::GpuXprocInfo& g : gpu::GpuXprocGroups(*L.engine))
       Expect(!g.broken, s.what + ": the group is whole: " + g.broken.value_or(""));
