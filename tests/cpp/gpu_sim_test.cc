@@ -647,6 +647,15 @@ void TestStageTwoFavoursTheFasterLink() {
   s.ExpectNoSimErrors("stage 2");
 }
 
+// Links and sizes under which kLargeCall is a group's first large call: it runs stage 1's first
+// phase (64 KiB .. 512 KiB) before its own work.
+const Case kLargeCall{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{300000}}, 0, {}, false};
+void ProfileLargeCalls(Sim& s, const std::string& what) {
+  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), what + ": configure");
+  s.engine->SetAutotune(256 << 10);
+  s.engine->SetTuneMax(512 << 10);
+}
+
 // Stage 1 on the device: profiled by the first large calls, read back later, fits installed,
 // cached; every call's result is right meanwhile.
 void TestStageOne() {
@@ -655,10 +664,8 @@ void TestStageOne() {
   SetTuneCachePath(cache);
   SetTuneUseCache(true);
   Sim s(2);
-  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "stage 1: configure");
-  s.engine->SetAutotune(256 << 10);
-  s.engine->SetTuneMax(512 << 10);
-  Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{300000}}, 0, {}, false};
+  ProfileLargeCalls(s, "stage 1");
+  const Case& c = kLargeCall;
   const std::vector<int64_t> group{0, 1};
   int calls = 0;
   const auto t0 = Clock::now();
@@ -697,10 +704,8 @@ void TestStageOne() {
 void TestStageOneFailsOnOneRank() {
   SetTuneUseCache(false);
   Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
-  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "stage 1 fails: configure");
-  s.engine->SetAutotune(256 << 10);
-  s.engine->SetTuneMax(512 << 10);
-  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{300000}}, 0, {}, false};
+  ProfileLargeCalls(s, "stage 1 fails");
+  const Case& c = kLargeCall;
   const std::string group = "[0, 1, 2, 3]";
   s.device.SetMallocFailsOn(2);
   const int aborts = s.comm.aborts();
@@ -755,10 +760,8 @@ void TestStageOneWatched() {
   const double timeout = 1.5 * std::min(kSanitizerSlowdown, 3.0);
   SetTimeoutSeconds(timeout);
   Sim s(4, {.jitter_us = 10, .wait_timeout_s = 30 * kSanitizerSlowdown});
-  Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), "stage 1 watched: configure");
-  s.engine->SetAutotune(256 << 10);
-  s.engine->SetTuneMax(512 << 10);
-  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{300000}}, 0, {}, false};
+  ProfileLargeCalls(s, "stage 1 watched");
+  const Case& c = kLargeCall;
   alignas(4) uint32_t never = 0;
   Expect(s.device.WaitFlag(&never, 20 * timeout, s.h.streams[2]).ok(), "stage 1 watched: the wait");
   const int aborts = s.comm.aborts();

@@ -282,15 +282,14 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
     status = check(api_.Record(slot.before, stream));
     if (status.ok()) status = profiler_.Enqueue(state.profile, rank, stream, ctx.label());
     if (status.ok()) {
-      profile_budget = TimeoutSeconds() / 2;
+      profile_budget = ProfileAllowanceSeconds();
     } else {
       // The other ranks' profile operations (NCCL's among them) wait for this rank's, which never
       // come, and their XLA streams wait for those: only aborting the communicators releases them,
       // so the group breaks (as a group across processes does when a rank cannot enqueue), and the
       // links wake whoever waits at the host for this rank's enqueue.
-      const std::string who = "rank " + std::to_string(rank) + " (device " + std::to_string(group_.ids[rank]) +
-                              ") could not enqueue stage 1's profile of call " + std::to_string(state.call) + " (" +
-                              std::string(Name(desc.kind)) + ")";
+      const std::string who = RankName(rank) + " could not enqueue stage 1's profile of call " +
+                              std::to_string(state.call) + " (" + std::string(Name(desc.kind)) + ")";
       Break(state.call, who + ", which its peers' profile operations wait for: " + status.message(), std::nullopt);
       for (auto& channel : channels_) channel->Forsake(who);
     }
@@ -422,16 +421,6 @@ void GpuExecutor::PollTimings(int rank) {
   // Oldest first; calls complete in order on XLA's stream, so the first pending one ends the scan.
   const size_t m = k.slots.size();
   uint64_t pending = 0;  // the oldest call still pending on this rank's device (0: none)
-  // A call given up on the host counts as reached once nothing before it is pending on the device.
-  struct ReachGivenUp {
-    GpuExecutor& ex;
-    Rank& k;
-    int rank;
-    const uint64_t& pending;
-    ~ReachGivenUp() {
-      if (k.gave_up && (pending == 0 || pending > k.gave_up)) ex.board_.Reach(rank, k.gave_up);
-    }
-  } reach_given_up{*this, k, rank, pending};
   for (size_t j = 0; j < m; ++j) {
     Slot& slot = k.slots[(k.next_slot + j) % m];
     if (!slot.busy) continue;
@@ -462,6 +451,12 @@ void GpuExecutor::PollTimings(int rank) {
     }
     break;
   }
+  // A call given up on the host counts as reached once nothing before it is pending on the device.
+  if (k.gave_up && (pending == 0 || pending > k.gave_up)) board_.Reach(rank, k.gave_up);
+}
+
+std::string GpuExecutor::RankName(int rank) const {
+  return "rank " + std::to_string(rank) + " (device " + std::to_string(group_.ids[rank]) + ")";
 }
 
 void GpuExecutor::Hung(const Slot& slot, size_t link, double waited) {
@@ -477,7 +472,7 @@ void GpuExecutor::Hung(const Slot& slot, size_t link, double waited) {
 void GpuExecutor::PeersLate(const Slot& slot, const ClockReading& reading) {
   Break(slot.call,
         PeersLateReason(slot.call, FormatIds(group_.ids), Name(slot.kind), reading.waited, reading.behind,
-                        [&](int r) { return "rank " + std::to_string(r) + " (device " + std::to_string(group_.ids[r]) + ")"; }) +
+                        [&](int r) { return RankName(r); }) +
             " (the hang detector)",
         std::nullopt);
 }

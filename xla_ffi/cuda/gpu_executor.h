@@ -180,6 +180,7 @@ class GpuExecutor {
   void PollTimings(int rank);
   // This rank's host gave `call` up before anything watched reached its stream (Rank::gave_up).
   void GaveUp(int rank, uint64_t call);
+  std::string RankName(int rank) const;  // "rank 2 (device 2)", as the group's messages name it
   // Reads a slot whose events completed: true when it was read (or given up on error).
   bool ReadSlot(int rank, Slot& slot);
   void Report(const TimingRecord& record);

@@ -501,7 +501,7 @@ Status GpuXprocGroup::Enqueue(int rank, Timed& t, const CallDesc& desc, Stream s
     }();
     // An injected slow fault: a device-side delay after the range, K - 1 times its predicted time.
     const double delay = effects[i].slow > 1 ? (effects[i].slow - 1) * predicted : 0;
-    t.budget[i] = LinkBudgetSeconds(predicted) + delay + (t.profiled ? TimeoutSeconds() / 2 : 0);
+    t.budget[i] = LinkBudgetSeconds(predicted) + delay + (t.profiled ? ProfileAllowanceSeconds() : 0);
     // An injected hang: the stream waits on this rank's flag, which only the hang detector sets;
     // the device-side bound is the global timeout, far past the link's deadline.
     if (effects[i].hang) failed = check(api_.WaitFlag(k.hang_flag, TimeoutSeconds(), on));

@@ -35,6 +35,8 @@ std::vector<int> StartBoard::Behind(uint64_t call, const std::function<std::vect
   return behind;
 }
 
+double ProfileAllowanceSeconds() { return TimeoutSeconds() / 2; }
+
 ClockReading TickClock(CallClock& clock, const std::function<bool()>& own_started, StartBoard& board, int rank,
                        uint64_t call, const std::function<std::vector<int>()>& gone) {
   using Clock = std::chrono::steady_clock;

@@ -6,8 +6,9 @@
 // make its peers' ranges look hung and break the group for good. Each rank publishes on the board
 // the latest of the group's calls its stream has reached (a poll saw the call's start event
 // complete, or its whole call done) or that its host gave up before anything watched reached its
-// stream (once no earlier call is pending on its device); the board is process memory for a group in one process, and a word in each rank's block
-// of the shared segment for a group across processes. A rank whose peers never reach the call is
+// stream (once no earlier call is pending on its device); the board is process memory for a group
+// in one process, and a word in each rank's block of the shared segment for a group across
+// processes. A rank whose peers never reach the call is
 // still bounded: past the global timeout (FLEXLINK_TIMEOUT_S) from its own start, the detector
 // breaks the group naming the ranks that never arrived on the device.
 #pragma once
@@ -44,6 +45,11 @@ class StartBoard {
   std::unique_ptr<std::atomic<uint64_t>[]> owned_;
   std::vector<std::atomic<uint64_t>*> words_;
 };
+
+// What a call that runs stage 1's profile first adds to each of its ranges' deadlines: its clock
+// starts before the profile, whose length nothing predicts; half the global timeout, as much as
+// any range's own deadline may be (LinkBudgetSeconds).
+double ProfileAllowanceSeconds();
 
 // One call's clock on one rank, kept in its timing slot.
 struct CallClock {
