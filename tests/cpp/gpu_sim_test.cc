@@ -694,20 +694,75 @@ void TestStageOne() {
   SetAutotuneMinBytes(0);
 }
 
-// A rank whose stage 1 cannot be enqueued (its scratch allocation fails, as on a GPU whose memory
-// XLA took): the other ranks' profile operations wait for it on their devices (and the pcie link's
-// enqueue at the host, until it is told), and their XLA streams with them, so the group breaks at
-// once, naming the rank; the communicators are aborted
-// once every rank has left the call, every stream drains well before the simulation's wait
-// timeout, and the next call fails at once with the reason. The failing rank's own profile stream
-// is joined back into its XLA stream (its scratch freed) although its profile failed half way.
+// Ranks that cannot make stage 1's scratch (its allocation fails, as on a GPU whose memory XLA
+// took): device `fails_on`, or every device. The ranks agree before any of them enqueues an NCCL
+// operation of the phase (AgreeProfile), so all skip it: the call runs on nccl alone and is right
+// everywhere, nothing is aborted, the profile ends with a warning and the group's later calls
+// split from equal shares (stage 2), all right. Before, one rank failing broke the group for good
+// (session 29), and all failing alike as well.
+void TestStageOneScratchRefused(int fails_on) {
+  SetTuneUseCache(false);
+  const std::string what = fails_on == sim::SimDevice::kEveryDevice ? "scratch refused everywhere"
+                                                                    : "scratch refused on device " + std::to_string(fails_on);
+  Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+  ProfileLargeCalls(s, what);
+  const Case& c = kLargeCall;
+  const std::vector<int64_t> group{0, 1, 2, 3};
+  s.device.SetMallocFailsOn(fails_on);
+  const int aborts = s.comm.aborts();
+  s.engine->splits().SetEnabled(true);
+  (void)s.engine->splits().Take();
+  const auto t0 = Clock::now();
+  CheckCase(*s.engine, s.h, c, what + ": call 1");
+  const double first = Seconds(t0);
+  s.device.SetMallocFailsOn(-1);  // the profile does not come back: stage 1 is off for the group
+  for (int i = 2; i <= 4; ++i) CheckCase(*s.engine, s.h, c, what + ": call " + std::to_string(i));
+  const auto records = s.engine->splits().Take();
+  s.engine->splits().SetEnabled(false);
+  // Per call, rank 0's ranges: the first on nccl alone, the later ones on both links.
+  std::vector<const SplitRecord*> rank0;
+  for (const auto& r : records)
+    if (r.rank == 0) rank0.push_back(&r);
+  auto on_both = [](const SplitRecord* r) {
+    return r->ranges.size() == 2 && r->ranges[0].second > r->ranges[0].first && r->ranges[1].second > r->ranges[1].first;
+  };
+  Expect(rank0.size() == 4 && rank0[0]->ranges.size() == 2 && rank0[0]->ranges[1].first == rank0[0]->ranges[1].second,
+         what + ": call 1 ran on nccl alone (" + std::to_string(rank0.size()) + " records)");
+  Expect(rank0.size() == 4 && on_both(rank0[1]) && on_both(rank0[3]),
+         what + ": calls 2 to 4 split across nccl and pcie from equal shares");
+  Expect(s.comm.aborts() == aborts, what + ": no communicator aborted (" + std::to_string(s.comm.aborts() - aborts) + ")");
+  Expect(!s.engine->GroupModel(group).value_or(plan::CostModel()).Has(Kind::kAllReduce),
+         what + ": no fits installed");
+  bool profiling = false;
+  for (const auto& p : s.engine->SnapshotPlans()) profiling = profiling || p.plan.mode == plan::PlanMode::kProfile;
+  Expect(!profiling, what + ": no plan waits for a profile");
+  std::printf("  %s: call 1 in %.3f s, calls 2-4 split, no abort\n", what.c_str(), first);
+  s.ExpectNoSimErrors(what);
+  SetAutotuneMinBytes(0);
+}
+void TestStageOneScratchRefusedOnOneRank() { TestStageOneScratchRefused(2); }
+void TestStageOneScratchRefusedEverywhere() { TestStageOneScratchRefused(sim::SimDevice::kEveryDevice); }
+
+// A rank whose stage 1 fails after the ranks agreed to run it (one of its pcie copies cannot be
+// enqueued, a device error): the other ranks' profile operations wait for it on their devices (and
+// the pcie link's enqueue at the host, until it is told), and their XLA streams with them, so the
+// group breaks at once, naming the rank; the communicators are aborted once every rank has left the
+// call, every stream drains well before the simulation's wait timeout, and the next call fails at
+// once with the reason. The failing rank's own profile stream is joined back into its XLA stream
+// (its scratch freed) although its profile failed half way.
 void TestStageOneFailsOnOneRank() {
   SetTuneUseCache(false);
   Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
   ProfileLargeCalls(s, "stage 1 fails");
   const Case& c = kLargeCall;
   const std::string group = "[0, 1, 2, 3]";
-  s.device.SetMallocFailsOn(2);
+  s.device.SetCopyFailsOn(2);
+  auto names_rank2 = [](const std::string& m) {
+    for (const char* says : {"rank 2 (device 2) could not enqueue stage 1's profile of call 1",
+                             "(rank 2 of the group could not enqueue its copies)", "copy failed (injected) on device 2"})
+      if (m.find(says) != std::string::npos) return true;
+    return false;
+  };
   const int aborts = s.comm.aborts();
   std::vector<std::vector<std::vector<uint8_t>>> out;
   auto t0 = Clock::now();
@@ -716,14 +771,11 @@ void TestStageOneFailsOnOneRank() {
   for (int r = 0; r < 4; ++r) {
     const std::string& m = st[r].message();
     if (r == 2)
-      Expect(!st[r].ok() && m.find("stage 1 on group " + group) != std::string::npos &&
-                 m.find("out of memory (injected)") != std::string::npos,
+      Expect(!st[r].ok() && m.find("stage 1 of test: all_reduce on group " + group) != std::string::npos &&
+                 m.find("copy failed (injected)") != std::string::npos,
              "stage 1 fails: rank 2 says why: " + m);
-    else  // enqueued, or woken from the pcie link's host-side wait for rank 2 (Forsake)
-      Expect(st[r].ok() || m.find("a peer rank failed while the ranks were enqueuing their copies") != std::string::npos ||
-                 m.find("failed (in this call or an earlier one) and stays off: rank 2 (device 2) could not enqueue "
-                        "stage 1's profile of call 1 (all_reduce)") != std::string::npos,
-             "stage 1 fails: rank " + std::to_string(r) + " enqueued or was told rank 2 failed: " + m);
+    else  // enqueued, or woken from the pcie link's host-side wait for rank 2 (its gate aborted)
+      Expect(st[r].ok() || names_rank2(m), "stage 1 fails: rank " + std::to_string(r) + " enqueued or was told rank 2 failed: " + m);
   }
   Expect(drained < 0.5 * s.device.wait_timeout_s(),
          "stage 1 fails: every stream drained in " + std::to_string(drained) + " s, not at the simulation's wait timeout");
@@ -737,14 +789,16 @@ void TestStageOneFailsOnOneRank() {
   const double refused = Seconds(t0);
   for (int r = 0; r < 4; ++r) {
     const std::string& m = st[r].message();
-    Expect(!st[r].ok() && m.find("all_reduce on group " + group + ": the group is broken: rank 2 (device 2) could not "
-                                 "enqueue stage 1's profile of call 1 (all_reduce), which its peers' profile "
-                                 "operations wait for: ") != std::string::npos,
+    // The rank that breaks the group first may be one woken by rank 2's failure: its reason names rank 2.
+    Expect(!st[r].ok() && m.find("all_reduce on group " + group + ": the group is broken: rank ") != std::string::npos &&
+               m.find("could not enqueue stage 1's profile of call 1 (all_reduce), which its peers' profile operations "
+                      "wait for: ") != std::string::npos &&
+               names_rank2(m),
            "stage 1 fails: call 2 fails on rank " + std::to_string(r) + " with the reason: " + m);
   }
   Expect(refused < 1.0 * kSanitizerSlowdown, "stage 1 fails: call 2 refused at once (" + std::to_string(refused) + " s)");
   std::printf("  stage 1 fails on rank 2: drained in %.2f s, call 2 refused in %.3f s\n", drained, refused);
-  s.device.SetMallocFailsOn(-1);
+  s.device.SetCopyFailsOn(-1);
   s.ExpectNoSimErrors("stage 1 fails");
   SetAutotuneMinBytes(0);
 }
@@ -1345,6 +1399,8 @@ int main(int argc, char** argv) {
   Timed("TestErrors", TestErrors);
   Timed("TestOneSplitPerCall", TestOneSplitPerCall);
   Timed("TestStageOne", TestStageOne);
+  Timed("TestStageOneScratchRefusedOnOneRank", TestStageOneScratchRefusedOnOneRank);
+  Timed("TestStageOneScratchRefusedEverywhere", TestStageOneScratchRefusedEverywhere);
   Timed("TestStageOneFailsOnOneRank", TestStageOneFailsOnOneRank);
   Timed("TestStageOneWatched", TestStageOneWatched);
   Timed("TestSeedFromNominalFits", TestSeedFromNominalFits);

@@ -112,7 +112,8 @@ struct Scenario {
                  // killed while the survivors' streams wait on its pcie flags (the link releases them);
                  // 19: a process's devices reach a call late (past the link's deadline, no break);
                  // 20: a process's devices never reach a call (the break names its ranks); 21: the
-                 // same at a call that runs stage 1's phase first
+                 // same at a call that runs stage 1's phase first; 22: stage 1 with one process
+                 // unable to make its scratch (every rank skips the phase, the group stays usable)
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -317,7 +318,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
   // Stage 1 only where it is the subject: with it on, calls below autotune_min_bytes take the
   // primary link alone until a large call has profiled (as in one process), and the other modes
   // test the split and stage 2 from equal shares at every size. Read when the group registers.
-  const bool stage1 = (s.mode >= 13 && s.mode <= 15) || s.mode == 21;
+  const bool stage1 = (s.mode >= 13 && s.mode <= 15) || s.mode == 21 || s.mode == 22;
   SetAutotuneMinBytes(stage1 ? uint64_t{1} << 20 : 0);
   if (stage1) SetTuneMaxBytes(uint64_t{1} << 20);  // stage 1's sizes: 64 KiB to 1 MiB
   Local L(s, p);
@@ -556,15 +557,21 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
              s.what + ": stage 2 moved share off the slowed nccl link (clean up to " + std::to_string(clean) +
                  ", slowed down to " + std::to_string(slowed) + ")");
     }
-  } else if (s.mode == 14) {
-    // The last process's device cannot time the profile (ElapsedSeconds fails there, as
-    // cudaEventElapsedTime does after a device error): its ranks report the phase as failed, the
-    // leader installs nothing, turns stage 1 off for the group (with a warning on stderr) and the
-    // kind goes back to stage 2 from equal shares. Every call exact; every rank's ranges identical
-    // for each call, the first on nccl alone, later ones split (the parent checks).
+  } else if (s.mode == 14 || s.mode == 22) {
+    // Mode 14: the last process's device cannot time the profile (ElapsedSeconds fails there, as
+    // cudaEventElapsedTime does after a device error): its ranks report the phase as failed.
+    // Mode 22: the last process's devices cannot make the phase's scratch (MallocAsync fails, as
+    // on GPUs whose memory XLA took): every rank of every process learns it before any enqueues
+    // the phase (AgreeProfile) and skips it. Either way the leader installs nothing, turns stage 1
+    // off for the group (with a warning on stderr) and the kind goes back to stage 2 from equal
+    // shares; nothing breaks. Every call exact; every rank's ranges identical for each call, the
+    // first on nccl alone, later ones split (the parent checks).
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{262144}}, 0, {}, false};
     const uint64_t bytes = CaseBytes(c, N);
-    if (p == s.processes - 1) L.device.SetTimingFails(true);
+    if (p == s.processes - 1) {
+      if (s.mode == 14) L.device.SetTimingFails(true);
+      else L.device.SetMallocFailsOn(sim::SimDevice::kEveryDevice);
+    }
     L.engine->splits().SetEnabled(true);
     for (int i = 0; i < 12; ++i) L.Check(c, ++run, s.what);
     ShareSplits(L.engine->splits().Take(), p, shared);
@@ -1271,7 +1278,7 @@ void RunScenario(const Scenario& s) {
     Expect(same[1] && shared->fitted_at[1][0].load() == 1,
            s.what + ": from the cache, every process had the model back at the first call: " + at[1]);
   }
-  if (s.mode == 13 || s.mode == 14) {
+  if (s.mode == 13 || s.mode == 14 || s.mode == 22) {
     // Identical ranges on every rank for each call; the first ones (profiling) on nccl alone; with
     // the profile failed, stage 2 from equal shares splits later calls.
     const int n = s.processes * s.per_process;
@@ -1283,7 +1290,7 @@ void RunScenario(const Scenario& s) {
     const SplitRow* first = by_call.empty() ? nullptr : by_call.begin()->second[0];
     Expect(first && first->r[1][0] == first->r[1][1] && first->r[0][1] > 0,
            s.what + ": the first call (profiling) ran on nccl alone");
-    if (s.mode == 14) {
+    if (s.mode == 14 || s.mode == 22) {
       int split = 0;
       for (const auto& [call, of] : by_call) split += of[0]->r[0][1] > of[0]->r[0][0] && of[0]->r[1][1] > of[0]->r[1][0];
       Expect(split >= 1, s.what + ": after the failed profile, calls split from equal shares (" + std::to_string(split) +
@@ -1377,6 +1384,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie hang", 2, per, "nccl@staging_mib=0.0625;pcie", 12});
     RunScenario({shape + "nccl;pcie stage 1 across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 13});
     RunScenario({shape + "nccl;pcie stage 1, a process cannot time it", 2, per, "nccl@staging_mib=0.0625;pcie", 14});
+    RunScenario({shape + "nccl;pcie stage 1, a process cannot make its scratch", 2, per, "nccl@staging_mib=0.0625;pcie", 22});
     RunScenario({shape + "nccl;pcie stage 1 from the tuning cache", 2, per, "nccl@staging_mib=0.0625;pcie", 15});
     RunScenario({shape + "links configured after the set-up", 2, per, "nccl@staging_mib=0.0625", 16});
     RunScenario({shape + "nccl;pcie health across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 17});

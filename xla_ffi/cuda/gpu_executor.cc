@@ -133,10 +133,16 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
   status = ctx.Arrive(rank, desc, names_[0]);
   if (status.ok()) status = EnsureSetup(rank, ctx.label());
   if (status.ok() && state->faults) status = Agree(ctx, rank, desc, *state, &work, &effects);
+  ProfileScratch scratch;
+  bool profile = false;
+  if (status.ok() && state->profile.session) status = AgreeProfile(ctx, rank, stream, *state, &scratch, &profile);
   if (status.ok())
-    status = Enqueue(ctx, rank, desc, stream, *state, work, effects);
+    status = Enqueue(ctx, rank, desc, stream, *state, work, effects, profile ? &scratch : nullptr);
   else
     GaveUp(rank, state->call);  // nothing of the call goes on this rank's stream: no peer waits for it
+  // A phase this rank did not enqueue never completes: the kind's next call ends the profile.
+  if (state->profile.session && !status.ok() && !profile)
+    profiler_.Abandon(state->profile, RankName(rank) + " did not reach it: " + status.message());
   if (rank == 0) RecordHealth(*state, desc, status.ok(), Since(start));
   // A call whose shares are not the plan's teaches stage 2 nothing (as on CPU), so its times go.
   bool moved = false;
@@ -147,6 +153,28 @@ Status GpuExecutor::Run(CallContext& ctx, int rank, const CallDesc& desc, Stream
   if (!status.ok() || state->masked || moved) timings_.Lose(state->record);
   leave();
   return status;
+}
+
+Status GpuExecutor::AgreeProfile(CallContext& ctx, int rank, Stream stream, CallState& state,
+                                 ProfileScratch* scratch, bool* run) {
+  Status made = profiler_.Prepare(state.profile, rank, stream, scratch);
+  if (!made.ok()) {
+    std::lock_guard<std::mutex> lock(state.mu);
+    state.unprepared.push_back(RankName(rank) + " could not make its scratch: " + made.message());
+  }
+  Status met = ctx.Barrier(rank, 0, "agree on stage 1's scratch", "executor");
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    *run = met.ok() && state.unprepared.empty();
+    if (!*run && made.ok()) (void)ReleaseProfile(api_, ranks_[rank].profile, *scratch, stream);
+    if (met.ok() && !*run) {
+      // Every rank saw the same list: the first to get here names them all.
+      std::string why;
+      for (const std::string& u : state.unprepared) why += (why.empty() ? "" : "; ") + u;
+      profiler_.Abandon(state.profile, why + " (every rank skipped the phase)");
+    }
+  }
+  return met;
 }
 
 Status GpuExecutor::Agree(CallContext& ctx, int rank, const CallDesc& desc, CallState& state, Assignment* work,
@@ -239,7 +267,7 @@ void GpuExecutor::RecordHealth(CallState& state, const CallDesc& desc, bool enqu
 }
 
 Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state,
-                            const Assignment& work, const Effects& effects) {
+                            const Assignment& work, const Effects& effects, ProfileScratch* profile) {
   Rank& k = ranks_[rank];
   // This call's timing slot, claimed under the lock (one still in flight from long ago is given
   // up), then filled without it: the links' enqueues below may wait on the host (the pcie gate, up
@@ -278,16 +306,18 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   // them is bounded too, with half the global timeout added to each range's deadline for them.
   Status status;
   double profile_budget = 0;
-  if (state.profile.session) {
+  if (profile) {
     status = check(api_.Record(slot.before, stream));
-    if (status.ok()) status = profiler_.Enqueue(state.profile, rank, stream, ctx.label());
+    if (status.ok()) status = profiler_.Enqueue(state.profile, rank, *profile, stream, ctx.label());
+    else (void)ReleaseProfile(api_, k.profile, *profile, stream);
     if (status.ok()) {
       profile_budget = ProfileAllowanceSeconds();
     } else {
-      // The other ranks' profile operations (NCCL's among them) wait for this rank's, which never
-      // come, and their XLA streams wait for those: only aborting the communicators releases them,
-      // so the group breaks (as a group across processes does when a rank cannot enqueue), and the
-      // links wake whoever waits at the host for this rank's enqueue.
+      // Past the agreement (AgreeProfile) every rank enqueues the phase, so the other ranks'
+      // profile operations (NCCL's among them) wait for this rank's, which never come, and their
+      // XLA streams wait for those: only aborting the communicators releases them, so the group
+      // breaks (as a group across processes does when a rank cannot enqueue), and the links wake
+      // whoever waits at the host for this rank's enqueue.
       const std::string who = RankName(rank) + " could not enqueue stage 1's profile of call " +
                               std::to_string(state.call) + " (" + std::string(Name(desc.kind)) + ")";
       Break(state.call, who + ", which its peers' profile operations wait for: " + status.message(), std::nullopt);

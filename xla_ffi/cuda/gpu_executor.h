@@ -147,6 +147,7 @@ class GpuExecutor {
     std::vector<std::vector<char>> failed;  // [round][source link]: its range was refused there
     std::vector<std::string> errors;        // per link, its first refusal
     std::vector<std::pair<size_t, size_t>> moves;  // (source, carrier), recorded by rank 0
+    std::vector<std::string> unprepared;            // AgreeProfile: the ranks that could not, and why
     bool recorded = false;
   };
   // Per link, the ranges of the call's virtual bytes this rank enqueues on it (its own and those it
@@ -156,8 +157,14 @@ class GpuExecutor {
 
   Status EnsureSetup(int rank, std::string_view label);
   Status SetupAll();
+  // `profile`: stage 1's phase runs first, with this rank's scratch (null: none in this call).
   Status Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state,
-                 const Assignment& work, const Effects& effects);
+                 const Assignment& work, const Effects& effects, ProfileScratch* profile);
+  // The call runs stage 1's phase: every rank makes its scratch, then all agree, so that one that
+  // cannot (out of memory) makes every rank skip the phase before any enqueues an NCCL operation of
+  // it (the profile ends with a warning; the group stays usable). *run: the phase goes ahead.
+  Status AgreeProfile(CallContext& ctx, int rank, Stream stream, CallState& state, ProfileScratch* scratch,
+                      bool* run);
   // With faults injected: asks each link for this rank's ranges, agrees with the other ranks on
   // the refused ones and moves each to a carrier; an error when a range is left with no link.
   // *effects: the slow and hang faults that fired on the links that carry ranges.

@@ -144,7 +144,6 @@ ProfileAction GpuProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared
   const int n = ex_.group_.size();
   std::lock_guard<std::mutex> lock(mu_);
   if (!session_) {
-    if (failed_[static_cast<size_t>(kind)]) return {};
     if (TuneUseCache() && LoadCachedFits(kind, ProfileTopBytes(message_bytes))) {
       *plan = ex_.balancer_.PlanFor(kind, message_bytes);
       return {};
@@ -159,10 +158,16 @@ ProfileAction GpuProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared
   ProfileSession& s = *session_;
   if (s.kind != kind) return {};
   if (s.failed) {
-    failed_[static_cast<size_t>(kind)] = true;
-    LogInfo("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(ex_.group_.ids) +
-            " failed; its calls stay on " + ex_.names_[0]);
+    // As a group across processes does (gpu_xproc_profile.cc): stage 2 alone, from equal shares,
+    // rather than the primary link for good, and said, since the user's calls change course.
+    LogWarning("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(ex_.group_.ids) +
+               " did not complete (phase " + std::to_string(s.phase + 1) + ": " +
+               (s.why.empty() ? std::string("a rank's device could not run or time it") : s.why) +
+               "), so none of its calls profiles again and stage 2 plans them from equal shares");
     session_.reset();
+    ex_.balancer_.SetProfileFromBytes(0);
+    ex_.balancer_.ForgetKind(kind);
+    *plan = ex_.balancer_.PlanFor(kind, message_bytes);
     return {};
   }
   if (std::count(s.read.begin(), s.read.end(), 1) < n) return {};  // still on the device
@@ -188,13 +193,10 @@ void GpuProfiler::Finish(ProfileSession& s) {
   StoreProfiledModel({plan::HostName(), ex_.links_->spec, n}, ex_.names_, s.kind, s.model, s.sizes.back());
 }
 
-Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::span<const Stream> side,
-                           const std::function<Status(size_t, const GpuWork&)>& enqueue, Kind kind,
-                           std::span<const uint64_t> sizes, std::span<const ProfileStep> steps, int n, int rank,
-                           Stream stream, std::string_view label) {
-  const size_t links = side.size();
+Status PrepareProfile(DeviceApi& api, int device, ProfileRank& pr, size_t links, Kind kind,
+                      std::span<const uint64_t> sizes, size_t steps, int n, Stream stream, ProfileScratch* scratch) {
   // Events: start and stop per step, then one per link of each split step.
-  const size_t needed = 2 * steps.size() + steps.size() * links;
+  const size_t needed = 2 * steps + steps * links;
   while (pr.events.size() < needed) {
     Event e = nullptr;
     FLEXLINK_RETURN_IF_ERROR(api.CreateEvent(device, true, &e));
@@ -203,24 +205,49 @@ Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::spa
   const CallDesc largest = ProfileDesc(kind, sizes.back(), n, nullptr, nullptr);
   const size_t in_bytes = largest.in_count(largest.parts[0], n) * sizeof(float);
   const size_t out_bytes = largest.out_count(largest.parts[0], n) * sizeof(float);
-  void *in = nullptr, *out = nullptr;
   FLEXLINK_RETURN_IF_ERROR(api.Record(pr.fork, stream));
   FLEXLINK_RETURN_IF_ERROR(api.Wait(pr.stream, pr.fork));
-  // From here the profile's stream has work forked from XLA's: whatever fails below, the scratch is
-  // freed and the stream joined back into XLA's (as every link's), so that XLA's stream never runs
-  // ahead of NCCL operations this rank already enqueued.
+  scratch->forked = true;
+  Status s = api.MallocAsync(in_bytes, pr.stream, &scratch->in);
+  if (s.ok()) s = api.MallocAsync(out_bytes, pr.stream, &scratch->out);
+  // Zeros: sums and gathers of them are exact, whatever the split.
+  if (s.ok()) s = api.Zero(scratch->in, in_bytes, pr.stream);
+  if (s.ok()) s = api.Zero(scratch->out, out_bytes, pr.stream);
+  if (!s.ok()) (void)ReleaseProfile(api, pr, *scratch, stream);
+  return s;
+}
+
+Status ReleaseProfile(DeviceApi& api, ProfileRank& pr, ProfileScratch& scratch, Stream stream) {
+  Status status;
+  for (void** p : {&scratch.in, &scratch.out}) {
+    if (*p) {
+      Status freed = api.FreeAsync(*p, pr.stream);
+      if (status.ok()) status = freed;
+    }
+    *p = nullptr;
+  }
+  if (!scratch.forked) return status;
+  scratch.forked = false;
+  Status joined = api.Record(pr.join, pr.stream);
+  if (joined.ok()) joined = api.Wait(stream, pr.join);
+  return status.ok() ? joined : status;
+}
+
+Status EnqueueProfileSteps(DeviceApi& api, ProfileRank& pr, ProfileScratch& scratch, std::span<const Stream> side,
+                           const std::function<Status(size_t, const GpuWork&)>& enqueue, Kind kind,
+                           std::span<const uint64_t> sizes, std::span<const ProfileStep> steps, int n, int rank,
+                           Stream stream, std::string_view label) {
+  const size_t links = side.size();
+  // The profile's stream has work forked from XLA's (PrepareProfile): whatever fails below, the
+  // scratch is freed and the stream joined back into XLA's (as every link's), so that XLA's stream
+  // never runs ahead of NCCL operations this rank already enqueued.
   const std::string step_label = "stage 1 of " + std::string(label);
   bool unjoined = false;
   auto steps_on_stream = [&]() -> Status {
-    FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(in_bytes, pr.stream, &in));
-    FLEXLINK_RETURN_IF_ERROR(api.MallocAsync(out_bytes, pr.stream, &out));
-    // Zeros: sums and gathers of them are exact, whatever the split.
-    FLEXLINK_RETURN_IF_ERROR(api.Zero(in, in_bytes, pr.stream));
-    FLEXLINK_RETURN_IF_ERROR(api.Zero(out, out_bytes, pr.stream));
     std::vector<Piece> pieces;
     for (size_t t = 0; t < steps.size(); ++t) {
       const ProfileStep& st = steps[t];
-      const CallDesc d = ProfileDesc(kind, sizes[st.size], n, in, out);
+      const CallDesc d = ProfileDesc(kind, sizes[st.size], n, scratch.in, scratch.out);
       Event start = pr.events[2 * t], stop = pr.events[2 * t + 1];
       FLEXLINK_RETURN_IF_ERROR(api.Record(start, pr.stream));
       if (st.shares.empty()) {
@@ -249,15 +276,10 @@ Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::spa
     return Status::Ok();
   };
   Status status = steps_on_stream();
+  if (unjoined) scratch.in = scratch.out = nullptr;  // left allocated (above)
   // Nothing else would free the scratch: it is per call.
-  for (void* p : {in, out})
-    if (p && !unjoined) {
-      Status freed = api.FreeAsync(p, pr.stream);
-      if (status.ok()) status = freed;
-    }
-  Status joined = api.Record(pr.join, pr.stream);
-  if (joined.ok()) joined = api.Wait(stream, pr.join);
-  return status.ok() ? joined : status;
+  Status released = ReleaseProfile(api, pr, scratch, stream);
+  return status.ok() ? released : status;
 }
 
 Poll ReadProfileTimes(DeviceApi& api, const ProfileRank& pr, size_t steps, std::vector<double>* times) {
@@ -271,15 +293,23 @@ Poll ReadProfileTimes(DeviceApi& api, const ProfileRank& pr, size_t steps, std::
   return Poll::kDone;
 }
 
-Status GpuProfiler::Enqueue(const ProfileAction& action, int rank, Stream stream, std::string_view label) {
+Status GpuProfiler::Prepare(const ProfileAction& action, int rank, Stream stream, ProfileScratch* scratch) {
+  const ProfileSession& s = *action.session;
+  return PrepareProfile(ex_.api_, ex_.group_.devices[rank], ex_.ranks_[rank].profile, ex_.names_.size(), s.kind,
+                        s.sizes, s.steps.size(), ex_.group_.size(), stream, scratch);
+}
+
+Status GpuProfiler::Enqueue(const ProfileAction& action, int rank, ProfileScratch& scratch, Stream stream,
+                            std::string_view label) {
   ProfileSession& s = *action.session;
   GpuExecutor::Rank& k = ex_.ranks_[rank];
   Status st = EnqueueProfileSteps(
-      ex_.api_, ex_.group_.devices[rank], k.profile, k.side,
+      ex_.api_, k.profile, scratch, k.side,
       [&](size_t link, const GpuWork& w) { return ex_.channels_[link]->Enqueue(w); }, s.kind, s.sizes, s.steps,
       ex_.group_.size(), rank, stream, label);
   std::lock_guard<std::mutex> lock(mu_);
   if (!st.ok()) {
+    if (s.why.empty()) s.why = ex_.RankName(rank) + " could not enqueue it: " + st.message();
     s.failed = true;
     return st.message().rfind("flexlink:", 0) == 0
                ? st
@@ -288,6 +318,13 @@ Status GpuProfiler::Enqueue(const ProfileAction& action, int rank, Stream stream
   }
   s.enqueued[rank] = action.phase;
   return Status::Ok();
+}
+
+void GpuProfiler::Abandon(const ProfileAction& action, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ProfileSession& s = *action.session;
+  if (s.why.empty()) s.why = why;
+  s.failed = true;
 }
 
 void GpuProfiler::Poll(int rank) {
@@ -301,7 +338,10 @@ void GpuProfiler::Poll(int rank) {
   const gpu::Poll p = ReadProfileTimes(ex_.api_, ex_.ranks_[rank].profile, s->steps.size(), &times);
   if (p == gpu::Poll::kPending) return;
   std::lock_guard<std::mutex> lock(mu_);
-  if (p != gpu::Poll::kDone) s->failed = true;
+  if (p != gpu::Poll::kDone) {
+    if (s->why.empty()) s->why = ex_.RankName(rank) + " could not time it on its device";
+    s->failed = true;
+  }
   for (size_t t = 0; t < times.size(); ++t) s->times[t] = std::max(s->times[t], times[t]);
   s->read[rank] = 1;
 }

@@ -57,6 +57,7 @@ struct ProfileSession {
   plan::CostModel model;
   std::chrono::steady_clock::time_point started;
   bool failed = false;
+  std::string why;  // in-process: the first reason it failed, for the warning
 
   static size_t reps() { return static_cast<size_t>(kWarmup + kIters); }
   // Phase 0 for `kind` up to `top` (ProfileTopBytes) over `names`: sizes, tables and steps.
@@ -86,13 +87,28 @@ struct ProfileRank {
   Event fork = nullptr, join = nullptr;
   std::vector<Event> events;
 };
-// Enqueues `steps` (of sizes `sizes`) for `rank` of a group of n on device `device`: on pr's stream,
-// forked from `stream` and joined back into it, split steps' links on `side`; `enqueue(link, work)`
-// puts one link's pieces on a stream. Scratch in and out buffers come from the stream's pool.
-Status EnqueueProfileSteps(DeviceApi& api, int device, ProfileRank& pr, std::span<const Stream> side,
+// A rank's scratch for one phase, made before the ranks agree to run it (PrepareProfile): a rank
+// that cannot make it (its GPU out of memory, say) is then known to every rank before any of them
+// enqueues one of the phase's NCCL operations, so all skip the phase and the group stays usable.
+struct ProfileScratch {
+  void* in = nullptr;
+  void* out = nullptr;
+  bool forked = false;  // the profile stream has work forked from XLA's: Enqueue or Release joins it
+};
+// Makes what `steps` (of sizes `sizes`) need for `rank` of a group of n over `links` links on
+// device `device`: their events, and zeroed scratch on pr's stream, forked from `stream`. On an
+// error nothing is left: what was allocated is freed and the stream joined back.
+Status PrepareProfile(DeviceApi& api, int device, ProfileRank& pr, size_t links, Kind kind,
+                      std::span<const uint64_t> sizes, size_t steps, int n, Stream stream, ProfileScratch* scratch);
+// Enqueues the prepared `steps` on pr's stream, split steps' links on `side`; `enqueue(link, work)`
+// puts one link's pieces on a stream. Frees the scratch and joins the stream back into `stream` on
+// every way out.
+Status EnqueueProfileSteps(DeviceApi& api, ProfileRank& pr, ProfileScratch& scratch, std::span<const Stream> side,
                            const std::function<Status(size_t, const GpuWork&)>& enqueue, Kind kind,
                            std::span<const uint64_t> sizes, std::span<const ProfileStep> steps, int n, int rank,
                            Stream stream, std::string_view label);
+// A prepared phase not run (a peer could not prepare its own): frees the scratch, joins the stream.
+Status ReleaseProfile(DeviceApi& api, ProfileRank& pr, ProfileScratch& scratch, Stream stream);
 // kPending while the phase's last step is on the device; kDone with each step's seconds; kError
 // when the device failed it (*times then unset).
 Poll ReadProfileTimes(DeviceApi& api, const ProfileRank& pr, size_t steps, std::vector<double>* times);
@@ -110,9 +126,16 @@ class GpuProfiler {
   // or finishes it (installing the fits; *plan is then the new plan for this call) — or, with fits
   // from the tuning cache, installs those. Otherwise nothing (the call runs on the primary link).
   ProfileAction Decide(Kind kind, uint64_t message_bytes, std::shared_ptr<const plan::Plan>* plan);
-  // Every rank, after the arrival: enqueues the phase on the rank's profile stream, forked from
+  // Every rank, after the arrival: makes the phase's scratch (PrepareProfile), before the ranks
+  // agree to run it.
+  Status Prepare(const ProfileAction& action, int rank, Stream stream, ProfileScratch* scratch);
+  // Every rank, once all prepared: enqueues the phase on the rank's profile stream, forked from
   // `stream` and joined back into it (the call's own work comes after).
-  Status Enqueue(const ProfileAction& action, int rank, Stream stream, std::string_view label);
+  Status Enqueue(const ProfileAction& action, int rank, ProfileScratch& scratch, Stream stream, std::string_view label);
+  // The phase will not complete (a rank could not prepare it, or did not reach it): the kind's next
+  // call ends the profile with a warning saying `why`, and the group's calls go to stage 2 from
+  // equal shares (as a group across processes does). The first reason given is kept.
+  void Abandon(const ProfileAction& action, const std::string& why);
   // Every rank, at each call: reads this rank's events of a phase in flight once they completed.
   void Poll(int rank);
   // For tests: whether a profile is in flight.
@@ -125,7 +148,6 @@ class GpuProfiler {
   GpuExecutor& ex_;
   mutable std::mutex mu_;
   std::shared_ptr<ProfileSession> session_;
-  bool failed_[kNumKinds] = {};  // a profile of this kind failed: its calls stay on the primary link
 };
 
 }  // namespace flexlink::gpu

@@ -244,12 +244,16 @@ Status GpuXprocGroup::Run(int rank, const CallDesc& desc, Stream stream, std::st
   timed.profiled = false;
   // Stage 1's phase, on every rank before the call's own work (the same NCCL operations in the same
   // order everywhere, or none: a rank that could not enqueue fails the group for every process).
-  if (slot.profile_phase) {
+  bool profile = false;
+  if (slot.profile_phase) FLEXLINK_RETURN_IF_ERROR(AgreeProfile(rank, desc, slot, stream, label, call, run_id, &profile));
+  if (profile) {
     Status ps = api_.Record(timed.before, stream);
     if (ps.ok())
       ps = profiler_->Enqueue(
-          rank, desc.kind, slot, ranks_[rank].side,
+          rank, desc.kind, ranks_[rank].side,
           [&](size_t link, const GpuWork& w) { return channels_[link]->Enqueue(w); }, stream, label);
+    else
+      profiler_->Release(rank, stream);
     if (!ps.ok()) {
       seg.Abort(rank, ps.message());
       return ps;
@@ -533,6 +537,37 @@ Status GpuXprocGroup::Enqueue(int rank, Timed& t, const CallDesc& desc, Stream s
     splits_->Add(std::move(rec));
   }
   return Status::Ok();
+}
+
+Status GpuXprocGroup::AgreeProfile(int rank, const CallDesc& desc, const xproc::PlanSlot& slot, Stream stream,
+                                   std::string_view label, uint64_t call, int64_t run_id, bool* run) {
+  xproc::ProcessGroup& seg = *segment_;
+  const Status made = profiler_->Prepare(rank, desc.kind, slot, stream, label);
+  if (!made.ok()) {
+    const std::string& m = made.message();
+    LogWarning((m.rfind("flexlink: ", 0) == 0 ? m.substr(10) : m) + " (" + seg.DescribeRank(rank) +
+               ", its scratch for stage 1's phase " + std::to_string(slot.profile_phase) +
+               "; every rank of the group skips the phase)");
+  }
+  // failed[1], as round -1 of the fault agreement (Agree) that may follow in this call: that one
+  // writes failed[0] first, and failed[1] only after its first barrier, which every reader of
+  // this word has passed (layout.h, TimesSlot).
+  __atomic_store_n(&seg.times_slot(rank, call).failed[1], made.ok() ? 0u : 1u, __ATOMIC_RELEASE);
+  const Status met = seg.SyncWithoutData(rank, desc, label, run_id, kGpuXprocLink, "agree on stage 1's scratch");
+  std::string unprepared;
+  int count = 0;
+  if (met.ok())
+    for (int r = 0; r < group_.size(); ++r)
+      if (__atomic_load_n(&seg.times_slot(r, call).failed[1], __ATOMIC_ACQUIRE))
+        unprepared += (count++ ? ", " : "") + seg.DescribeRank(r);
+  *run = met.ok() && unprepared.empty();
+  if (*run) return Status::Ok();
+  if (made.ok()) profiler_->Release(rank, stream);
+  // The leader's rank 0: every process skipped the same phase.
+  if (met.ok() && rank == 0)
+    profiler_->Abandon(desc.kind, unprepared + (count > 1 ? " could not make their" : " could not make its") +
+                                      " scratch (every rank skipped the phase)");
+  return met;
 }
 
 Status GpuXprocGroup::Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges,

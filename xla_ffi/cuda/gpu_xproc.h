@@ -148,6 +148,12 @@ class GpuXprocGroup {
   // rule), as in one process. `unhealthy`: the leader's unhealthy links (never carriers); *refused_links:
   // the links refused on any rank in any round. The first local rank records the refusals and
   // failovers into this process's health and failover log, the same in every process.
+  // The call runs stage 1's phase: every rank makes its scratch, then all agree through the
+  // segment, so that one that cannot (out of memory) makes every rank of every process skip the
+  // phase before any enqueues an NCCL operation of it (stage 1 then ends with the leader's
+  // warning; the group stays usable). *run: the phase goes ahead.
+  Status AgreeProfile(int rank, const CallDesc& desc, const xproc::PlanSlot& slot, Stream stream,
+                      std::string_view label, uint64_t call, int64_t run_id, bool* run);
   Status Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges, uint32_t unhealthy,
                std::string_view label, uint64_t call, int64_t run_id, Assignment* work, bool* moved,
                uint32_t* refused_links, Effects* effects);

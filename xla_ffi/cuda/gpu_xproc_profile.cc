@@ -152,31 +152,56 @@ void GpuXprocProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared_ptr
   *plan = balancer_.PlanFor(kind, message_bytes);
 }
 
-Status GpuXprocProfiler::Enqueue(int rank, Kind kind, const xproc::PlanSlot& slot, std::span<const Stream> side,
-                                 const std::function<Status(size_t, const GpuWork&)>& enqueue, Stream stream,
+Status GpuXprocProfiler::Prepare(int rank, Kind kind, const xproc::PlanSlot& slot, Stream stream,
                                  std::string_view label) {
   const int phase = static_cast<int>(slot.profile_phase);
-  const size_t links = side.size();
-  const std::vector<uint64_t> sizes = StageOneSizes(slot.profile_top);
-  std::vector<ProfileStep> steps;
+  const size_t links = names_.size();
+  RankState& k = ranks_[rank];
+  k.sizes = StageOneSizes(slot.profile_top);
   if (phase == 1) {
-    steps = AloneSteps(links, sizes);
+    k.prepared = AloneSteps(links, k.sizes);
   } else {
     std::vector<plan::AlphaBeta> fits(links);
     for (size_t i = 0; i < links && i < xproc::kMaxXprocLinks; ++i) fits[i] = plan::AlphaBeta{slot.alpha[i], slot.beta[i]};
-    steps = SplitSteps(kind, fits, sizes, group_.size(), slot.profile_min_share);
+    k.prepared = SplitSteps(kind, fits, k.sizes, group_.size(), slot.profile_min_share);
   }
   const std::string where = ErrorPrefix(label) + "stage 1 on GPU group " + FormatIds(group_.ids) + " across processes: ";
-  if (steps.empty() || steps.size() > xproc::kMaxProfileSteps)
-    return Status::Internal(where + "phase " + std::to_string(phase) + " has " + std::to_string(steps.size()) +
+  if (k.prepared.empty() || k.prepared.size() > xproc::kMaxProfileSteps)
+    return Status::Internal(where + "phase " + std::to_string(phase) + " has " + std::to_string(k.prepared.size()) +
                             " steps (the leader's slot is inconsistent)");
-  RankState& k = ranks_[rank];
-  Status s = EnqueueProfileSteps(api_, group_.devices[rank], k.profile, side, enqueue, kind, sizes, steps,
-                                 group_.size(), rank, stream, label);
+  Status s = PrepareProfile(api_, group_.devices[rank], k.profile, links, kind, k.sizes, k.prepared.size(),
+                            group_.size(), stream, &k.scratch);
   if (!s.ok()) return s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message());
-  k.tag = Tag(slot.profile_id, phase);
-  k.steps = steps.size();
+  k.prepared_tag = Tag(slot.profile_id, phase);
   return Status::Ok();
+}
+
+Status GpuXprocProfiler::Enqueue(int rank, Kind kind, std::span<const Stream> side,
+                                 const std::function<Status(size_t, const GpuWork&)>& enqueue, Stream stream,
+                                 std::string_view label) {
+  RankState& k = ranks_[rank];
+  const uint64_t tag = k.prepared_tag;
+  k.prepared_tag = 0;
+  Status s = EnqueueProfileSteps(api_, k.profile, k.scratch, side, enqueue, kind, k.sizes, k.prepared, group_.size(),
+                                 rank, stream, label);
+  if (!s.ok())
+    return s.message().rfind("flexlink:", 0) == 0
+               ? s
+               : Status(s.code(), ErrorPrefix(label) + "stage 1 on GPU group " + FormatIds(group_.ids) +
+                                      " across processes: " + s.message());
+  k.tag = tag;
+  k.steps = k.prepared.size();
+  return Status::Ok();
+}
+
+void GpuXprocProfiler::Release(int rank, Stream stream) {
+  RankState& k = ranks_[rank];
+  k.prepared_tag = 0;
+  (void)ReleaseProfile(api_, k.profile, k.scratch, stream);
+}
+
+void GpuXprocProfiler::Abandon(Kind kind, const std::string& why) {
+  if (session_ && session_->kind == kind) Fail(kind, "phase " + std::to_string(session_->phase + 1) + ": " + why);
 }
 
 void GpuXprocProfiler::Publish(int rank) {

@@ -55,10 +55,18 @@ class GpuXprocProfiler {
   // profile fields with the phase every rank enqueues in this call (none while one is on the
   // devices), or installs the finished model and replaces *plan with the plan made from it.
   void Decide(Kind kind, uint64_t message_bytes, std::shared_ptr<const plan::Plan>* plan, xproc::PlanSlot* slot);
-  // Every local rank after the arrival, when the slot asks for a phase: enqueues it (before the
-  // call's own work on `stream`); `enqueue(link, work)` puts one link's pieces on a stream.
-  Status Enqueue(int rank, Kind kind, const xproc::PlanSlot& slot, std::span<const Stream> side,
+  // Every local rank after the arrival, when the slot asks for a phase: its steps, and its scratch
+  // made (PrepareProfile) before the ranks agree to run it (GpuXprocGroup::AgreeProfile).
+  Status Prepare(int rank, Kind kind, const xproc::PlanSlot& slot, Stream stream, std::string_view label);
+  // Once every rank of every process prepared: enqueues the phase (before the call's own work on
+  // `stream`); `enqueue(link, work)` puts one link's pieces on a stream.
+  Status Enqueue(int rank, Kind kind, std::span<const Stream> side,
                  const std::function<Status(size_t, const GpuWork&)>& enqueue, Stream stream, std::string_view label);
+  // A prepared phase not run (a rank somewhere could not prepare its own): frees its scratch.
+  void Release(int rank, Stream stream);
+  // The leader's rank 0, when every rank skipped the call's phase of `kind`: stage 1 is off for the
+  // group, with a warning saying `why` (as when a rank cannot time a phase).
+  void Abandon(Kind kind, const std::string& why);
   // Every local rank before its arrival: the times of a phase it enqueued, into the segment once
   // its events completed. Never waits.
   void Publish(int rank);
@@ -79,6 +87,11 @@ class GpuXprocProfiler {
     ProfileRank profile;
     uint64_t tag = 0;   // the phase enqueued and not yet published ((id << 2) | phase); 0: none
     size_t steps = 0;
+    // Prepared and not yet enqueued or released: the phase's tag, sizes, steps and scratch.
+    uint64_t prepared_tag = 0;
+    std::vector<uint64_t> sizes;
+    std::vector<ProfileStep> prepared;
+    ProfileScratch scratch;
   };
 
   xproc::ProcessGroup& seg_;

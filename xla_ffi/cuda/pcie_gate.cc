@@ -25,9 +25,12 @@ void PcieGate::Publish(Table* t, int rank, Kind kind, uint64_t seq) {
   }
 }
 
-void PcieGate::Abort() {
-  aborted_.store(true);
-  { std::lock_guard<std::mutex> lock(mu_); }
+void PcieGate::Abort(const std::string& who) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (who_.empty()) who_ = who;
+    aborted_.store(true);
+  }
   cv_.notify_all();
 }
 
@@ -50,7 +53,8 @@ Status PcieGate::Await(Ready ready, std::string_view where, std::string_view wha
   sleepers_.fetch_sub(1);
   if (ok && ready()) return Status::Ok();
   if (aborted_.load())
-    return Status::Internal(std::string(where) + "a peer rank failed while the ranks were enqueuing their copies");
+    return Status::Internal(std::string(where) + "a peer rank failed while the ranks were enqueuing their copies (" +
+                            who_ + ")");
   return Status::DeadlineExceeded(std::string(where) + "timed out after " + std::to_string(timeout) +
                                   " s waiting for " + std::string(what) +
                                   " (a rank that stopped issuing this call; the deadline is FLEXLINK_TIMEOUT_S)");

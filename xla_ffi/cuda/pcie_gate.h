@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -43,8 +44,9 @@ class PcieGate {
   Status AwaitRecorded(int peer, Kind kind, uint64_t seq, std::string_view where);
   // Until every rank has issued its waits of (kind, seq) (or passed seq without waiting).
   Status AwaitWaitedByAll(Kind kind, uint64_t seq, std::string_view where);
-  // Wakes every waiter with an error (a rank failed; its peers must not wait for it).
-  void Abort();
+  // Wakes every waiter with an error (a rank failed; its peers must not wait for it). `who`: the
+  // rank that failed, or why the link was given up, for the waiters' errors (the first one kept).
+  void Abort(const std::string& who);
 
  private:
   using Table = std::vector<std::atomic<uint64_t>>;  // [rank * kNumKinds + kind] = seq + 1, 0: none
@@ -55,6 +57,7 @@ class PcieGate {
   const int n_;
   Table recorded_, waited_;
   std::atomic<bool> aborted_{false};
+  std::string who_;  // under mu_
   std::atomic<int> sleepers_{0};
   std::mutex mu_;
   std::condition_variable cv_;

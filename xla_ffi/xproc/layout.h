@@ -77,7 +77,8 @@ struct alignas(64) TimesSlot {
   // Failover (docs/faults.md): bit i set when link i's range (in round r: its re-run) failed on this
   // rank in `call`, in [r & 1] (written before round r's agreement barrier, read by every rank
   // between it and the next, rewritten for round r + 2 only after the next, which every reader has
-  // reached); `touched`: it may have written buffers first.
+  // reached); `touched`: it may have written buffers first. GPU groups' stage 1 uses failed[1] as
+  // round -1 before those (non-zero: the rank could not make its scratch for the call's phase).
   uint32_t failed[2];
   uint32_t touched[2];
   double call_seconds;

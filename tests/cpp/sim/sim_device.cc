@@ -174,6 +174,8 @@ void Pace(size_t bytes, double gbps) {
 
 Status SimDevice::Copy(void* dst, const void* src, size_t bytes, gpu::Stream stream) {
   if (!bytes) return Status::Ok();
+  if (S(stream)->device == copy_fails_on_.load())
+    return Status::Internal("sim: copy failed (injected) on device " + std::to_string(S(stream)->device));
   if (!dst || !src) return Status::Internal("sim: copy with a null pointer");
   const double pace = options_.copy_gbps;
   Enqueue(stream, [dst, src, bytes, pace] {
@@ -186,6 +188,8 @@ Status SimDevice::Copy(void* dst, const void* src, size_t bytes, gpu::Stream str
 Status SimDevice::Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
                          gpu::Stream stream) {
   if (width > dpitch || width > spitch) return Status::Internal("sim: copy2d width exceeds a pitch");
+  if (S(stream)->device == copy_fails_on_.load())
+    return Status::Internal("sim: copy failed (injected) on device " + std::to_string(S(stream)->device));
   const double pace = options_.copy_gbps;
   Enqueue(stream, [=] {
     Pace(width * height, pace);
@@ -219,7 +223,8 @@ Status SimDevice::Layout(const gpu::LayoutArgs& a, gpu::Stream stream) {
 }
 
 Status SimDevice::MallocAsync(size_t bytes, gpu::Stream stream, void** ptr) {
-  if (S(stream)->device == malloc_fails_on_.load())
+  const int fails = malloc_fails_on_.load();
+  if (fails == kEveryDevice || S(stream)->device == fails)
     return Status::Internal("sim: out of memory (injected) allocating " + std::to_string(bytes) + " bytes on device " +
                             std::to_string(S(stream)->device));
   *ptr = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);

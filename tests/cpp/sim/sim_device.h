@@ -71,8 +71,11 @@ class SimDevice : public gpu::DeviceApi {
   // On: ElapsedSeconds fails, as cudaEventElapsedTime does once the device reported an error.
   void SetTimingFails(bool on) { timing_fails_.store(on); }
   // >= 0: MallocAsync on that device's streams fails (out of memory there), as stage 1's scratch
-  // allocation would on a GPU whose memory XLA took; -1: none.
+  // allocation would on a GPU whose memory XLA took; -1: none; kEveryDevice: on all of them.
+  static constexpr int kEveryDevice = -2;
   void SetMallocFailsOn(int device) { malloc_fails_on_.store(device); }
+  // >= 0: Copy and Copy2D on that device's streams fail (the pcie link's staging); -1: none.
+  void SetCopyFailsOn(int device) { copy_fails_on_.store(device); }
   // Makes a stream's worker sleep before each operation (a slow link).
   void SetStreamDelay(gpu::Stream stream, int delay_us);
   // Adds an operation that runs `f` on the stream (the simulated NCCL's collectives).
@@ -96,6 +99,7 @@ class SimDevice : public gpu::DeviceApi {
   std::atomic<int> flag_waits_{0};
   std::atomic<bool> timing_fails_{false};
   std::atomic<int> malloc_fails_on_{-1};
+  std::atomic<int> copy_fails_on_{-1};
 };
 
 }  // namespace flexlink::sim
