@@ -59,6 +59,13 @@ struct Sim {
   void ExpectNoSimErrors(const std::string& what) {
     for (const std::string& e : device.TakeErrors()) Expect(false, what + ": " + e);
   }
+  // Stage 1's scratch all freed once the streams drained: every prepared phase was enqueued (which
+  // frees it) or released.
+  void ExpectScratchFreed(const std::string& what) {
+    device.SynchronizeAll();
+    Expect(device.live_scratch() == 0,
+           what + ": stage 1's scratch freed (" + std::to_string(device.live_scratch()) + " allocations left)");
+  }
   sim::SimDevice device;
   sim::SimComm comm;
   Harness h;
@@ -689,6 +696,8 @@ void TestStageOne() {
   Expect(s2.engine->GroupModel(group).value_or(plan::CostModel()).Has(Kind::kAllReduce), "stage 1: fits from the cache at once");
   std::printf("  stage 1: %d calls, %.2f s\n", calls, Seconds(t0));
   s.ExpectNoSimErrors("stage 1");
+  s.ExpectScratchFreed("stage 1");
+  s2.ExpectScratchFreed("stage 1 cached");
   s2.ExpectNoSimErrors("stage 1 cached");
   std::remove(cache.c_str());
   SetAutotuneMinBytes(0);
@@ -738,9 +747,52 @@ void TestStageOneScratchRefused(int fails_on) {
   Expect(!profiling, what + ": no plan waits for a profile");
   std::printf("  %s: call 1 in %.3f s, calls 2-4 split, no abort\n", what.c_str(), first);
   s.ExpectNoSimErrors(what);
+  s.ExpectScratchFreed(what);
   SetAutotuneMinBytes(0);
 }
 void TestStageOneScratchRefusedOnOneRank() { TestStageOneScratchRefused(2); }
+
+// A rank that stays away from the call that runs stage 1's phase (rank:absent): its peers fail at
+// the arrival's deadline and none enqueues the phase. The profile, which would otherwise wait for
+// every rank's times for good (its kind's calls on nccl alone, no other kind profiling), ends at
+// the kind's next call: stage 2 from equal shares, every call right.
+void TestStageOneAbandoned() {
+  SetTuneUseCache(false);
+  const double saved_timeout = TimeoutSeconds();
+  SetTimeoutSeconds(0.5 * kSanitizerSlowdown);
+  Sim s(4, {.jitter_us = 10});
+  const std::string what = "stage 1 abandoned";
+  ProfileLargeCalls(s, what);
+  const Case& c = kLargeCall;
+  const std::vector<std::string> names = s.engine->CurrentLinks()->names();
+  Expect(gpu::SetGpuFaults("rank:absent@rank=2,at_call=1", names).ok(), what + ": set");
+  std::vector<std::vector<std::vector<uint8_t>>> out;
+  const auto st = RunRanks(*s.engine, s.h, c, &out);
+  for (int r = 0; r < 4; ++r)
+    Expect(st[r].code() == StatusCode::kDeadlineExceeded &&
+               st[r].message().find("waiting for rank 2 (device 2) to arrive") != std::string::npos,
+           what + ": call 1 fails on rank " + std::to_string(r) + " at the arrival: " + st[r].message());
+  Expect(gpu::SetGpuFaults("", names).ok(), what + ": cleared");
+  s.engine->splits().SetEnabled(true);
+  (void)s.engine->splits().Take();
+  for (int i = 2; i <= 4; ++i) CheckCase(*s.engine, s.h, c, what + ": call " + std::to_string(i));
+  int split = 0, calls = 0;
+  for (const auto& r : s.engine->splits().Take())
+    if (r.rank == 0) {
+      ++calls;
+      split += r.ranges.size() == 2 && r.ranges[0].second > r.ranges[0].first && r.ranges[1].second > r.ranges[1].first;
+    }
+  s.engine->splits().SetEnabled(false);
+  Expect(calls == 3 && split == 3, what + ": calls 2 to 4 split across nccl and pcie (" + std::to_string(split) + " of " +
+                                       std::to_string(calls) + ")");
+  bool profiling = false;
+  for (const auto& p : s.engine->SnapshotPlans()) profiling = profiling || p.plan.mode == plan::PlanMode::kProfile;
+  Expect(!profiling, what + ": no plan waits for a profile");
+  s.ExpectNoSimErrors(what);
+  s.ExpectScratchFreed(what);
+  SetTimeoutSeconds(saved_timeout);
+  SetAutotuneMinBytes(0);
+}
 void TestStageOneScratchRefusedEverywhere() { TestStageOneScratchRefused(sim::SimDevice::kEveryDevice); }
 
 // A rank whose stage 1 fails after the ranks agreed to run it (one of its pcie copies cannot be
@@ -759,7 +811,7 @@ void TestStageOneFailsOnOneRank() {
   s.device.SetCopyFailsOn(2);
   auto names_rank2 = [](const std::string& m) {
     for (const char* says : {"rank 2 (device 2) could not enqueue stage 1's profile of call 1",
-                             "(rank 2 of the group could not enqueue its copies)", "copy failed (injected) on device 2"})
+                             "(rank 2 (device 2) could not enqueue its copies)", "copy failed (injected) on device 2"})
       if (m.find(says) != std::string::npos) return true;
     return false;
   };
@@ -800,6 +852,7 @@ void TestStageOneFailsOnOneRank() {
   std::printf("  stage 1 fails on rank 2: drained in %.2f s, call 2 refused in %.3f s\n", drained, refused);
   s.device.SetCopyFailsOn(-1);
   s.ExpectNoSimErrors("stage 1 fails");
+  s.ExpectScratchFreed("stage 1 fails");
   SetAutotuneMinBytes(0);
 }
 
@@ -843,6 +896,7 @@ void TestStageOneWatched() {
            "stage 1 watched: call 2 fails on rank " + std::to_string(r) + " naming rank 2: " + st[r].message());
   std::printf("  stage 1 watched: broke %.2f s after the profiling call (global timeout %.2f s)\n", broke_after, timeout);
   (void)s.device.TakeErrors();  // rank 2's late operations met aborted communicators
+  s.ExpectScratchFreed("stage 1 watched");
   SetTimeoutSeconds(saved_timeout);
   SetAutotuneMinBytes(0);
 }
@@ -1401,6 +1455,7 @@ int main(int argc, char** argv) {
   Timed("TestStageOne", TestStageOne);
   Timed("TestStageOneScratchRefusedOnOneRank", TestStageOneScratchRefusedOnOneRank);
   Timed("TestStageOneScratchRefusedEverywhere", TestStageOneScratchRefusedEverywhere);
+  Timed("TestStageOneAbandoned", TestStageOneAbandoned);
   Timed("TestStageOneFailsOnOneRank", TestStageOneFailsOnOneRank);
   Timed("TestStageOneWatched", TestStageOneWatched);
   Timed("TestSeedFromNominalFits", TestSeedFromNominalFits);

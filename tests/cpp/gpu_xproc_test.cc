@@ -579,6 +579,10 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     L.engine->splits().SetEnabled(true);
     for (int i = 0; i < 12; ++i) L.Check(c, ++run, s.what);
     ShareSplits(L.engine->splits().Take(), p, shared);
+    // Every prepared phase was enqueued (which frees its scratch) or released.
+    L.device.SynchronizeAll();
+    Expect(L.device.live_scratch() == 0, s.what + ": process " + std::to_string(p) + ": stage 1's scratch freed (" +
+                                             std::to_string(L.device.live_scratch()) + " left)");
     gpu::GpuXprocGroup* g = gpu::FindGpuXprocGroup(*L.engine, L.group);
     if (p == 0 && g) {
       const plan::CostModel m = g->balancer().Model();

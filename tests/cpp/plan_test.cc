@@ -573,6 +573,9 @@ void TestProfileMode() {
         "an existing plan stays");
   Check(b.PlanFor(Kind::kReduceScatter, 8 << 20)->mode == PlanMode::kConverging,
         "profiling off: new buckets start from equal shares");
+  b.StopProfiling();
+  Check(b.PlanFor(Kind::kReduceScatter, 4 << 20)->mode == PlanMode::kConverging,
+        "stopped: a bucket planned kProfile is planned again");
 }
 
 void TestSeed() {

@@ -163,17 +163,16 @@ Status GpuExecutor::AgreeProfile(CallContext& ctx, int rank, Stream stream, Call
     state.unprepared.push_back(RankName(rank) + " could not make its scratch: " + made.message());
   }
   Status met = ctx.Barrier(rank, 0, "agree on stage 1's scratch", "executor");
+  std::string why;  // every rank sees the same list: the first to abandon names them all
   {
     std::lock_guard<std::mutex> lock(state.mu);
     *run = met.ok() && state.unprepared.empty();
-    if (!*run && made.ok()) (void)ReleaseProfile(api_, ranks_[rank].profile, *scratch, stream);
-    if (met.ok() && !*run) {
-      // Every rank saw the same list: the first to get here names them all.
-      std::string why;
+    if (met.ok())
       for (const std::string& u : state.unprepared) why += (why.empty() ? "" : "; ") + u;
-      profiler_.Abandon(state.profile, why + " (every rank skipped the phase)");
-    }
   }
+  if (*run) return met;
+  if (made.ok()) (void)ReleaseProfile(api_, ranks_[rank].profile, *scratch, stream);
+  if (met.ok()) profiler_.Abandon(state.profile, why + " (every rank skipped the phase)");
   return met;
 }
 
@@ -308,8 +307,12 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   double profile_budget = 0;
   if (profile) {
     status = check(api_.Record(slot.before, stream));
-    if (status.ok()) status = profiler_.Enqueue(state.profile, rank, *profile, stream, ctx.label());
-    else (void)ReleaseProfile(api_, k.profile, *profile, stream);
+    if (status.ok()) {
+      status = profiler_.Enqueue(state.profile, rank, *profile, stream, ctx.label());
+    } else {
+      (void)ReleaseProfile(api_, k.profile, *profile, stream);
+      profiler_.Abandon(state.profile, RankName(rank) + " could not mark the call's start: " + status.message());
+    }
     if (status.ok()) {
       profile_budget = ProfileAllowanceSeconds();
     } else {

@@ -163,9 +163,10 @@ ProfileAction GpuProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared
     LogWarning("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(ex_.group_.ids) +
                " did not complete (phase " + std::to_string(s.phase + 1) + ": " +
                (s.why.empty() ? std::string("a rank's device could not run or time it") : s.why) +
-               "), so none of its calls profiles again and stage 2 plans them from equal shares");
+               "), so stage 1 is off for the group (none of its calls, of any kind, profiles again) and stage 2 "
+               "plans them from equal shares");
     session_.reset();
-    ex_.balancer_.SetProfileFromBytes(0);
+    ex_.balancer_.StopProfiling();
     ex_.balancer_.ForgetKind(kind);
     *plan = ex_.balancer_.PlanFor(kind, message_bytes);
     return {};

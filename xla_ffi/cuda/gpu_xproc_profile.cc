@@ -91,11 +91,12 @@ GpuXprocProfiler::Gathered GpuXprocProfiler::Gather(std::vector<double>* times, 
 
 void GpuXprocProfiler::Fail(Kind kind, const std::string& why) {
   session_.reset();
-  balancer_.SetProfileFromBytes(0);
+  balancer_.StopProfiling();
   balancer_.ForgetKind(kind);  // its kProfile plans with it
   LogWarning("stage 1 for " + std::string(Name(kind)) + " on GPU group " + FormatIds(group_.ids) +
              " across processes did not complete (" + why +
-             "), so none of its calls profiles again and stage 2 plans them from equal shares");
+             "), so stage 1 is off for the group (none of its calls, of any kind, profiles again) and stage 2 "
+             "plans them from equal shares");
 }
 
 void GpuXprocProfiler::Decide(Kind kind, uint64_t message_bytes, std::shared_ptr<const plan::Plan>* plan,

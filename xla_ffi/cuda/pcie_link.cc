@@ -63,7 +63,8 @@ Status PcieChannel::Enqueue(const GpuWork& work) {
   c.chunks = PcieChunks(*work.desc, c.n, options_.slot_bytes, work.pieces);
   Status s = EnqueueOrFail(c);
   if (!s.ok()) {
-    gate_.Abort("rank " + std::to_string(work.rank) + " of the group could not enqueue its copies");
+    gate_.Abort("rank " + std::to_string(work.rank) + " (device " + std::to_string(group_.devices[work.rank]) +
+                ") could not enqueue its copies");
     const bool prefixed = s.message().rfind("flexlink:", 0) == 0;
     return breaker_.Break(prefixed ? s : Status(s.code(), c.where + s.message()));
   }

@@ -48,6 +48,12 @@ void Balancer::SetProfileFromBytes(uint64_t bytes) {
   profile_from_bytes_ = bytes;
 }
 
+void Balancer::StopProfiling() {
+  std::lock_guard<std::mutex> lock(mu_);
+  profile_from_bytes_ = 0;
+  std::erase_if(entries_, [](const auto& kv) { return kv.second.plan->mode == PlanMode::kProfile; });
+}
+
 Status Balancer::SetModel(CostModel model) {
   std::lock_guard<std::mutex> lock(mu_);
   if (model.links() != links_) {

@@ -131,6 +131,9 @@ class Balancer {
                uint64_t* profiled = nullptr) const;
   // Change BalancerOptions::profile_from_bytes / profile_max_bytes for plans made from now on.
   void SetProfileFromBytes(uint64_t bytes);
+  // Stage 1 off for good (a profile failed): SetProfileFromBytes(0), and the buckets already
+  // planned kProfile, of every kind, are planned again (from equal shares or fits).
+  void StopProfiling();
   void SetProfileMaxBytes(uint64_t bytes);
   // Size (per-rank bytes) from which a call of `kind` is split; 0 without a model for `kind`.
   uint64_t SplitThresholdBytes(Kind kind) const;

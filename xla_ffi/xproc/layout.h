@@ -21,8 +21,9 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // 4: arrival times in the rank blocks (straggler detection); 5: the leader's unhealthy links and
 // stage-1 fits in the plan slot, failover masks per round parity (several failover rounds);
 // 6: GPU groups' stage 1 (the profile fields of the plan slot, ProfileTimes); 7: the plan slot's
-// measured and profiled bytes; 8: the rank blocks' device_reached (GPU groups' hang detector)
-inline constexpr uint32_t kLayoutVersion = 8;
+// measured and profiled bytes; 8: the rank blocks' device_reached (GPU groups' hang detector);
+// 9: GPU groups' stage-1 agreement (TimesSlot::failed[1] and a barrier in every profiling call)
+inline constexpr uint32_t kLayoutVersion = 9;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same

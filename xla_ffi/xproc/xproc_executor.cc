@@ -331,8 +331,8 @@ class XprocExecutor {
     const std::string group = "stage 1 for " + std::string(Name(desc.kind)) + " on cross-process group " +
                               FormatIds(g_->devices()) + " (links " + Join(r_.info.links) + ")";
     if (!outcome.ok) {
-      balancer_->SetProfileFromBytes(0);
-      balancer_->ForgetKind(desc.kind);  // its kProfile plans with it
+      balancer_->StopProfiling();  // every kind's kProfile plans with it
+      balancer_->ForgetKind(desc.kind);
       LogWarning(group + " did not complete, so none of its calls profiles again and stage 2 "
                  "plans them from equal shares: " + outcome.why_not);
       return Status::Ok();

@@ -228,11 +228,16 @@ Status SimDevice::MallocAsync(size_t bytes, gpu::Stream stream, void** ptr) {
     return Status::Internal("sim: out of memory (injected) allocating " + std::to_string(bytes) + " bytes on device " +
                             std::to_string(S(stream)->device));
   *ptr = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
-  return *ptr ? Status::Ok() : Status::Internal("sim: out of memory");
+  if (!*ptr) return Status::Internal("sim: out of memory");
+  live_scratch_.fetch_add(1);
+  return Status::Ok();
 }
 
 Status SimDevice::FreeAsync(void* ptr, gpu::Stream stream) {
-  Enqueue(stream, [ptr] { std::free(ptr); });
+  Enqueue(stream, [this, ptr] {
+    std::free(ptr);
+    live_scratch_.fetch_sub(1);
+  });
   return Status::Ok();
 }
 

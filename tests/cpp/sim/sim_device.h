@@ -74,6 +74,9 @@ class SimDevice : public gpu::DeviceApi {
   // allocation would on a GPU whose memory XLA took; -1: none; kEveryDevice: on all of them.
   static constexpr int kEveryDevice = -2;
   void SetMallocFailsOn(int device) { malloc_fails_on_.store(device); }
+  // MallocAsync's allocations not yet freed by a FreeAsync that ran on its stream (stage 1's
+  // scratch: zero once the streams drained, or something leaked it).
+  int live_scratch() const { return live_scratch_.load(); }
   // >= 0: Copy and Copy2D on that device's streams fail (the pcie link's staging); -1: none.
   void SetCopyFailsOn(int device) { copy_fails_on_.store(device); }
   // Makes a stream's worker sleep before each operation (a slow link).
@@ -100,6 +103,7 @@ class SimDevice : public gpu::DeviceApi {
   std::atomic<bool> timing_fails_{false};
   std::atomic<int> malloc_fails_on_{-1};
   std::atomic<int> copy_fails_on_{-1};
+  std::atomic<int> live_scratch_{0};
 };
 
 }  // namespace flexlink::sim
