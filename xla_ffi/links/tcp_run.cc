@@ -1,5 +1,7 @@
 // One rank's run of one piece on the tcp link: the header that opens it, the pump, and the failure
 // messages. The stream items of each kind are queued by tcp_reduce.cc and tcp_exchange.cc.
+#include <poll.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <string>
@@ -21,6 +23,14 @@ net::Clock::time_point RunDeadline(const TcpLimits& limits, bool* lane_first) {
   const net::Clock::time_point global = net::DeadlineIn(TimeoutSeconds());
   *lane_first = limits.deadline < global;
   return *lane_first ? limits.deadline : global;
+}
+
+// Whether the peer of socket `fd` has closed it (its FIN or reset arrived), also behind data not
+// read yet: POLLRDHUP is set once the FIN is in, whatever is still queued before it.
+bool HungUp(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 }  // namespace
@@ -113,9 +123,19 @@ Status TcpRun::Finish(net::Streams::Result r) {
       const bool recv_side = (r == R::kClosed && e == 0) || (r == R::kError && e == ECONNRESET);
       const bool send_side = r == R::kClosed && e != 0;
       if (recv_side || send_side) {
-        const int peer = recv_side ? prev : next;
-        std::string why = ch_.is_local(peer) ? "" : " (its process exited, or its side of the ring failed)";
-        return Fail(Status::Internal(Where() + ": " + ch_.RankName(peer) + " closed its connection" + why + got));
+        const int peer = recv_side ? prev : next, other = recv_side ? next : prev;
+        // A death travels round the ring as closed sockets, so the side this rank failed on first
+        // need not be the dead process's: a predecessor's FIN may wait behind data still unread
+        // when a send to the successor fails (seen under ASan). If the other side has closed
+        // too, both are named.
+        const bool both = other != peer && HungUp(recv_side ? st_.send_fd : st_.recv_fd);
+        const bool remote = !ch_.is_local(peer) || (both && !ch_.is_local(other));
+        const std::string why = remote ? " (a process exited, or its side of the ring failed)" : "";
+        if (both)
+          return Fail(Status::Internal(Where() + ": " + ch_.RankName(peer) + " and " + ch_.RankName(other) +
+                                       " closed their connections" + why + got));
+        return Fail(Status::Internal(Where() + ": " + ch_.RankName(peer) + " closed its connection" +
+                                     (remote ? " (its process exited, or its side of the ring failed)" : "") + got));
       }
       errno = e;
       return Fail(Status::Internal(Where() + ": " + net::ErrnoText("socket I/O")));
