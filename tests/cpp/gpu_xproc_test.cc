@@ -576,8 +576,24 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       if (s.mode == 14) L.device.SetTimingFails(true);
       else L.device.SetMallocFailsOn(sim::SimDevice::kEveryDevice);
     }
+    // Mode 22: nccl refuses the profiling call's range in every process, so after the stage-1
+    // agreement (its word is the fault agreement's failed[1]) that call's fault agreement runs two
+    // rounds (nccl's range refused, then carried by pcie, written to failed[1] again).
+    // nccl, unhealthy after it, is probed again 3 calls later (not the default 32), and re-admitted.
+    const std::vector<std::string> names{"nccl", "pcie"};
+    const HealthOptions saved = GetHealthOptions();
+    if (s.mode == 22) {
+      HealthOptions o = saved;
+      o.probe_calls = 3;
+      SetHealthOptions(o);
+      Expect(gpu::SetGpuFaults("nccl:error@at_call=1", names).ok(), s.what + ": set");
+    }
     L.engine->splits().SetEnabled(true);
     for (int i = 0; i < 12; ++i) L.Check(c, ++run, s.what);
+    if (s.mode == 22) {
+      Expect(gpu::SetGpuFaults("", names).ok(), s.what + ": cleared");
+      SetHealthOptions(saved);
+    }
     ShareSplits(L.engine->splits().Take(), p, shared);
     // Every prepared phase was enqueued (which frees its scratch) or released.
     L.device.SynchronizeAll();
