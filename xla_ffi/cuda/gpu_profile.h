@@ -7,7 +7,10 @@
 // rank in the same call (links alone; then the split check, once the fits are known) and read a few
 // calls later; meanwhile calls of that kind run on the primary link alone (the balancer's kProfile
 // plans have it), and the call that finds the second phase complete installs the fits and runs
-// with the new plan. One profile runs at a time per group.
+// with the new plan. One profile runs at a time per group. Each rank makes a phase's scratch before
+// any enqueues it, and the ranks agree first (GpuExecutor::AgreeProfile): a rank that cannot makes
+// them all skip the phase, which ends stage 1 for the group with a warning (stage 2 from equal
+// shares), instead of leaving its peers' NCCL operations waiting for its own.
 #pragma once
 
 #include <chrono>

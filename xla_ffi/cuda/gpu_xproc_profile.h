@@ -16,9 +16,12 @@
 //     fits themselves (alpha/beta), from which every rank derives the same split steps
 //     (SplitSteps). When phase 2's times are in, the leader installs the model and plans that call
 //     from it. Meanwhile the kind's calls run on the primary link alone.
-//   - A rank whose device failed the phase, or a profile with more steps than the segment holds,
-//     turns stage 1 off for the group with a warning: its calls go back to stage 2 from equal
-//     shares, as before stage 1 existed here.
+//   - Every rank makes its phase's scratch before any enqueues it, and the ranks agree through the
+//     segment (GpuXprocGroup::AgreeProfile): one that cannot (out of memory) makes every rank skip
+//     the phase, so nothing waits for its NCCL operations.
+//   - A rank whose device failed the phase or could not make its scratch, or a profile with more
+//     steps than the segment holds, turns stage 1 off for the group with a warning: its calls go
+//     back to stage 2 from equal shares, as before stage 1 existed here.
 #pragma once
 
 #include <cstdint>
