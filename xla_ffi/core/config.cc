@@ -128,6 +128,10 @@ void LogInfo(const std::string& msg) {
   if (DebugLevel() >= kDebugInfo) std::fprintf(stderr, "flexlink: %s\n", msg.c_str());
 }
 
-void LogWarning(const std::string& msg) { std::fprintf(stderr, "flexlink: warning: %s\n", msg.c_str()); }
+void LogWarning(const std::string& msg) {
+  // A Status message carries its own "flexlink: " (Located): said once.
+  const char* text = msg.rfind("flexlink: ", 0) == 0 ? msg.c_str() + 10 : msg.c_str();
+  std::fprintf(stderr, "flexlink: warning: %s\n", text);
+}
 
 }  // namespace flexlink

@@ -35,6 +35,13 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
+// `s` with `where` ("flexlink: <label>: all_reduce on group [0, 1]: ") in front of its message,
+// unless it is OK or already a FlexLink message ("flexlink: ...", which says where it comes from).
+inline Status Located(const Status& s, const std::string& where) {
+  if (s.ok() || s.message().rfind("flexlink:", 0) == 0) return s;
+  return Status(s.code(), where + s.message());
+}
+
 #define FLEXLINK_RETURN_IF_ERROR(expr)            \
   do {                                            \
     ::flexlink::Status flexlink_status_ = (expr); \

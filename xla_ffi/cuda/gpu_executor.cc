@@ -298,7 +298,7 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
 
   const std::string where = ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
                             FormatIds(group_.ids) + ": ";
-  auto check = [&](Status s) { return s.ok() || s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message()); };
+  auto check = [&](const Status& s) { return Located(s, where); };
   // Stage 1's profile, when this call runs it: before the call's own work on XLA's stream (its
   // timing starts after it), but after the slot's `before` event, from which the hang detector's
   // clock runs: the profile's NCCL operations wait on every peer's as the ranges do, so a hang in

@@ -312,10 +312,7 @@ Status GpuProfiler::Enqueue(const ProfileAction& action, int rank, ProfileScratc
   if (!st.ok()) {
     if (s.why.empty()) s.why = ex_.RankName(rank) + " could not enqueue it: " + st.message();
     s.failed = true;
-    return st.message().rfind("flexlink:", 0) == 0
-               ? st
-               : Status(st.code(), ErrorPrefix(label) + "stage 1 on group " + FormatIds(ex_.group_.ids) + ": " +
-                                       st.message());
+    return Located(st, ErrorPrefix(label) + "stage 1 on group " + FormatIds(ex_.group_.ids) + ": ");
   }
   s.enqueued[rank] = action.phase;
   return Status::Ok();

@@ -475,9 +475,7 @@ Status GpuXprocGroup::Enqueue(int rank, Timed& t, const CallDesc& desc, Stream s
   const std::string where =
       ErrorPrefix(label) + std::string(Name(desc.kind)) + " on group " + FormatIds(group_.ids) + " (" +
       std::string(kGpuXprocLink) + "): ";
-  auto check = [&](Status s) {
-    return s.ok() || s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message());
-  };
+  auto check = [&](const Status& s) { return Located(s, where); };
   const bool alone = used.size() == 1;  // one link: on XLA's stream itself, no fork or join
   t.kind = desc.kind;
   t.clock = CallClock{};
@@ -543,12 +541,9 @@ Status GpuXprocGroup::AgreeProfile(int rank, const CallDesc& desc, const xproc::
                                    std::string_view label, uint64_t call, int64_t run_id, bool* run) {
   xproc::ProcessGroup& seg = *segment_;
   const Status made = profiler_->Prepare(rank, desc.kind, slot, stream, label);
-  if (!made.ok()) {
-    const std::string& m = made.message();
-    LogWarning((m.rfind("flexlink: ", 0) == 0 ? m.substr(10) : m) + " (" + seg.DescribeRank(rank) +
-               ", its scratch for stage 1's phase " + std::to_string(slot.profile_phase) +
-               "; every rank of the group skips the phase)");
-  }
+  if (!made.ok())
+    LogWarning(made.message() + " (" + seg.DescribeRank(rank) + ", its scratch for stage 1's phase " +
+               std::to_string(slot.profile_phase) + "; every rank of the group skips the phase)");
   // failed[1], as round -1 of the fault agreement (Agree) that may follow in this call: that one
   // writes failed[0] first, and failed[1] only after its first barrier, which every reader of
   // this word has passed (layout.h, TimesSlot).

@@ -134,6 +134,12 @@ class GpuXprocGroup {
   Status Enqueue(int rank, Timed& timed, const CallDesc& desc, Stream stream, const std::vector<plan::UnitRange>& ranges,
                  const Assignment& work, const Effects& effects, std::span<const plan::AlphaBeta> fits,
                  std::string_view label, uint64_t call, int64_t run_id);
+  // The call runs stage 1's phase: every rank makes its scratch, then all agree through the
+  // segment, so that one that cannot (out of memory) makes every rank of every process skip the
+  // phase before any enqueues an NCCL operation of it (stage 1 then ends with the leader's
+  // warning; the group stays usable). *run: the phase goes ahead.
+  Status AgreeProfile(int rank, const CallDesc& desc, const xproc::PlanSlot& slot, Stream stream,
+                      std::string_view label, uint64_t call, int64_t run_id, bool* run);
   // `error` faults and failover across processes (docs/faults.md, "GPU links"): the in-process
   // GpuExecutor::Agree's rounds with the segment's barrier in place of process memory. Round 0: each
   // rank asks each of its ranges' links whether it may enqueue (the injected error refuses at the
@@ -148,12 +154,6 @@ class GpuXprocGroup {
   // rule), as in one process. `unhealthy`: the leader's unhealthy links (never carriers); *refused_links:
   // the links refused on any rank in any round. The first local rank records the refusals and
   // failovers into this process's health and failover log, the same in every process.
-  // The call runs stage 1's phase: every rank makes its scratch, then all agree through the
-  // segment, so that one that cannot (out of memory) makes every rank of every process skip the
-  // phase before any enqueues an NCCL operation of it (stage 1 then ends with the leader's
-  // warning; the group stays usable). *run: the phase goes ahead.
-  Status AgreeProfile(int rank, const CallDesc& desc, const xproc::PlanSlot& slot, Stream stream,
-                      std::string_view label, uint64_t call, int64_t run_id, bool* run);
   Status Agree(int rank, const CallDesc& desc, const std::vector<plan::UnitRange>& ranges, uint32_t unhealthy,
                std::string_view label, uint64_t call, int64_t run_id, Assignment* work, bool* moved,
                uint32_t* refused_links, Effects* effects);

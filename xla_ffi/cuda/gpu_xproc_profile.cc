@@ -172,7 +172,7 @@ Status GpuXprocProfiler::Prepare(int rank, Kind kind, const xproc::PlanSlot& slo
                             " steps (the leader's slot is inconsistent)");
   Status s = PrepareProfile(api_, group_.devices[rank], k.profile, links, kind, k.sizes, k.prepared.size(),
                             group_.size(), stream, &k.scratch);
-  if (!s.ok()) return s.message().rfind("flexlink:", 0) == 0 ? s : Status(s.code(), where + s.message());
+  if (!s.ok()) return Located(s, where);
   k.prepared_tag = Tag(slot.profile_id, phase);
   return Status::Ok();
 }
@@ -186,10 +186,7 @@ Status GpuXprocProfiler::Enqueue(int rank, Kind kind, std::span<const Stream> si
   Status s = EnqueueProfileSteps(api_, k.profile, k.scratch, side, enqueue, kind, k.sizes, k.prepared, group_.size(),
                                  rank, stream, label);
   if (!s.ok())
-    return s.message().rfind("flexlink:", 0) == 0
-               ? s
-               : Status(s.code(), ErrorPrefix(label) + "stage 1 on GPU group " + FormatIds(group_.ids) +
-                                      " across processes: " + s.message());
+    return Located(s, ErrorPrefix(label) + "stage 1 on GPU group " + FormatIds(group_.ids) + " across processes: ");
   k.tag = tag;
   k.steps = k.prepared.size();
   return Status::Ok();
