@@ -23,6 +23,7 @@ from jax_flexlink._src.diagnose import Report as DiagnosisReport, diagnose  # no
 from jax_flexlink._src.replace import replace_collectives, replacing_collectives  # noqa: E402
 from jax_flexlink._src.runtime import configure, faults, inject_faults, links, reset_stats, stats  # noqa: E402
 from jax_flexlink._src.runtime import load_cached_model as _runtime_load_cached_model  # noqa: E402
+from jax_flexlink._src.shutdown import shutdown  # noqa: E402
 from jax_flexlink._src.tune import tune  # noqa: E402
 
 _runtime_load_cached_model()
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute", "all_to_all",
-    "replace_collectives", "replacing_collectives", "collectives", "Collective", "CollectiveReport", "configure", "links", "tune", "inject_faults", "faults", "stats", "reset_stats",
+    "replace_collectives", "replacing_collectives", "collectives", "Collective", "CollectiveReport", "configure", "links", "tune", "inject_faults", "faults", "stats", "reset_stats", "shutdown",
     "diagnose", "DiagnosisReport",
     "__version__",
 ]

@@ -170,6 +170,45 @@ def test_flexlink_runs_the_gpu_collectives(two_gpus, flexlink_on_gpus):
     assert [c.runner for c in report] == ["flexlink"], report
 
 
+def test_shutdown_releases_the_groups(two_gpus, flexlink_on_gpus):
+    """jax_flexlink.shutdown() after FlexLink ran on the GPUs (nccl and pcie): the group released
+    (NCCL's finalize and destroy of real communicators), a later call refused, a program lowered
+    afterwards on lax; and a process that never calls it exits through the exit handler silently.
+    In fresh interpreters: the shutdown is for good."""
+    program = """
+        import sys
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import lax
+        from jax.sharding import Mesh, PartitionSpec as P
+        import jax_flexlink as flx
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        mesh = Mesh(np.array(gpus), ("x",))
+        make = lambda mod: jax.jit(jax.shard_map(lambda v: mod.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+        flx.configure(links="nccl;pcie", autotune_min_bytes=0)
+        x = jax.device_put(jnp.arange(len(gpus) * (1 << 18), dtype=jnp.float32), jax.sharding.NamedSharding(mesh, P("x")))
+        f = make(flx)
+        np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(make(lax)(x)))
+        if sys.argv[-1] != "at-exit":
+            report = flx.shutdown(30)
+            assert report["engine"] == "cuda" and len(report["released"]) == 1 and not report["kept"] \
+                and not report["errors"], report
+            try:
+                np.asarray(f(x))
+            except Exception as e:
+                assert "was shut down" in str(e), e
+            else:
+                raise AssertionError("a FlexLink call ran after the shutdown")
+            with flx.replace_collectives():
+                text = make(lax).lower(x).as_text()
+            assert "flexlink_all_reduce" not in text, text
+        print("ok")
+    """
+    for mode in ("explicit", "at-exit"):
+        result = helpers.run_python(program.replace("sys.argv[-1]", repr(mode)), timeout=300)
+        assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (mode, result.stdout, result.stderr)
+        assert "flexlink: warning: at exit" not in result.stderr, (mode, result.stderr)
+
+
 # Floating max/min with NaN: NCCL's semantics on both links, as native lax on the GPU -------------------
 #
 # XLA:GPU's all-reduce with max/min is ncclMax/ncclMin, whose kernels use fmaxf/fmax/__hmax: a NaN

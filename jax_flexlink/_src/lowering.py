@@ -35,6 +35,12 @@ def rule(prim, spec: collective.Collective, platform: str | None):
             f"this build of jax_flexlink runs collectives on CPU only, not on "
             f"{'/'.join(ctx.module_context.platforms)} (the CUDA module is built with "
             "`pip install -e . -C cmake.define.FLEXLINK_CUDA=ON`)")
+      from jax_flexlink._src import native  # noqa: PLC0415 - as collective.py
+      if platform == "cuda" and native.cuda_module().is_shut_down():
+        # Its handlers would refuse every call: replaced collectives stay XLA's instead, and an
+        # explicit one says why now rather than when the program runs.
+        raise NotLowerable("FlexLink's GPU engine was shut down in this process (jax_flexlink.shutdown(), "
+                           "docs/cuda.md), so it runs no more collectives on GPU")
       with collective.lowering_for(platform):
         return _lower(ctx, operands, prim, spec, flexlink, params)
     except NotLowerable as e:

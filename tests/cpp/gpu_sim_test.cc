@@ -40,9 +40,8 @@ struct Sim {
     h.ranks = ranks;
     h.device_of = [one_device](int64_t id) { return one_device ? 0 : static_cast<int>(id); };
     h.alloc = [this](int dev, size_t bytes) {
-      void* p = nullptr;
-      (void)device.AllocDevice(dev, bytes, &p);
-      return p;
+      (void)dev;
+      return device.AllocBuffer(bytes);
     };
     h.upload = [](void* d, const void* s, size_t b) { std::memcpy(d, s, b); };
     h.download = [](void* d, const void* s, size_t b) { std::memcpy(d, s, b); };
@@ -1432,6 +1431,129 @@ void TestOutOfStep() {
   ResetHealth();
 }
 
+// The engine's shutdown (GpuEngine::Shutdown): every group drained is released, down to the last
+// stream, event, buffer and communicator the engine made (the simulation checks each release: no
+// stream destroyed with work pending, no event before its last record completed, nothing used
+// afterwards, nothing freed twice), and every later call is refused, saying why.
+void TestShutdown() {
+  SetTuneUseCache(false);
+  const std::string what = "shutdown";
+  Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+  const sim::SimDevice::Live before = s.device.live();  // the tests' own streams
+  // Two groups: one on nccl alone, then one on nccl and pcie whose stage 1 ran (its timing events
+  // and scratch are made on the call path), and a call of another kind on it.
+  Expect(s.engine->ConfigureLinks("nccl").ok(), what + ": configure nccl");
+  CheckCase(*s.engine, s.h, kLargeCall, what + ": nccl alone");
+  ProfileLargeCalls(s, what);
+  for (int i = 1; i <= 4; ++i) CheckCase(*s.engine, s.h, kLargeCall, what + ": call " + std::to_string(i));
+  CheckCase(*s.engine, s.h, Case{Kind::kAllGather, ReduceOp::kSum, {DType::kF32}, {{5000}}, 0, {}, false},
+            what + ": all_gather");
+  const sim::SimDevice::Live made = s.device.live();
+  Expect(made.streams > before.streams && made.events > 0 && made.device > 0 && made.pinned > 0 && s.comm.live() == 8,
+         what + ": the engine made resources (" + s.device.Describe(made) + ", " + std::to_string(s.comm.live()) +
+             " communicators)");
+  const auto t0 = Clock::now();
+  const gpu::ShutdownReport report = s.engine->Shutdown(10);
+  const double took = Seconds(t0);
+  Expect(report.released.size() == 2 && report.kept.empty() && report.errors.empty() && !report.again,
+         what + ": both groups released (" + std::to_string(report.released.size()) + " released, " +
+             std::to_string(report.kept.size()) + " kept, " + std::to_string(report.errors.size()) + " errors)");
+  for (const std::string& e : report.errors) Expect(false, what + ": " + e);
+  Expect(report.released.size() == 2 && report.released[0] == "GPU group [0, 1, 2, 3] (links nccl)" &&
+             report.released[1].find("GPU group [0, 1, 2, 3] (links nccl;pcie") == 0,
+         what + ": the report names the groups and their links");
+  const sim::SimDevice::Live after = s.device.live();
+  Expect(after == before, what + ": everything the engine made was released (left: " + s.device.Describe(after) +
+                              "; the tests' own: " + s.device.Describe(before) + ")");
+  Expect(s.comm.live() == 0 && s.comm.destroys() == 8 && s.comm.aborts() == 0,
+         what + ": every communicator destroyed, none aborted (" + std::to_string(s.comm.destroys()) + " destroyed)");
+  Expect(s.device.shared_releases() == 1, what + ": the device's shared pools released once");
+  s.ExpectScratchFreed(what);
+  s.ExpectNoSimErrors(what);
+  // Later calls: refused on every rank, saying why, with nothing enqueued.
+  std::vector<std::vector<std::vector<uint8_t>>> out;
+  const auto st = RunRanks(*s.engine, s.h, kLargeCall, &out);
+  for (int r = 0; r < 4; ++r)
+    Expect(st[r].code() == StatusCode::kFailedPrecondition &&
+               st[r].message().find("all_reduce: FlexLink's GPU engine was shut down in this process") != std::string::npos,
+           what + ": a later call refused on rank " + std::to_string(r) + ": " + st[r].message());
+  const gpu::ShutdownReport again = s.engine->Shutdown(1);
+  Expect(again.again && again.released.empty() && again.kept.empty() && again.errors.empty(),
+         what + ": a second shutdown has nothing left to do");
+  s.ExpectNoSimErrors(what + " (after)");
+  const sim::SimDevice::Live engine{made.streams - before.streams, made.events - before.events, made.device - before.device,
+                                    made.pinned - before.pinned};
+  std::printf("  shutdown of 2 groups (%s and 8 communicators released) in %.3f s\n", s.device.Describe(engine).c_str(), took);
+  SetAutotuneMinBytes(0);
+}
+
+// A shutdown never blocks past its deadline: a group whose work is still running on a device keeps
+// everything (freeing it under the running copies would be a use after free on the device), and a
+// call still inside the engine on the host (ranks waiting for one that never came) keeps every
+// group. The report says what was busy; a later shutdown releases what has drained by then.
+void TestShutdownWhileBusy() {
+  SetAutotuneMinBytes(0);
+  const std::string what = "shutdown while busy";
+  {
+    Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+    const sim::SimDevice::Live before = s.device.live();
+    Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), what + ": configure");
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": call 1");
+    // Call 2 is enqueued and left running: rank 2's stream is slow (each operation 400 ms later, so
+    // its ranges start after the shutdown's deadline).
+    s.device.SetStreamDelay(s.h.streams[2], 400000);
+    const auto sync = s.h.sync;
+    s.h.sync = [](gpu::Stream) {};
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    for (const Status& st : RunRanks(*s.engine, s.h, kLargeCall, &out)) Expect(st.ok(), what + ": call 2: " + st.message());
+    s.h.sync = sync;
+    const sim::SimDevice::Live made = s.device.live();
+    auto t0 = Clock::now();
+    gpu::ShutdownReport report = s.engine->Shutdown(0.2);
+    const double took = Seconds(t0);
+    Expect(report.released.empty() && report.errors.empty() && report.kept.size() == 1 &&
+               report.kept[0].find("GPU group [0, 1, 2, 3] (links nccl;pcie@slot_mib=0.25): not released: ") == 0 &&
+               report.kept[0].find("still busy after 0.2 s") != std::string::npos,
+           what + ": the running group kept: " + (report.kept.empty() ? std::string("none") : report.kept[0]));
+    Expect(took >= 0.2 && took < 0.2 + 1.0 * kSanitizerSlowdown, what + ": returned at its deadline (" + std::to_string(took) + " s)");
+    Expect(s.device.live() == made && s.comm.destroys() == 0, what + ": nothing of the running group released");
+    s.device.SetStreamDelay(s.h.streams[2], 0);
+    s.device.SynchronizeAll();
+    report = s.engine->Shutdown(5);
+    Expect(report.again && report.released.size() == 1 && report.kept.empty() && report.errors.empty(),
+           what + ": released by a second shutdown once drained");
+    Expect(s.device.live() == before && s.comm.live() == 0, what + ": everything released (left: " + s.device.Describe(s.device.live()) + ")");
+    s.ExpectNoSimErrors(what);
+    std::printf("  a running group kept by a 0.2 s shutdown (returned in %.3f s), released by the next\n", took);
+  }
+  {
+    // Rank 3 never calls: ranks 0 to 2 wait at the arrival for the global timeout (1 s here).
+    const double saved = TimeoutSeconds();
+    SetTimeoutSeconds(1.0 * kSanitizerSlowdown);
+    Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+    const sim::SimDevice::Live before = s.device.live();
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": a group");
+    std::vector<Status> st;
+    std::thread waiting([&] {
+      std::vector<std::vector<std::vector<uint8_t>>> out;
+      st = RunRanks(*s.engine, s.h, kLargeCall, &out, /*skip=*/3);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    gpu::ShutdownReport report = s.engine->Shutdown(0.2);
+    Expect(report.released.empty() && report.kept.size() == 1 &&
+               report.kept[0].find("call(s) still inside FlexLink on the host after 0.2 s") != std::string::npos,
+           what + ": kept while ranks wait inside a call: " + (report.kept.empty() ? std::string("none") : report.kept[0]));
+    waiting.join();
+    for (int r = 0; r < 3; ++r)
+      Expect(st[r].code() == StatusCode::kDeadlineExceeded, what + ": rank " + std::to_string(r) + " timed out: " + st[r].message());
+    report = s.engine->Shutdown(5);
+    Expect(report.released.size() == 1 && report.kept.empty() && s.device.live() == before && s.comm.live() == 0,
+           what + ": released once the ranks left");
+    s.ExpectNoSimErrors(what + " (host)");
+    SetTimeoutSeconds(saved);
+  }
+}
+
 }  // namespace
 }  // namespace flexlink::testing
 
@@ -1464,6 +1586,8 @@ int main(int argc, char** argv) {
   Timed("TestSlowBecomesDegraded", TestSlowBecomesDegraded);
   Timed("TestHang", TestHang);
   Timed("TestOutOfStep", TestOutOfStep);
+  Timed("TestShutdown", TestShutdown);
+  Timed("TestShutdownWhileBusy", TestShutdownWhileBusy);
   Timed("TestCollectives", TestCollectives);
   return Summary();
 }

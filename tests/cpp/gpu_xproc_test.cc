@@ -113,7 +113,8 @@ struct Scenario {
                  // 19: a process's devices reach a call late (past the link's deadline, no break);
                  // 20: a process's devices never reach a call (the break names its ranks); 21: the
                  // same at a call that runs stage 1's phase first; 22: stage 1 with one process
-                 // unable to make its scratch (every rank skips the phase, the group stays usable)
+                 // unable to make its scratch (every rank skips the phase, the group stays usable);
+                 // 23: the engine's shutdown in every process after its calls
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -188,12 +189,12 @@ struct Local {
       for (size_t j = 0; j < k; ++j) {
         const size_t w = ByteWidth(c.dtypes[j]), in = Count(c.dims[j]), outc = OutCount(c, j, N);
         const auto x = RandomData(c.dtypes[j], in, static_cast<uint32_t>(1000 * r + 17 * j + in), false);
-        (void)device.AllocDevice(i, std::max<size_t>(in * w, 1), &din[i][j]);
+        din[i][j] = device.AllocBuffer(std::max<size_t>(in * w, 1));
         std::memcpy(din[i][j], x.data(), in * w);
         if (c.in_place) {
           dout[i][j] = din[i][j];
         } else {
-          (void)device.AllocDevice(i, std::max<size_t>(outc * w, 1), &dout[i][j]);
+          dout[i][j] = device.AllocBuffer(std::max<size_t>(outc * w, 1));
           std::memset(dout[i][j], 0xCD, outc * w);
         }
         out_dims[i][j] = {static_cast<int64_t>(outc)};
@@ -322,6 +323,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
   SetAutotuneMinBytes(stage1 ? uint64_t{1} << 20 : 0);
   if (stage1) SetTuneMaxBytes(uint64_t{1} << 20);  // stage 1's sizes: 64 KiB to 1 MiB
   Local L(s, p);
+  const sim::SimDevice::Live before = L.device.live();  // the test's own streams (mode 23)
   Status st = L.engine->ConfigureLinks(s.links);
   if (!st.ok()) {
     std::printf("FAIL: %s: process %d: links: %s\n", s.what.c_str(), p, st.message().c_str());
@@ -975,6 +977,27 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     }
     if (p == 0) std::printf("  %s: drained in %.2f s (global timeout 1.5 s)\n", s.what.c_str(), drained);
     (void)L.device.TakeErrors();  // the late devices' NCCL operations met aborted communicators
+  } else if (s.mode == 23) {
+    // Each process shuts its engine down once its calls completed: its part of the group released
+    // (its communicators destroyed, the segment's registration undone, every stream, event and
+    // buffer freed), and its later calls refused, saying why.
+    const std::vector<Case> cases = StandardCases(N, 4096);
+    for (size_t i = 0; i < cases.size(); i += 4) L.Check(cases[i], ++run, s.what);
+    const std::string who = s.what + ": process " + std::to_string(p);
+    const gpu::ShutdownReport r = L.engine->Shutdown(10);
+    Expect(r.released.size() == 1 && r.kept.empty() && r.errors.empty() &&
+               r.released[0].find("across processes (links nccl@staging_mib=0.0625;pcie") != std::string::npos,
+           who + ": its part of the group released (" + (r.released.empty() ? std::string("none") : r.released[0]) + ")");
+    for (const std::string& e : r.errors) Expect(false, who + ": " + e);
+    for (const std::string& e : r.kept) Expect(false, who + ": " + e);
+    Expect(L.device.live() == before, who + ": everything the engine made released (left: " +
+                                          L.device.Describe(L.device.live()) + "; the test's own: " + L.device.Describe(before) + ")");
+    Expect(L.comm.live() == 0 && L.device.registered() == 0, who + ": communicators destroyed, the segment unregistered");
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    for (const Status& st2 : L.Run(cases[0], &out, ++run))
+      Expect(st2.code() == StatusCode::kFailedPrecondition && st2.message().find("was shut down") != std::string::npos,
+             who + ": a later call refused: " + st2.message());
+    for (const std::string& e : L.device.TakeErrors()) Expect(false, who + ": simulation: " + e);
   } else if (s.mode == 10) {
     // Injected rank:absent across processes: the group's last rank (in the last process) stays away
     // from call 2. Every other rank, in every process, times out at the arrival naming it; the absent
@@ -1142,6 +1165,7 @@ struct ScriptedComm : gpu::CommApi {
   Status ReduceScatter(const void*, void*, size_t, gpu::CommType, gpu::CommOp, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
   Status Send(const void*, size_t, gpu::CommType, int, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
   Status Recv(void*, size_t, gpu::CommType, int, gpu::Comm, gpu::Stream) override { return Status::Ok(); }
+  Status Destroy(gpu::Comm, double) override { return Status::Ok(); }
 };
 
 void TestInitRanksWaiting() {
@@ -1409,6 +1433,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie stage 1 across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 13});
     RunScenario({shape + "nccl;pcie stage 1, a process cannot time it", 2, per, "nccl@staging_mib=0.0625;pcie", 14});
     RunScenario({shape + "nccl;pcie stage 1, a process cannot make its scratch", 2, per, "nccl@staging_mib=0.0625;pcie", 22});
+    RunScenario({shape + "nccl;pcie shutdown", 2, per, "nccl@staging_mib=0.0625;pcie", 23, 10});
     RunScenario({shape + "nccl;pcie stage 1 from the tuning cache", 2, per, "nccl@staging_mib=0.0625;pcie", 15});
     RunScenario({shape + "links configured after the set-up", 2, per, "nccl@staging_mib=0.0625", 16});
     RunScenario({shape + "nccl;pcie health across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 17});

@@ -79,6 +79,12 @@ class CommApi {
   // and its resources are freed; it is never used again. What the hang detector does to a group
   // whose nccl range missed its deadline, as PyTorch's NCCL watchdog does.
   virtual Status Abort(Comm comm) = 0;
+  // Ends a communicator none of whose operations is left on any device (the engine's shutdown
+  // drains a group first, GpuEngine::Shutdown): ncclCommFinalize, settled within `timeout_s`, then
+  // ncclCommDestroy. Finalizing that fails or outlasts the deadline ends it with an abort instead
+  // (nothing of it runs any more) and says so. Every rank of a group is destroyed, one after another
+  // from one thread: NCCL frees an in-process clique's shared resources at its last rank.
+  virtual Status Destroy(Comm comm, double timeout_s) = 0;
 };
 
 // How the nccl link runs a reduction of (dtype, op): natively (NCCL's type and op, `lanes`

@@ -40,6 +40,15 @@ class DeviceApi {
   virtual Status AllocDevice(int device, size_t bytes, void** ptr) = 0;
   // Pinned (page-locked) host memory every device can copy to and from.
   virtual Status AllocPinnedHost(size_t bytes, void** ptr) = 0;
+  // The engine's shutdown only (GpuEngine::Shutdown, device_ledger.h), once nothing enqueued on or
+  // with these is left to run: each undoes one Create/Alloc/RegisterHost above.
+  virtual Status DestroyStream(Stream stream) = 0;
+  virtual Status DestroyEvent(Event event) = 0;
+  virtual Status FreeDevice(void* ptr) = 0;
+  virtual Status FreePinnedHost(void* ptr) = 0;
+  // What the device keeps for every group (CUDA: stage 1's scratch pools), once every group was
+  // released. Default: nothing.
+  virtual Status ReleaseShared() { return Status::Ok(); }
   // Loads the engine's kernels on `device` now: loading one lazily at its first launch, while
   // another kernel waits on a peer, can deadlock (CUDA's lazy loading).
   virtual Status PreloadKernels(int device) = 0;
@@ -74,6 +83,8 @@ class DeviceApi {
 
   // Never blocks: whether the work captured by the event's last Record has completed.
   virtual Poll Query(Event event, std::string* error) = 0;
+  // Never blocks: whether everything enqueued on the stream so far has completed.
+  virtual Poll QueryStream(Stream stream, std::string* error) = 0;
   // Seconds between two completed timing events of one device.
   virtual Status ElapsedSeconds(Event start, Event stop, double* seconds) = 0;
 
@@ -83,11 +94,15 @@ class DeviceApi {
   // once the stream's earlier work is done; WaitValue32 holds the stream until
   // (int32_t)(*flag - value) >= 0 (cuStreamWaitValue32 GEQ, wrap-aware). Defaults: unsupported.
   virtual Status RegisterHost(void* ptr, size_t bytes);
+  virtual Status UnregisterHost(void* ptr);  // shutdown only, as DestroyStream
   virtual Status WriteValue32(uint32_t* flag, uint32_t value, Stream stream);
   virtual Status WaitValue32(const uint32_t* flag, uint32_t value, Stream stream);
 };
 
 inline Status DeviceApi::RegisterHost(void*, size_t) {
+  return Status::FailedPrecondition("this device cannot register shared host memory");
+}
+inline Status DeviceApi::UnregisterHost(void*) {
   return Status::FailedPrecondition("this device cannot register shared host memory");
 }
 inline Status DeviceApi::WriteValue32(uint32_t*, uint32_t, Stream) {

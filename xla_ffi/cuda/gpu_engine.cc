@@ -181,6 +181,23 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
 }
 
 Status GpuEngine::Run(const CollectiveArgs& args, Stream stream) {
+  // Counted before the check, so that a Shutdown that saw no call inside has closed the door first.
+  {
+    std::lock_guard<std::mutex> lock(active_mu_);
+    ++active_;
+  }
+  struct Leave {
+    GpuEngine* e;
+    ~Leave() {
+      std::lock_guard<std::mutex> lock(e->active_mu_);
+      if (--e->active_ == 0) e->active_cv_.notify_all();
+    }
+  } leave{this};
+  if (shut_down())
+    return Status::FailedPrecondition(
+        ErrorPrefix(args.label) + std::string(Name(args.request.kind)) +
+        ": FlexLink's GPU engine was shut down in this process (jax_flexlink.shutdown(), or the interpreter's "
+        "exit), so no FlexLink collective runs on its GPUs any more; the jax.lax collectives still do");
   // No input may abort the process (the CPU engine's rule): exceptions become this rank's error.
   try {
     return RunOrThrow(args, stream);

@@ -30,6 +30,14 @@
 
 namespace flexlink::gpu {
 
+// What GpuEngine::Shutdown did, group by group ("GPU group [0, 1, 2, 3] (links nccl;pcie)").
+struct ShutdownReport {
+  std::vector<std::string> released;  // every resource of the group released
+  std::vector<std::string> kept;      // not drained in time: everything kept, with what was busy
+  std::vector<std::string> errors;    // released, but a release call failed (the first error)
+  bool again = false;                 // an earlier Shutdown ran: this one retried what it kept
+};
+
 struct GpuEngineOptions {
   // The CUDA device of a group member (its id in `groups`). Under XLA the ids are the handlers'
   // DeviceOrdinal, i.e. CUDA ordinals: identity. Tests put several ranks on one device.
@@ -56,6 +64,21 @@ class GpuEngine {
 
   // Returns once this rank's work is enqueued on `stream` (or with the error that stopped it).
   Status Run(const CollectiveArgs& args, Stream stream);
+
+  // Ends the engine (jax_flexlink.shutdown(), and the interpreter's exit before jax's backends go;
+  // gpu_release.cc says why only drained groups are released). From then on every call is refused
+  // with an error saying so. Within `timeout_s`: waits for the calls inside Run on the host to
+  // return, then for every group's work to complete on its devices (the hang detector still
+  // breaking hung ones), then stops the watchdog and releases each drained group: its NCCL
+  // communicators finalized and destroyed, its streams, events, device and pinned memory and host
+  // registrations freed; with every group released, the device's shared pools too. A group that
+  // did not drain keeps everything, named in the report with what was busy; calling Shutdown again
+  // retries those. Never blocks past the deadline, but for NCCL's own finalize of a drained
+  // communicator, bounded by the same deadline (at least 1 s).
+  ShutdownReport Shutdown(double timeout_s);
+  bool shut_down() const { return closed_.load(std::memory_order_acquire); }
+  // Whether any group (in this process or across processes) was made: the exit handler's test.
+  bool HasGroups();
 
   // Links (kinds nccl, pcie; rdma is refused): calls must not be running while they change.
   Status ConfigureLinks(std::string_view spec);
@@ -111,6 +134,13 @@ class GpuEngine {
   std::map<int, plan::CostModel> seeds_;  // by group size, for the current links
   // Never erased: device threads cache raw pointers; reconfigured links make new groups.
   std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<GpuExecutor>> groups_;
+  // Shutdown: set once; Run counts the calls inside it (`active_`) so that Shutdown waits for them.
+  std::atomic<bool> closed_{false};
+  std::mutex active_mu_;
+  std::condition_variable active_cv_;
+  int active_ = 0;
+  std::mutex shutdown_mu_;  // one Shutdown at a time
+  bool shutdown_ran_ = false;
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
   bool watch_stop_ = false;

@@ -438,7 +438,7 @@ bool GpuExecutor::ReadSlot(int rank, Slot& slot) {
 }
 
 void GpuExecutor::PollAll() {
-  if (!setup_.ready()) return;
+  if (!setup_.ready() || released()) return;
   for (int r = 0; r < group_.size(); ++r) PollTimings(r);
 }
 

@@ -49,6 +49,7 @@
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/rendezvous.h"
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/device_ledger.h"
 #include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/gpu_link_set.h"
@@ -74,6 +75,7 @@ class GpuExecutor {
   Communicator& comm() { return comm_; }
   plan::Balancer& balancer() { return balancer_; }
   const std::vector<std::string>& link_names() const { return names_; }
+  const std::string& links_spec() const { return links_->spec; }
   GroupHealth& health() { return *health_; }
 
   // One rank's part of one call: returns once its work is enqueued on `stream`.
@@ -85,6 +87,13 @@ class GpuExecutor {
   // release of a broken group's communicators once no rank is inside one of its calls. Never blocks
   // on the device, nor on a host wait longer than a lock.
   void Watch();
+  // The engine's shutdown (GpuEngine::Shutdown, gpu_release.cc), from its thread, with no rank
+  // inside a call and the watchdog stopped. Drained: nothing the group made is still in use on a
+  // device (never blocks; *busy says what is). Release: once drained, every link's communicators
+  // ended and everything the set-up and stage 1 made released; PollAll does nothing afterwards.
+  bool Drained(std::string* busy);
+  Status Release(double timeout_s);
+  bool released() const { return released_all_.load(std::memory_order_acquire); }
 
   // Timing ring per rank: how many calls may be in flight on the device, per rank, before the
   // oldest one's times are given up.
@@ -208,6 +217,8 @@ class GpuExecutor {
 
   FaultCounter absent_calls_;  // the group's calls per rank, for injected rank:absent
   SetupOnce setup_;  // the group's set-up (streams, events, NCCL communicators, pinned pools)
+  DeviceLedger ledger_{api_};  // what SetupAll made itself (the links keep their own)
+  std::atomic<bool> released_all_{false};  // Release ran: nothing of the group is left to poll
 
   // Rates measured without injected delays, per link: seconds per nccl-tests byte (0: none yet).
   std::mutex rate_mu_;

@@ -32,6 +32,8 @@ class FaultyGpuChannel : public GpuChannel {
   Status Abort() override { return inner_->Abort(); }
   void Unblock() override { inner_->Unblock(); }
   void Forsake(const std::string& why) override { inner_->Forsake(why); }
+  bool Drained(std::string* busy) override { return inner_->Drained(busy); }
+  Status Release(double timeout_s) override { return inner_->Release(timeout_s); }
   // What an admitted range carries with it on the device (every rank decides the same).
   struct Effect {
     double slow = 1;    // > 1: delay (slow - 1) x the range's predicted time after it

@@ -67,6 +67,18 @@ class GpuChannel {
   // call and the group's communicators can be aborted. The group is broken; the channel refuses
   // every later call, saying `why`. Never blocks.
   virtual void Forsake(const std::string& why) { (void)why; }
+  // The engine's shutdown (GpuEngine::Shutdown). Drained: whether nothing the channel enqueued is
+  // still running on a device (never blocks; *busy says what is). Release: once, from one thread,
+  // with no rank inside a call and the channel drained: ends its communicators (each finalize
+  // within `timeout_s`) and releases everything its set-up made; the channel is never used again.
+  virtual bool Drained(std::string* busy) {
+    (void)busy;
+    return true;
+  }
+  virtual Status Release(double timeout_s) {
+    (void)timeout_s;
+    return Status::Ok();
+  }
 };
 
 class GpuLink {

@@ -344,4 +344,20 @@ void GpuProfiler::Poll(int rank) {
   s->read[rank] = 1;
 }
 
+bool ProfileEventsDrained(DeviceApi& api, const ProfileRank& pr) {
+  for (Event e : pr.events)
+    if (api.Query(e, nullptr) == Poll::kPending) return false;
+  return true;
+}
+
+Status DestroyProfileEvents(DeviceApi& api, ProfileRank& pr) {
+  Status first;
+  for (Event e : pr.events) {
+    Status s = api.DestroyEvent(e);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  pr.events.clear();
+  return first;
+}
+
 }  // namespace flexlink::gpu

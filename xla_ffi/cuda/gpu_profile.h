@@ -112,6 +112,11 @@ Status EnqueueProfileSteps(DeviceApi& api, ProfileRank& pr, ProfileScratch& scra
                            Stream stream, std::string_view label);
 // A prepared phase not run (a peer could not prepare its own): frees the scratch, joins the stream.
 Status ReleaseProfile(DeviceApi& api, ProfileRank& pr, ProfileScratch& scratch, Stream stream);
+// The engine's shutdown (gpu_release.cc): whether the timing events PrepareProfile made for pr have
+// all completed (never blocks), and their destruction (pr's stream and fork/join events are the
+// set-up's, released with it).
+bool ProfileEventsDrained(DeviceApi& api, const ProfileRank& pr);
+Status DestroyProfileEvents(DeviceApi& api, ProfileRank& pr);
 // kPending while the phase's last step is on the device; kDone with each step's seconds; kError
 // when the device failed it (*times then unset).
 Poll ReadProfileTimes(DeviceApi& api, const ProfileRank& pr, size_t steps, std::vector<double>* times);

@@ -44,20 +44,20 @@ Status GpuExecutor::SetupAll() {
     }
     k.side.assign(names_.size(), nullptr);
     if (names_.size() > 1)
-      for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
-    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &k.profile.stream)));
-    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile.fork)));
-    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &k.profile.join)));
+      for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateStream(dev, &s)));
+    FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateStream(dev, &k.profile.stream)));
+    FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, false, &k.profile.fork)));
+    FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, false, &k.profile.join)));
     void* flag = nullptr;
-    FLEXLINK_RETURN_IF_ERROR(check(api_.AllocPinnedHost(sizeof(uint32_t), &flag)));
+    FLEXLINK_RETURN_IF_ERROR(check(ledger_.AllocPinnedHost(sizeof(uint32_t), &flag)));
     k.hang_flag = static_cast<uint32_t*>(flag);
     *k.hang_flag = 0;  // nothing waits on it yet
     k.slots.resize(kTimingSlots);
     for (Slot& slot : k.slots) {
-      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &slot.start)));
-      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &slot.before)));
+      FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, true, &slot.start)));
+      FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, false, &slot.before)));
       slot.stop.assign(names_.size(), nullptr);
-      for (Event& e : slot.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &e)));
+      for (Event& e : slot.stop) FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, true, &e)));
     }
   }
   for (auto& channel : channels_) FLEXLINK_RETURN_IF_ERROR(channel->Setup());

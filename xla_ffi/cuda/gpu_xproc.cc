@@ -429,23 +429,23 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
     Rank& k = ranks_[r];
     k.side.assign(channels_.size(), nullptr);
     if (channels_.size() > 1) {
-      for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &s)));
-      FLEXLINK_RETURN_IF_ERROR(check(profiler_->SetupRank(r, dev)));  // stage 1 needs two links
+      for (Stream& s : k.side) FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateStream(dev, &s)));
+      FLEXLINK_RETURN_IF_ERROR(check(profiler_->SetupRank(r, dev, ledger_)));  // stage 1 needs two links
     }
     // Timing events (stage 2, stats): one call in flight per ring entry; they also fork and join
     // the side streams.
     void* flag = nullptr;
-    FLEXLINK_RETURN_IF_ERROR(check(api_.AllocPinnedHost(sizeof(uint32_t), &flag)));
+    FLEXLINK_RETURN_IF_ERROR(check(ledger_.AllocPinnedHost(sizeof(uint32_t), &flag)));
     k.hang_flag = static_cast<uint32_t*>(flag);
     *k.hang_flag = 0;  // nothing waits on it yet
     k.timed.assign(kTimed, Timed{});
     for (Timed& t : k.timed) {
-      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &t.start)));
-      FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, false, &t.before)));
+      FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, true, &t.start)));
+      FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, false, &t.before)));
       t.stop.assign(channels_.size(), nullptr);
       t.used.assign(channels_.size(), 0);
       t.budget.assign(channels_.size(), 0.0);
-      for (Event& e : t.stop) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, true, &e)));
+      for (Event& e : t.stop) FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, true, &e)));
     }
   }
   return Status::Ok();
@@ -833,7 +833,7 @@ void GpuXprocGroup::ReleaseHangFlags() {
 }
 
 void GpuXprocGroup::Watch() {
-  if (!setup_.ready()) return;
+  if (!setup_.ready() || released()) return;
   for (int r : local_) PollHangs(r);
   // Broken here or in another process (a hang there, or a dead peer): this process's streams may
   // wait on peers that will never come, and only aborting the communicators releases them.
@@ -1125,15 +1125,17 @@ std::vector<GpuXprocInfo> GpuXprocGroups(const GpuEngine& engine) {
   return out;
 }
 
-void WatchGpuXprocGroups(const GpuEngine& engine) {
+std::vector<GpuXprocGroup*> GpuXprocGroupsOf(const GpuEngine& engine) {
   std::vector<GpuXprocGroup*> groups;
-  {
-    Registry& reg = TheRegistry();
-    std::lock_guard<std::mutex> lock(reg.mu);
-    for (auto& [key, group] : reg.groups)  // never erased while the process lives
-      if (key.serial == engine.serial()) groups.push_back(group.get());
-  }
-  for (GpuXprocGroup* g : groups) g->Watch();
+  Registry& reg = TheRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& [key, group] : reg.groups)  // never erased while the process lives
+    if (key.serial == engine.serial()) groups.push_back(group.get());
+  return groups;
+}
+
+void WatchGpuXprocGroups(const GpuEngine& engine) {
+  for (GpuXprocGroup* g : GpuXprocGroupsOf(engine)) g->Watch();
 }
 
 }  // namespace flexlink::gpu

@@ -58,6 +58,7 @@
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/cuda/comm_api.h"
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/device_ledger.h"
 #include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/gpu_link_set.h"
@@ -117,6 +118,14 @@ class GpuXprocGroup {
   std::optional<std::string> broken() const;
   // Stage 1 (the leader's decisions, every rank's enqueue and times).
   GpuXprocProfiler& profiler() { return *profiler_; }
+  // The engine's shutdown (gpu_release.cc), as GpuExecutor's: with no local rank inside a call and
+  // the watchdog stopped. Release ends this process's communicators and releases what its set-up
+  // made, including the segment's registration as pinned memory; the segment stays mapped (host
+  // memory of this process only: its name was unlinked once every process had mapped it), and the
+  // group refuses later calls. Other processes are not told: their next call finds this one gone.
+  bool Drained(std::string* busy);
+  Status Release(double timeout_s);
+  bool released() const { return released_all_.load(std::memory_order_acquire); }
 
  private:
   Status EnsureSetup(int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
@@ -254,6 +263,8 @@ class GpuXprocGroup {
   std::unique_ptr<StartBoard> board_;
 
   SetupOnce setup_;  // this process's part of the set-up (SetupLocal)
+  DeviceLedger ledger_{api_};  // what SetupLocal made itself (the links keep their own)
+  std::atomic<bool> released_all_{false};
 
   // The break (this process's hang detector, or another process's through the segment) and the
   // release of this process's communicators once none of its ranks is inside a call (Watch).
@@ -266,6 +277,8 @@ class GpuXprocGroup {
 
 // The hang detector's tick for the GPU groups across processes of `engine` (its watchdog thread).
 void WatchGpuXprocGroups(const GpuEngine& engine);
+// Every GPU group across processes registered for `engine` (never erased: the pointers stay valid).
+std::vector<GpuXprocGroup*> GpuXprocGroupsOf(const GpuEngine& engine);
 
 // The links of a link set a group across processes uses (nccl, one pcie) and the rest with the reason.
 struct GpuXprocLinks {

@@ -43,11 +43,26 @@ bool GpuXprocProfiler::LoadCached(Kind kind, uint64_t message_bytes) {
   return true;
 }
 
-Status GpuXprocProfiler::SetupRank(int rank, int device) {
+Status GpuXprocProfiler::SetupRank(int rank, int device, DeviceLedger& ledger) {
   ProfileRank& p = ranks_[rank].profile;
-  FLEXLINK_RETURN_IF_ERROR(api_.CreateStream(device, &p.stream));
-  FLEXLINK_RETURN_IF_ERROR(api_.CreateEvent(device, false, &p.fork));
-  return api_.CreateEvent(device, false, &p.join);
+  FLEXLINK_RETURN_IF_ERROR(ledger.CreateStream(device, &p.stream));
+  FLEXLINK_RETURN_IF_ERROR(ledger.CreateEvent(device, false, &p.fork));
+  return ledger.CreateEvent(device, false, &p.join);
+}
+
+bool GpuXprocProfiler::EventsDrained() {
+  for (const RankState& k : ranks_)
+    if (!ProfileEventsDrained(api_, k.profile)) return false;
+  return true;
+}
+
+Status GpuXprocProfiler::DestroyEvents() {
+  Status first;
+  for (RankState& k : ranks_) {
+    Status s = DestroyProfileEvents(api_, k.profile);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
 }
 
 void GpuXprocProfiler::Ask(int phase, xproc::PlanSlot* slot) const {

@@ -34,6 +34,7 @@
 #include "xla_ffi/core/status.h"
 #include "xla_ffi/core/types.h"
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/device_ledger.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/gpu_profile.h"
 #include "xla_ffi/plan/balancer.h"
@@ -52,8 +53,13 @@ class GpuXprocProfiler {
   GpuXprocProfiler(xproc::ProcessGroup* segment, plan::Balancer* balancer, const GroupInfo* group,
                    std::vector<std::string> names, std::string cache_spec, DeviceApi* api);
 
-  // Set-up of local rank `rank` on `device`: its profile stream and fork/join events.
-  Status SetupRank(int rank, int device);
+  // Set-up of local rank `rank` on `device`: its profile stream and fork/join events, made through
+  // the group's ledger (released with it).
+  Status SetupRank(int rank, int device, DeviceLedger& ledger);
+  // The engine's shutdown: whether the timing events stage 1 made for the local ranks have all
+  // completed (never blocks), and their destruction.
+  bool EventsDrained();
+  Status DestroyEvents();
   // The leader's rank 0, before its arrival at a call whose plan is kProfile: fills the slot's
   // profile fields with the phase every rank enqueues in this call (none while one is on the
   // devices), or installs the finished model and replaces *plan with the plan made from it.

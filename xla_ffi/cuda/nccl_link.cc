@@ -64,13 +64,13 @@ Status NcclChannel::SetupRank(int r, Comm comm, const std::string& where) {
   const int dev = group_.devices[r];
   k.comm = comm;
   FLEXLINK_RETURN_IF_ERROR(check(api_.SetDevice(dev)));
-  FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(dev, &k.comp)));
+  FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateStream(dev, &k.comp)));
   for (Event* e : {&k.fork, &k.join, &k.nccl_done[0], &k.nccl_done[1], &k.packed[0], &k.packed[1],
                    &k.kernel_done[0], &k.kernel_done[1]})
-    FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(dev, /*timing=*/false, e)));
+    FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(dev, /*timing=*/false, e)));
   for (int p = 0; p < 2; ++p) {
-    FLEXLINK_RETURN_IF_ERROR(check(api_.AllocDevice(dev, options_.staging_bytes, &k.send[p])));
-    FLEXLINK_RETURN_IF_ERROR(check(api_.AllocDevice(dev, options_.staging_bytes, &k.recv[p])));
+    FLEXLINK_RETURN_IF_ERROR(check(ledger_.AllocDevice(dev, options_.staging_bytes, &k.send[p])));
+    FLEXLINK_RETURN_IF_ERROR(check(ledger_.AllocDevice(dev, options_.staging_bytes, &k.recv[p])));
   }
   return Status::Ok();
 }
@@ -116,6 +116,19 @@ Status NcclChannel::Abort() {
     k.comm = nullptr;
   }
   return first;
+}
+
+Status NcclChannel::Release(double timeout_s) {
+  (void)breaker_.Break(Status::Internal("it was released by the engine's shutdown"));
+  Status first;
+  for (Rank& k : ranks_) {  // an aborted group's are gone already (null)
+    if (!k.comm) continue;
+    Status s = comm_.Destroy(k.comm, timeout_s);
+    if (!s.ok() && first.ok()) first = s;
+    k.comm = nullptr;
+  }
+  Status s = ledger_.Release();
+  return first.ok() ? s : first;
 }
 
 bool NcclChannel::Direct(const CallDesc& d, const Piece& piece) const {

@@ -21,6 +21,7 @@
 
 #include "xla_ffi/cuda/comm_api.h"
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/device_ledger.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/plan/link_spec.h"
 
@@ -58,6 +59,8 @@ class NcclChannel : public GpuChannel {
   Status SetupAcrossProcesses(const CommId& id, std::span<const int> local, const CommApi::JoinWatch& watch);
   Status Enqueue(const GpuWork& work) override;
   Status Abort() override;
+  bool Drained(std::string* busy) override { return ledger_.Drained(busy); }
+  Status Release(double timeout_s) override;
 
  private:
   Status SetupRank(int r, Comm comm, const std::string& where);
@@ -96,6 +99,7 @@ class NcclChannel : public GpuChannel {
   const NcclOptions options_;
   std::vector<Rank> ranks_;
   Breaker breaker_;
+  DeviceLedger ledger_{api_};  // what SetupRank made
   bool aborted_ = false;  // Abort's thread only
 };
 

@@ -30,23 +30,28 @@ Status PcieChannel::Setup() {
                                    " ranks (a slot holds one cell per pair of ranks)");
   auto check = [&](Status s) { return s.ok() ? s : Status::Internal(where + s.message()); };
   for (int round = 0; round < 2; ++round)
-    for (int p = 0; p < 2; ++p) FLEXLINK_RETURN_IF_ERROR(check(api_.AllocPinnedHost(options_.slot_bytes, &host_[round][p])));
+    for (int p = 0; p < 2; ++p) FLEXLINK_RETURN_IF_ERROR(check(ledger_.AllocPinnedHost(options_.slot_bytes, &host_[round][p])));
   for (int r = 0; r < n; ++r) {
     Rank& k = ranks_[r];
     k.device = group_.devices[r];
     FLEXLINK_RETURN_IF_ERROR(check(api_.SetDevice(k.device)));
-    for (Stream* s : {&k.d2h, &k.h2d, &k.comp}) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateStream(k.device, s)));
+    for (Stream* s : {&k.d2h, &k.h2d, &k.comp}) FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateStream(k.device, s)));
     std::vector<Event*> events = {&k.fork, &k.join[0], &k.join[1], &k.join[2], &k.d2h_end};
     for (auto& kind : k.ring)
       for (Event& e : kind) events.push_back(&e);
     for (int p = 0; p < 2; ++p) {
       for (Event* e : {&k.h2d_done[p], &k.kernel_done[p], &k.packed[p], &k.sent[p]}) events.push_back(e);
-      FLEXLINK_RETURN_IF_ERROR(check(api_.AllocDevice(k.device, options_.slot_bytes, &k.recv[p])));
-      FLEXLINK_RETURN_IF_ERROR(check(api_.AllocDevice(k.device, options_.slot_bytes, &k.send[p])));
+      FLEXLINK_RETURN_IF_ERROR(check(ledger_.AllocDevice(k.device, options_.slot_bytes, &k.recv[p])));
+      FLEXLINK_RETURN_IF_ERROR(check(ledger_.AllocDevice(k.device, options_.slot_bytes, &k.send[p])));
     }
-    for (Event* e : events) FLEXLINK_RETURN_IF_ERROR(check(api_.CreateEvent(k.device, /*timing=*/false, e)));
+    for (Event* e : events) FLEXLINK_RETURN_IF_ERROR(check(ledger_.CreateEvent(k.device, /*timing=*/false, e)));
   }
   return Status::Ok();
+}
+
+Status PcieChannel::Release(double) {
+  (void)breaker_.Break(Status::Internal("it was released by the engine's shutdown"));
+  return ledger_.Release();
 }
 
 std::vector<int> PcieChannel::Others(int r) const {

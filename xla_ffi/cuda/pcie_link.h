@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/device_ledger.h"
 #include "xla_ffi/cuda/gpu_link.h"
 #include "xla_ffi/cuda/pcie_chunks.h"
 #include "xla_ffi/cuda/pcie_gate.h"
@@ -57,6 +58,8 @@ class PcieChannel : public GpuChannel {
   Status Setup() override;
   Status Enqueue(const GpuWork& work) override;
   void Forsake(const std::string& why) override;
+  bool Drained(std::string* busy) override { return ledger_.Drained(busy); }
+  Status Release(double timeout_s) override;
 
  private:
   struct Rank {
@@ -115,6 +118,7 @@ class PcieChannel : public GpuChannel {
   void* host_[2][2] = {};
   PcieGate gate_;
   Breaker breaker_;
+  DeviceLedger ledger_{api_};  // what Setup made
 };
 
 }  // namespace flexlink::gpu

@@ -28,13 +28,18 @@ Status PcieXprocChannel::SetupLocal(std::span<const int> local) {
   if (size_t(n) * kFlagStride * sizeof(uint32_t) > segment_.flag_bytes())
     return Status::Internal(where + "the segment has no room for " + std::to_string(n) + " ranks' flags");
   // One registration per process: every local GPU copies to and from it as pinned memory.
-  FLEXLINK_RETURN_IF_ERROR(check(api_.RegisterHost(segment_.mapping(), segment_.mapping_bytes())));
+  FLEXLINK_RETURN_IF_ERROR(check(ledger_.RegisterHost(segment_.mapping(), segment_.mapping_bytes())));
   for (int r : local) {
     FLEXLINK_RETURN_IF_ERROR(check(api_.SetDevice(group_.devices[r])));
     FLEXLINK_RETURN_IF_ERROR(
-        check(api_.AllocDevice(group_.devices[r], size_t(n) * segment_.slot_bytes(), &ranks_[r].scratch)));
+        check(ledger_.AllocDevice(group_.devices[r], size_t(n) * segment_.slot_bytes(), &ranks_[r].scratch)));
   }
   return Status::Ok();
+}
+
+Status PcieXprocChannel::Release(double) {
+  (void)breaker_.Break(Status::Internal("it was released by the engine's shutdown"));
+  return ledger_.Release();
 }
 
 void PcieXprocChannel::StoreRaised() {

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "xla_ffi/cuda/device_api.h"
+#include "xla_ffi/cuda/device_ledger.h"
 #include "xla_ffi/cuda/gpu_link.h"
 
 namespace flexlink::xproc {
@@ -55,6 +56,9 @@ class PcieXprocChannel : public GpuChannel {
   // to a step no wait asks for, so no stream waits on a peer that will never post.
   Status Abort() override;
   void Unblock() override;
+  bool Drained(std::string* busy) override { return ledger_.Drained(busy); }
+  // The segment's registration and the scratch; the segment itself is the group's.
+  Status Release(double timeout_s) override;
 
  private:
   struct Rank {
@@ -70,6 +74,7 @@ class PcieXprocChannel : public GpuChannel {
   xproc::ProcessGroup& segment_;
   std::vector<Rank> ranks_;
   Breaker breaker_;
+  DeviceLedger ledger_{api_};  // what SetupLocal made
   std::atomic<bool> aborted_{false};
   std::atomic<uint32_t> raised_{0};  // what Abort raised every flag to; Unblock stores it again
 };

@@ -48,6 +48,7 @@ struct SimComm::Clique {
 struct SimComm::Rank {
   Clique* clique = nullptr;
   int rank = 0;
+  bool destroyed = false;                 // under the clique's mu
   uint64_t next_collective = 0;           // issue order, as NCCL matches collectives
   std::map<int, uint64_t> sent, received;  // per peer: messages issued so far
 };
@@ -119,6 +120,10 @@ Status SimComm::Issue(Op op, gpu::Comm comm, gpu::Stream stream) {
   {
     std::lock_guard<std::mutex> lock(rank->clique->mu);
     if (rank->clique->aborted) return Status::Internal("sim nccl: operation on an aborted communicator");
+    if (rank->destroyed) {
+      device_.Error("sim nccl: operation on a destroyed communicator");
+      return Status::Internal("sim nccl: operation on a destroyed communicator");
+    }
   }
   if (t_group.depth == 0) {
     Submit(rank, stream, {op});
@@ -260,6 +265,43 @@ Status SimComm::Abort(gpu::Comm comm) {
   std::lock_guard<std::mutex> lock(mu_);
   ++aborts_;
   return Status::Ok();
+}
+
+Status SimComm::Destroy(gpu::Comm comm, double) {
+  Rank* rank = static_cast<Rank*>(comm);
+  if (!rank) return Status::Internal("sim nccl: no communicator");
+  Clique* c = rank->clique;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    if (rank->destroyed) {
+      device_.Error("sim nccl: a communicator destroyed twice");
+      return Status::Internal("sim nccl: a communicator destroyed twice");
+    }
+    rank->destroyed = true;
+    for (const auto& [seq, slot] : c->slots)
+      if (!slot.done && !c->aborted)
+        device_.Error("sim nccl: a communicator destroyed with collective " + std::to_string(seq) + " unfinished");
+    for (const auto& [key, m] : c->messages)
+      if (m.posted != m.consumed && !c->aborted) device_.Error("sim nccl: a communicator destroyed with a message in flight");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++destroys_;
+  return Status::Ok();
+}
+
+int SimComm::destroys() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return destroys_;
+}
+
+int SimComm::live() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int n = 0;
+  for (const auto& r : ranks_) {
+    std::lock_guard<std::mutex> cl(r->clique->mu);
+    n += !r->destroyed && !r->clique->aborted;
+  }
+  return n;
 }
 
 int SimComm::aborts() const {

@@ -35,8 +35,14 @@ class SimComm : public gpu::CommApi {
   Status Send(const void* send, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) override;
   Status Recv(void* recv, size_t count, gpu::CommType type, int peer, gpu::Comm comm, gpu::Stream stream) override;
   Status Abort(gpu::Comm comm) override;
+  // A rank's communicator ends; an operation of its clique still unfinished is an error (the
+  // engine destroys only drained groups), as is using or destroying it again.
+  Status Destroy(gpu::Comm comm, double timeout_s) override;
 
   int inits() const { return inits_; }
+  int destroys() const;  // Destroy calls so far
+  // Communicators made and neither destroyed nor of an aborted clique.
+  int live() const;
   int aborts() const;  // Abort calls so far (one per communicator)
   // Collectives and send/recv operations run so far (all ranks together).
   size_t operations() const;
@@ -55,6 +61,7 @@ class SimComm : public gpu::CommApi {
   std::vector<std::unique_ptr<Rank>> ranks_;
   int inits_ = 0;
   int aborts_ = 0;
+  int destroys_ = 0;
 };
 
 }  // namespace flexlink::sim

@@ -1,6 +1,8 @@
 #include "tests/cpp/sim/sim_device.h"
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -9,6 +11,7 @@ namespace flexlink::sim {
 
 struct SimDevice::SimStream {
   int device = 0;
+  std::atomic<bool> destroyed{false};
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::function<void()>> ops;
@@ -20,6 +23,7 @@ struct SimDevice::SimStream {
 
 struct SimDevice::SimEvent {
   int device = 0;
+  std::atomic<bool> destroyed{false};
   std::mutex mu;
   std::condition_variable cv;
   uint64_t recorded = 0;  // Record calls so far (host side)
@@ -86,6 +90,7 @@ Status SimDevice::CreateStream(int device, gpu::Stream* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   *stream = raw;
   streams_.push_back(std::move(s));
+  ++live_streams_;
   return Status::Ok();
 }
 
@@ -95,19 +100,109 @@ Status SimDevice::CreateEvent(int device, bool, gpu::Event* event) {
   std::lock_guard<std::mutex> lock(mu_);
   *event = e.get();
   events_.push_back(std::move(e));
+  ++live_events_;
   return Status::Ok();
 }
 
-Status SimDevice::AllocDevice(int, size_t bytes, void** ptr) { return AllocPinnedHost(bytes, ptr); }
-
-Status SimDevice::AllocPinnedHost(size_t bytes, void** ptr) {
+void* SimDevice::AllocBuffer(size_t bytes) {
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
-  if (!p) return Status::Internal("sim: out of memory");
+  if (!p) return nullptr;
   std::memset(p, 0xA5, bytes);  // garbage, as fresh device memory would be
   std::lock_guard<std::mutex> lock(mu_);
   allocations_.push_back(p);
-  *ptr = p;
+  return p;
+}
+
+Status SimDevice::AllocDevice(int, size_t bytes, void** ptr) {
+  *ptr = AllocBuffer(bytes);
+  if (!*ptr) return Status::Internal("sim: out of memory");
+  std::lock_guard<std::mutex> lock(mu_);
+  engine_memory_[*ptr] = false;
   return Status::Ok();
+}
+
+Status SimDevice::AllocPinnedHost(size_t bytes, void** ptr) {
+  *ptr = AllocBuffer(bytes);
+  if (!*ptr) return Status::Internal("sim: out of memory");
+  std::lock_guard<std::mutex> lock(mu_);
+  engine_memory_[*ptr] = true;
+  return Status::Ok();
+}
+
+Status SimDevice::DestroyStream(gpu::Stream stream) {
+  SimStream* s = S(stream);
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (s->enqueued != s->done) Error("sim: a stream of device " + std::to_string(s->device) + " destroyed with work pending");
+  }
+  if (s->destroyed.exchange(true)) {
+    Error("sim: a stream destroyed twice");
+    return Status::Internal("sim: stream destroyed twice");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  --live_streams_;
+  return Status::Ok();  // its worker stays (joined by the destructor): nothing runs on it any more
+}
+
+Status SimDevice::DestroyEvent(gpu::Event event) {
+  SimEvent* e = E(event);
+  {
+    std::lock_guard<std::mutex> lock(e->mu);
+    if (e->recorded != 0 && !e->done.count(e->recorded) && (e->done.empty() || e->done.begin()->first < e->recorded))
+      Error("sim: an event of device " + std::to_string(e->device) + " destroyed before its last record completed");
+  }
+  if (e->destroyed.exchange(true)) {
+    Error("sim: an event destroyed twice");
+    return Status::Internal("sim: event destroyed twice");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  --live_events_;
+  return Status::Ok();
+}
+
+namespace {
+Status FreeOf(std::mutex& mu, std::map<void*, bool>& live, std::vector<void*>& all, void* ptr, bool pinned,
+              const std::function<void(std::string)>& error) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = live.find(ptr);
+  if (it == live.end() || it->second != pinned) {
+    const std::string what = std::string("sim: freeing ") + (pinned ? "pinned" : "device") +
+                             " memory that is not a live allocation of that kind";
+    error(what);
+    return Status::Internal(what);
+  }
+  live.erase(it);
+  all.erase(std::find(all.begin(), all.end(), ptr));
+  std::free(ptr);  // really: a device operation still using it is a use after free (the ASan build)
+  return Status::Ok();
+}
+}  // namespace
+
+Status SimDevice::FreeDevice(void* ptr) {
+  return FreeOf(mu_, engine_memory_, allocations_, ptr, false, [this](std::string m) { errors_.push_back(std::move(m)); });
+}
+
+Status SimDevice::FreePinnedHost(void* ptr) {
+  return FreeOf(mu_, engine_memory_, allocations_, ptr, true, [this](std::string m) { errors_.push_back(std::move(m)); });
+}
+
+Status SimDevice::ReleaseShared() {
+  shared_releases_.fetch_add(1);
+  return Status::Ok();
+}
+
+SimDevice::Live SimDevice::live() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Live l;
+  l.streams = live_streams_;
+  l.events = live_events_;
+  for (const auto& [p, pinned] : engine_memory_) (pinned ? l.pinned : l.device)++;
+  return l;
+}
+
+std::string SimDevice::Describe(const Live& l) const {
+  return std::to_string(l.streams) + " streams, " + std::to_string(l.events) + " events, " + std::to_string(l.device) +
+         " device and " + std::to_string(l.pinned) + " pinned allocations";
 }
 
 Status SimDevice::PreloadKernels(int) {
@@ -117,6 +212,7 @@ Status SimDevice::PreloadKernels(int) {
 
 void SimDevice::Enqueue(gpu::Stream stream, std::function<void()> f) {
   SimStream* s = S(stream);
+  if (s->destroyed.load()) Error("sim: work enqueued on a destroyed stream of device " + std::to_string(s->device));
   {
     std::lock_guard<std::mutex> lock(s->mu);
     s->ops.push_back(std::move(f));
@@ -132,6 +228,7 @@ void SimDevice::Error(std::string message) {
 
 Status SimDevice::Record(gpu::Event event, gpu::Stream stream) {
   SimEvent* e = E(event);
+  if (e->destroyed.load()) Error("sim: a destroyed event recorded");
   if (e->device != S(stream)->device) return Status::Internal("sim: event and stream on different devices");
   uint64_t gen;
   {
@@ -149,6 +246,7 @@ Status SimDevice::Record(gpu::Event event, gpu::Stream stream) {
 
 Status SimDevice::Wait(gpu::Stream stream, gpu::Event event) {
   SimEvent* e = E(event);
+  if (e->destroyed.load()) Error("sim: a stream waits on a destroyed event");
   uint64_t target;
   {
     std::lock_guard<std::mutex> lock(e->mu);
@@ -267,9 +365,17 @@ Status SimDevice::WaitFlag(const uint32_t* flag, double max_seconds, gpu::Stream
 
 gpu::Poll SimDevice::Query(gpu::Event event, std::string*) {
   SimEvent* e = E(event);
+  if (e->destroyed.load()) Error("sim: a destroyed event queried");
   std::lock_guard<std::mutex> lock(e->mu);
   if (e->recorded == 0) return gpu::Poll::kDone;
   return e->done.count(e->recorded) ? gpu::Poll::kDone : gpu::Poll::kPending;
+}
+
+gpu::Poll SimDevice::QueryStream(gpu::Stream stream, std::string*) {
+  SimStream* s = S(stream);
+  if (s->destroyed.load()) Error("sim: a destroyed stream queried");
+  std::lock_guard<std::mutex> lock(s->mu);
+  return s->enqueued == s->done ? gpu::Poll::kDone : gpu::Poll::kPending;
 }
 
 Status SimDevice::ElapsedSeconds(gpu::Event start, gpu::Event stop, double* seconds) {

@@ -46,6 +46,14 @@ class SimDevice : public gpu::DeviceApi {
   Status CreateEvent(int device, bool timing, gpu::Event* event) override;
   Status AllocDevice(int device, size_t bytes, void** ptr) override;
   Status AllocPinnedHost(size_t bytes, void** ptr) override;
+  // Checked as CUDA would not: destroying a stream with work pending or an event whose last record
+  // has not completed, using either afterwards, and freeing memory twice or of the other kind are
+  // errors (TakeErrors), because the engine's shutdown releases only what drained.
+  Status DestroyStream(gpu::Stream stream) override;
+  Status DestroyEvent(gpu::Event event) override;
+  Status FreeDevice(void* ptr) override;
+  Status FreePinnedHost(void* ptr) override;
+  Status ReleaseShared() override;
   Status PreloadKernels(int device) override;
   Status Record(gpu::Event event, gpu::Stream stream) override;
   Status Wait(gpu::Stream stream, gpu::Event event) override;
@@ -60,9 +68,21 @@ class SimDevice : public gpu::DeviceApi {
   Status Delay(double seconds, gpu::Stream stream) override;
   Status WaitFlag(const uint32_t* flag, double max_seconds, gpu::Stream stream) override;
   gpu::Poll Query(gpu::Event event, std::string* error) override;
+  gpu::Poll QueryStream(gpu::Stream stream, std::string* error) override;
   Status ElapsedSeconds(gpu::Event start, gpu::Event stop, double* seconds) override;
 
   // Test helpers (the engine never calls these).
+  // A test's own buffer (the ranks' inputs and outputs): device memory not counted by live().
+  void* AllocBuffer(size_t bytes);
+  // What the engine made and has not released yet (the tests' own streams and buffers included:
+  // compare with a count taken before). `shared_releases`: ReleaseShared calls so far.
+  struct Live {
+    int streams = 0, events = 0, device = 0, pinned = 0;
+    bool operator==(const Live&) const = default;
+  };
+  Live live() const;
+  std::string Describe(const Live& l) const;
+  int shared_releases() const { return shared_releases_.load(); }
   void Synchronize(gpu::Stream stream);  // until the stream ran everything enqueued so far
   void SynchronizeAll();
   std::vector<std::string> TakeErrors();
@@ -93,10 +113,13 @@ class SimDevice : public gpu::DeviceApi {
   SimEvent* E(gpu::Event e) { return static_cast<SimEvent*>(e); }
 
   const SimOptions options_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::vector<std::unique_ptr<SimStream>> streams_;
   std::vector<std::unique_ptr<SimEvent>> events_;
-  std::vector<void*> allocations_;
+  std::vector<void*> allocations_;             // every allocation, freed by the destructor if still here
+  std::map<void*, bool> engine_memory_;        // live engine allocations: pointer -> pinned (else device)
+  int live_streams_ = 0, live_events_ = 0;     // under mu_
+  std::atomic<int> shared_releases_{0};
   std::vector<std::string> errors_;
   std::atomic<int> preloads_{0};
   std::atomic<int> flag_waits_{0};

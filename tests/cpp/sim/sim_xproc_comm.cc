@@ -106,6 +106,7 @@ struct SimXprocComm::Rank {
   std::shared_ptr<Shared> shared;
   int rank = 0;
   bool complete = false;  // JoinState saw every rank connected
+  std::atomic<bool> destroyed{false};
   uint64_t next_collective = 0;
   std::map<int, uint64_t> sent, received;
 };
@@ -299,6 +300,10 @@ Status SimXprocComm::Issue(Op op, gpu::Comm comm, gpu::Stream stream) {
   Rank* rank = static_cast<Rank*>(comm);
   if (!rank) return Status::Internal("sim nccl: no communicator");
   if (rank->shared->aborted.load()) return Status::Internal("sim nccl across processes: the communicator was aborted");
+  if (rank->destroyed.load()) {
+    device_.Error("sim nccl: operation on a destroyed communicator");
+    return Status::Internal("sim nccl: operation on a destroyed communicator");
+  }
   const size_t bytes = op.count * Width(op.ctype) * (op.type == Op::kReduceScatter ? rank->shared->n : 1);
   if (bytes > rank->shared->slot)
     return Status::Internal("sim nccl across processes: an operation of " + std::to_string(bytes) +
@@ -412,6 +417,23 @@ Status SimXprocComm::Abort(gpu::Comm comm) {
   if (rank->shared->header()->joined.load() < static_cast<uint32_t>(rank->shared->n))
     shm_unlink(rank->shared->name.c_str());
   return Status::Ok();
+}
+
+Status SimXprocComm::Destroy(gpu::Comm comm, double) {
+  Rank* rank = static_cast<Rank*>(comm);
+  if (!rank) return Status::Internal("sim nccl: no communicator");
+  if (rank->destroyed.exchange(true)) {
+    device_.Error("sim nccl: a communicator destroyed twice");
+    return Status::Internal("sim nccl: a communicator destroyed twice");
+  }
+  return Status::Ok();
+}
+
+int SimXprocComm::live() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int n = 0;
+  for (const auto& r : ranks_) n += !r->destroyed.load() && !r->shared->aborted.load();
+  return n;
 }
 
 Status SimXprocComm::AllReduce(const void* send, void* recv, size_t count, gpu::CommType type, gpu::CommOp op,

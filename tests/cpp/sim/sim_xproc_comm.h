@@ -67,8 +67,11 @@ class SimXprocComm : public gpu::CommApi {
   // without touching their buffers, issuing more is an error. Other processes' ranks are theirs to
   // abort (as with NCCL, each process aborts its own communicators).
   Status Abort(gpu::Comm comm) override;
+  // This process's side ends once its operations are done; using it afterwards is an error.
+  Status Destroy(gpu::Comm comm, double timeout_s) override;
 
   int inits() const;              // joins (InitRanksAsync) this process started
+  int live() const;               // this process's communicators neither destroyed nor aborted
   size_t operations() const;      // operations this process's ranks completed
   // The shared-memory name of a communicator id ("/flexlink-simnccl-<32 hex>").
   static std::string NameOf(const gpu::CommId& id);

@@ -23,6 +23,13 @@ class SimXprocDevice : public SimDevice {
     registered_.fetch_add(1);
     return Status::Ok();
   }
+  Status UnregisterHost(void* ptr) override {
+    if (!ptr || registered_.fetch_sub(1) <= 0) {
+      Error("sim: UnregisterHost of memory not registered");
+      return Status::InvalidArgument("sim: UnregisterHost of memory not registered");
+    }
+    return Status::Ok();
+  }
   Status WriteValue32(uint32_t* flag, uint32_t value, gpu::Stream stream) override {
     Enqueue(stream, [flag, value] { std::atomic_ref<uint32_t>(*flag).store(value, std::memory_order_release); });
     return Status::Ok();
@@ -45,7 +52,7 @@ class SimXprocDevice : public SimDevice {
     });
     return Status::Ok();
   }
-  int registered() const { return registered_.load(); }
+  int registered() const { return registered_.load(); }  // registrations not undone
 
  private:
   std::atomic<int> registered_{0};

@@ -89,6 +89,18 @@ Status CudaDevice::AllocPinnedHost(size_t bytes, void** ptr) {
   return Check(cudaHostAlloc(ptr, bytes, cudaHostAllocPortable | cudaHostAllocMapped), "cudaHostAlloc");
 }
 
+// Shutdown only (device_ledger.h), after the group drained. None of these needs its device
+// current: streams and events know theirs, and memory is freed by address (unified addressing).
+Status CudaDevice::DestroyStream(Stream stream) {
+  return Check(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "cudaStreamDestroy");
+}
+
+Status CudaDevice::DestroyEvent(Event event) { return Check(cudaEventDestroy(E(event)), "cudaEventDestroy"); }
+
+Status CudaDevice::FreeDevice(void* ptr) { return Check(cudaFree(ptr), "cudaFree"); }
+
+Status CudaDevice::FreePinnedHost(void* ptr) { return Check(cudaFreeHost(ptr), "cudaFreeHost"); }
+
 Status CudaDevice::PreloadKernels(int device) {
   FLEXLINK_RETURN_IF_ERROR(SetDevice(device));
   FLEXLINK_RETURN_IF_ERROR(Check(PreloadAllKernels(), "loading the engine's kernels"));
@@ -237,6 +249,21 @@ void CudaDevice::NoteDevice(int device) {
   for (auto& [owner, scratch] : scratch_) GrantLocked(owner, scratch);
 }
 
+// cudaMemPoolDestroy returns at once even with allocations outstanding and frees the pool once
+// they are: nothing here waits. A device set up again later (an engine after the shutdown: the
+// tests') gets a new pool, as at first.
+Status CudaDevice::ReleaseShared() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Status first;
+  for (auto& [device, scratch] : scratch_)
+    if (scratch.pool) {
+      Status s = Check(cudaMemPoolDestroy(static_cast<cudaMemPool_t>(scratch.pool)), "cudaMemPoolDestroy");
+      if (!s.ok() && first.ok()) first = Status::Internal("device " + std::to_string(device) + ": " + s.message());
+    }
+  scratch_.clear();
+  return first;
+}
+
 Status CudaDevice::MallocAsync(size_t bytes, Stream stream, void** ptr) {
   const int device = DeviceOf(S(stream));
   if (device < 0) return Status::Internal("stage 1's scratch: the stream's device is unknown");
@@ -279,6 +306,18 @@ Poll CudaDevice::Query(Event event, std::string* error) {
   }
   ClearLastError();  // reported here, not left for the thread's next cudaGetLastError
   if (error) *error = std::string("cudaEventQuery: ") + cudaGetErrorString(err);
+  return Poll::kError;
+}
+
+Poll CudaDevice::QueryStream(Stream stream, std::string* error) {
+  const cudaError_t err = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+  if (err == cudaSuccess) return Poll::kDone;
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return Poll::kPending;
+  }
+  ClearLastError();
+  if (error) *error = std::string("cudaStreamQuery: ") + cudaGetErrorString(err);
   return Poll::kError;
 }
 
@@ -330,6 +369,8 @@ Status CudaDevice::RegisterHost(void* ptr, size_t bytes) {
   // a device address for the stream memory operations.
   return Check(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped), "cudaHostRegister");
 }
+
+Status CudaDevice::UnregisterHost(void* ptr) { return Check(cudaHostUnregister(ptr), "cudaHostUnregister"); }
 
 Status CudaDevice::WriteValue32(uint32_t* flag, uint32_t value, Stream stream) {
   FLEXLINK_RETURN_IF_ERROR(DriverEntry("cuStreamWriteValue32", &g_write));

@@ -24,6 +24,11 @@ class CudaDevice : public DeviceApi {
   Status CreateEvent(int device, bool timing, Event* event) override;
   Status AllocDevice(int device, size_t bytes, void** ptr) override;
   Status AllocPinnedHost(size_t bytes, void** ptr) override;
+  Status DestroyStream(Stream stream) override;
+  Status DestroyEvent(Event event) override;
+  Status FreeDevice(void* ptr) override;
+  Status FreePinnedHost(void* ptr) override;
+  Status ReleaseShared() override;
   Status PreloadKernels(int device) override;
   Status Record(Event event, Stream stream) override;
   Status Wait(Stream stream, Event event) override;
@@ -38,8 +43,10 @@ class CudaDevice : public DeviceApi {
   Status Delay(double seconds, Stream stream) override;
   Status WaitFlag(const uint32_t* flag, double max_seconds, Stream stream) override;
   Poll Query(Event event, std::string* error) override;
+  Poll QueryStream(Stream stream, std::string* error) override;
   Status ElapsedSeconds(Event start, Event stop, double* seconds) override;
   Status RegisterHost(void* ptr, size_t bytes) override;
+  Status UnregisterHost(void* ptr) override;
   Status WriteValue32(uint32_t* flag, uint32_t value, Stream stream) override;
   Status WaitValue32(const uint32_t* flag, uint32_t value, Stream stream) override;
 

@@ -210,6 +210,27 @@ NB_MODULE(_flexlink_cuda, m) {
       },
       nb::arg("seconds"), "Deadline of every host wait in the GPU engine, in seconds.");
   m.def("timeout", &TimeoutSeconds);
+  m.def(
+      "shutdown",
+      [](double timeout_s) {
+        ShutdownReport r;
+        {
+          nb::gil_scoped_release release;  // the device threads' handlers may need the GIL meanwhile
+          r = ProcessEngine().Shutdown(timeout_s);
+        }
+        nb::dict d;
+        d["released"] = r.released;
+        d["kept"] = r.kept;
+        d["errors"] = r.errors;
+        d["again"] = r.again;
+        return d;
+      },
+      nb::arg("timeout_s"),
+      "Ends the GPU engine: later calls are refused; every group whose work completed within timeout_s is "
+      "released (NCCL communicators, streams, events, device and pinned memory). {'released': [...], 'kept': "
+      "[...], 'errors': [...], 'again': bool} (GpuEngine::Shutdown).");
+  m.def("is_shut_down", [] { return ProcessEngine().shut_down(); });
+  m.def("has_groups", [] { return ProcessEngine().HasGroups(); }, "Whether the GPU engine made any group.");
   m.def("set_debug_level", &SetDebugLevel, nb::arg("level"));
   m.def("configure_links", [](const std::string& spec) { Check(ProcessEngine().ConfigureLinks(spec)); },
         nb::arg("spec"), "Selects the GPU links (kinds nccl, pcie; rdma is refused); calls must not be running.");

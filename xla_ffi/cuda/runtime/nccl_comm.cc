@@ -30,9 +30,11 @@ struct NcclComm::Symbols {
   decltype(&ncclSend) Send;
   decltype(&ncclRecv) Recv;
   decltype(&ncclCommAbort) CommAbort;
+  decltype(&ncclCommDestroy) CommDestroy;
   // NCCL 2.14 and later (non-blocking communicators, groups across processes): null before.
   decltype(&ncclCommInitRankConfig) CommInitRankConfig;
   decltype(&ncclCommGetAsyncError) CommGetAsyncError;
+  decltype(&ncclCommFinalize) CommFinalize;
 };
 
 namespace {
@@ -167,9 +169,11 @@ Status NcclComm::Load() {
                   Resolve(lib, "ncclGroupStart", &s.GroupStart) && Resolve(lib, "ncclGroupEnd", &s.GroupEnd) &&
                   Resolve(lib, "ncclAllReduce", &s.AllReduce) && Resolve(lib, "ncclAllGather", &s.AllGather) &&
                   Resolve(lib, "ncclReduceScatter", &s.ReduceScatter) && Resolve(lib, "ncclSend", &s.Send) &&
-                  Resolve(lib, "ncclRecv", &s.Recv) && Resolve(lib, "ncclCommAbort", &s.CommAbort);
+                  Resolve(lib, "ncclRecv", &s.Recv) && Resolve(lib, "ncclCommAbort", &s.CommAbort) &&
+                  Resolve(lib, "ncclCommDestroy", &s.CommDestroy);
   s.CommInitRankConfig = reinterpret_cast<decltype(s.CommInitRankConfig)>(dlsym(lib, "ncclCommInitRankConfig"));
   s.CommGetAsyncError = reinterpret_cast<decltype(s.CommGetAsyncError)>(dlsym(lib, "ncclCommGetAsyncError"));
+  s.CommFinalize = reinterpret_cast<decltype(s.CommFinalize)>(dlsym(lib, "ncclCommFinalize"));
   if (!ok)
     return Status::FailedPrecondition("the NCCL loaded from " + PathOf(lib) +
                                       " lacks an entry point FlexLink needs (NCCL 2.7 or later has them all)");
@@ -447,6 +451,43 @@ Status NcclComm::Abort(Comm comm) {
   const ncclResult_t r = sym_->CommAbort(static_cast<ncclComm_t>(comm));
   if (r != ncclSuccess && r != ncclInProgress) return Status::Internal(std::string("ncclCommAbort: ") + sym_->GetErrorString(r));
   return Status::Ok();
+}
+
+// ncclCommFinalize "flushes all issued communications" and completes once the communicator is
+// quiescent (its own streams synchronised, its proxy stopped: NCCL's init.cc, commDestroySync, all
+// local to this process); ncclCommDestroy then frees the rest without blocking. A non-blocking
+// communicator answers the finalize with ncclInProgress and is polled, against `timeout_s`, as its
+// operations are (Settle). NCCL before 2.14 has no finalize: ncclCommDestroy does it all.
+Status NcclComm::Destroy(Comm comm, double timeout_s) {
+  FLEXLINK_RETURN_IF_ERROR(Load());
+  ncclComm_t c = static_cast<ncclComm_t>(comm);
+  std::string why;
+  if (sym_->CommFinalize) {
+    ncclResult_t r = sym_->CommFinalize(c);
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+    for (int polls = 0; r == ncclInProgress && sym_->CommGetAsyncError; ++polls) {
+      ncclResult_t state = ncclSuccess;
+      if (sym_->CommGetAsyncError(c, &state) != ncclSuccess) break;
+      r = state;
+      if (r != ncclInProgress) break;
+      if (Clock::now() >= deadline) {
+        why = "ncclCommFinalize still in progress after " + Seconds(timeout_s) + " s";
+        break;
+      }
+      Backoff(polls);
+    }
+    if (why.empty() && r != ncclSuccess) why = std::string("ncclCommFinalize: ") + sym_->GetErrorString(r);
+  }
+  if (why.empty()) {
+    const ncclResult_t r = sym_->CommDestroy(c);
+    if (r == ncclSuccess) return Status::Ok();
+    return Status::Internal(std::string("ncclCommDestroy: ") + sym_->GetErrorString(r));
+  }
+  // Nothing of it runs on a device any more (drained first), so an abort loses nothing; it frees
+  // what the finalize could not.
+  const ncclResult_t r = sym_->CommAbort(c);
+  return Status::Internal(why + "; ended with ncclCommAbort instead" +
+                          (r == ncclSuccess || r == ncclInProgress ? std::string() : std::string(" (which failed too: ") + sym_->GetErrorString(r) + ")"));
 }
 
 }  // namespace flexlink::gpu

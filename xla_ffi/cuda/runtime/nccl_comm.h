@@ -36,6 +36,7 @@ class NcclComm : public CommApi {
   Status Send(const void* send, size_t count, CommType type, int peer, Comm comm, Stream stream) override;
   Status Recv(void* recv, size_t count, CommType type, int peer, Comm comm, Stream stream) override;
   Status Abort(Comm comm) override;
+  Status Destroy(Comm comm, double timeout_s) override;
 
   struct Symbols;
 

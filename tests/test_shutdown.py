@@ -1,0 +1,72 @@
+"""jax_flexlink.shutdown() (docs/cuda.md, "Shutdown"). What the GPU engine releases, and what it
+keeps while a group's work still runs, is checked on the simulated device (tests/cpp/gpu_sim_test.cc
+TestShutdown, TestShutdownWhileBusy; gpu_xproc_test's "shutdown" scenarios across processes);
+here: the Python API in a build without the CUDA module, and with it (loaded in a fresh interpreter:
+shutting the engine down is for good), on a machine without a GPU, where it has nothing to release."""
+import math
+
+import numpy as np
+import pytest
+from test_faults_gpu import _run_with_cuda_module
+
+import jax_flexlink as flx
+from jax_flexlink._src import native
+
+
+@pytest.mark.skipif(native.cuda_module() is not None, reason="this build has the CUDA module (tested below)")
+def test_shutdown_without_the_cuda_module_has_nothing_to_release():
+  report = flx.shutdown()
+  assert report == {"engine": None, "released": [], "kept": [], "errors": [], "again": False}
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, math.nan, math.inf])
+def test_shutdown_timeout_must_be_finite_seconds(bad):
+  with pytest.raises(ValueError, match=r"shutdown: timeout_s must be a finite number of seconds >= 0, got "):
+    flx.shutdown(bad)
+
+
+@pytest.mark.parametrize("bad", ["10", True, np.bool_(True), None, [1]])
+def test_shutdown_timeout_must_be_a_number(bad):
+  with pytest.raises(TypeError, match=r"shutdown: timeout_s must be a number of seconds, got "):
+    flx.shutdown(bad)
+
+
+def test_shutdown_with_the_cuda_module():
+  _run_with_cuda_module("""
+import io, contextlib
+import numpy as np
+from jax_flexlink._src import shutdown as sd
+assert not cuda.has_groups() and not cuda.is_shut_down()
+first = flx.shutdown(np.float32(0.5))
+assert first == {"engine": "cuda", "released": [], "kept": [], "errors": [], "again": False}, first
+assert cuda.is_shut_down()
+again = flx.shutdown(0)
+assert again["again"] and again["released"] == again["kept"] == again["errors"] == [], again
+# The exit handler does nothing for an engine that made no group (and says nothing).
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+  sd._at_exit()
+assert err.getvalue() == "", err.getvalue()
+# Lowering for CUDA after it: an explicit FlexLink collective says why; under replacement jax.lax's
+# collectives stay XLA's (and the coverage report says why).
+import re
+import jax, numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+make = lambda mod: jax.jit(jax.shard_map(lambda v: mod.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+x = np.arange(64, dtype=np.float32)
+try:
+  make(flx).trace(x).lower(lowering_platforms=("cuda",))
+except NotImplementedError as e:
+  assert "jax_flexlink.psum: FlexLink's GPU engine was shut down in this process" in str(e), e
+else:
+  raise AssertionError("an explicit psum lowered for CUDA after the shutdown")
+with flx.replace_collectives():
+  text = make(lax).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+assert "stablehlo.all_reduce" in text and "flexlink_all_reduce" not in text, text
+# The CPU engine is not the GPU's: FlexLink still lowers and runs there.
+text = make(flx).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+assert "flexlink_all_reduce" in text
+np.testing.assert_array_equal(np.asarray(make(flx)(x)), np.asarray(make(lax)(x)))
+""")

@@ -1,0 +1,131 @@
+// The engine's shutdown (GpuEngine::Shutdown): the order matters.
+//   1. close: every later call is refused (Run checks after counting itself in, so none slips past);
+//   2. the host: calls already inside Run return (a rank waiting for a peer that was refused
+//      returns at its arrival's deadline, which is why the whole shutdown has one);
+//   3. the devices: every group's streams idle and events complete (gpu_release.cc), with the
+//      watchdog still running, so a hung range breaks its group and its streams drain;
+//   4. the watchdog stopped and joined: nothing polls a group's events any more;
+//   5. each drained group released, under the engine's lock (stats() polls under it too);
+//      the device's shared pools last, once no group is left holding anything.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <thread>
+
+#include "xla_ffi/core/config.h"
+#include "xla_ffi/cuda/gpu_engine.h"
+#include "xla_ffi/cuda/gpu_xproc.h"
+
+namespace flexlink::gpu {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Left(Clock::time_point deadline) {
+  return std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
+}
+
+std::string Secs(double s) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", s);
+  return text;
+}
+
+// One group of either kind, as the shutdown sees it.
+struct Held {
+  std::string name;
+  std::function<bool(std::string*)> drained;
+  std::function<Status(double)> release;
+  std::function<bool()> released;
+};
+
+}  // namespace
+
+bool GpuEngine::HasGroups() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!groups_.empty()) return true;
+  }
+  return !GpuXprocGroupsOf(*this).empty();
+}
+
+ShutdownReport GpuEngine::Shutdown(double timeout_s) {
+  std::lock_guard<std::mutex> once(shutdown_mu_);
+  ShutdownReport report;
+  report.again = shutdown_ran_;
+  shutdown_ran_ = true;
+  closed_.store(true, std::memory_order_release);
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(0.0, timeout_s)));
+
+  auto collect = [&] {
+    std::vector<Held> groups;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [key, ex] : groups_) {
+        GpuExecutor* g = ex.get();
+        groups.push_back({"GPU group " + FormatIds(key.second) + " (links " + ex->links_spec() + ")",
+                          [g](std::string* b) { return g->Drained(b); }, [g](double t) { return g->Release(t); },
+                          [g] { return g->released(); }});
+      }
+    }
+    for (GpuXprocGroup* g : GpuXprocGroupsOf(*this))
+      groups.push_back({"GPU group " + FormatIds(g->group().ids) + " across processes (links " + g->links_spec() + ")",
+                        [g](std::string* b) { return g->Drained(b); }, [g](double t) { return g->Release(t); },
+                        [g] { return g->released(); }});
+    return groups;
+  };
+  {
+    std::unique_lock<std::mutex> lock(active_mu_);
+    if (!active_cv_.wait_until(lock, deadline, [&] { return active_ == 0; })) {
+      const int inside = active_;
+      lock.unlock();
+      for (const Held& g : collect())
+        if (!g.released())
+          report.kept.push_back(g.name + ": not released: " + std::to_string(inside) + " call(s) still inside FlexLink on "
+                                "the host after " + Secs(timeout_s) + " s (a rank waiting for a peer that never came?)");
+      return report;
+    }
+  }
+
+  // Every call that could make a group has returned: the list is complete.
+  std::vector<Held> groups = collect();
+  // The devices: polled, never waited on (a hung stream must not hold the shutdown past its deadline).
+  std::vector<std::string> busy(groups.size());
+  for (int polls = 0;; ++polls) {
+    bool all = true;
+    for (size_t i = 0; i < groups.size(); ++i) {
+      busy[i].clear();
+      if (!groups[i].released() && !groups[i].drained(&busy[i])) all = false;
+    }
+    if (all || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
+  }
+  StopWatchdog();
+
+  std::lock_guard<std::mutex> lock(mu_);
+  bool all_released = true;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    Held& g = groups[i];
+    if (g.released()) continue;
+    std::string what;
+    if (!g.drained(&what)) {
+      all_released = false;
+      report.kept.push_back(g.name + ": not released: " + what + " still busy after " + Secs(timeout_s) +
+                            " s (a range that never completes: a hung link, or a peer's device that never reached "
+                            "the call); its resources stay until the process exits");
+      continue;
+    }
+    Status s = g.release(std::max(1.0, Left(deadline)));
+    if (s.ok()) report.released.push_back(g.name);
+    else report.errors.push_back(g.name + ": " + s.message());
+  }
+  if (all_released) {
+    Status s = api_.ReleaseShared();
+    if (!s.ok()) report.errors.push_back("the devices' shared resources (stage 1's scratch pools): " + s.message());
+  }
+  return report;
+}
+
+}  // namespace flexlink::gpu
