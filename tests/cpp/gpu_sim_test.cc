@@ -1527,6 +1527,44 @@ void TestShutdownWhileBusy() {
     std::printf("  a running group kept by a 0.2 s shutdown (returned in %.3f s), released by the next\n", took);
   }
   {
+    // A hung range (an injected nccl hang): a short shutdown keeps the group, and the watchdog, which
+    // keeps running while a group is kept, breaks it at the link's deadline and frees its streams,
+    // so the next shutdown releases it (the communicators the break aborted are not destroyed again).
+    const HealthOptions saved = GetHealthOptions();
+    HealthOptions o = saved;
+    o.link_timeout_s = 0.5 * std::min(kSanitizerSlowdown, 10.0);
+    SetHealthOptions(o);
+    Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+    const sim::SimDevice::Live before = s.device.live();
+    Expect(s.engine->ConfigureLinks("nccl@staging_mib=0.0625;pcie@slot_mib=0.0625").ok(), what + ": configure");
+    PinShares(*s.engine, kLargeCall, 4, {0.5, 0.5});
+    Expect(gpu::SetGpuFaults("nccl:hang@at_call=2", s.engine->CurrentLinks()->names()).ok(), what + ": hang");
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": before the hang");
+    const auto sync = s.h.sync;
+    s.h.sync = [](gpu::Stream) {};
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    for (const Status& st : RunRanks(*s.engine, s.h, kLargeCall, &out)) Expect(st.ok(), what + ": hung call: " + st.message());
+    s.h.sync = sync;
+    gpu::ShutdownReport report = s.engine->Shutdown(0.1);
+    Expect(report.released.empty() && report.kept.size() == 1, what + ": the hung group kept by a 0.1 s shutdown");
+    const auto t0 = Clock::now();
+    report = s.engine->Shutdown(5 * kSanitizerSlowdown);
+    const double took = Seconds(t0);
+    Expect(report.released.size() == 1 && report.kept.empty() && report.errors.empty(),
+           what + ": released once the watchdog broke it (" + std::to_string(took) + " s)");
+    s.device.SynchronizeAll();
+    Expect(s.device.live() == before && s.comm.live() == 0 && s.comm.aborts() == 4 && s.comm.destroys() == 0,
+           what + ": everything released; the 4 communicators aborted by the break, none destroyed twice (" +
+               std::to_string(s.comm.destroys()) + " destroyed)");
+    Expect(s.device.flag_waits() == 4, what + ": the hung streams released by the host");
+    Expect(gpu::SetGpuFaults("", s.engine->CurrentLinks()->names()).ok(), what + ": cleared");
+    s.ExpectNoSimErrors(what + " (hang)");
+    SetHealthOptions(saved);
+    ResetHealth();
+    std::printf("  a hung group kept by a 0.1 s shutdown, released by the next in %.2f s (link deadline %.2g s)\n", took,
+                o.link_timeout_s);
+  }
+  {
     // Rank 3 never calls: ranks 0 to 2 wait at the arrival for the global timeout (1 s here).
     const double saved = TimeoutSeconds();
     SetTimeoutSeconds(1.0 * kSanitizerSlowdown);

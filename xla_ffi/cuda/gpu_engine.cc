@@ -182,18 +182,12 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
 
 Status GpuEngine::Run(const CollectiveArgs& args, Stream stream) {
   // Counted before the check, so that a Shutdown that saw no call inside has closed the door first.
-  {
-    std::lock_guard<std::mutex> lock(active_mu_);
-    ++active_;
-  }
+  active_.fetch_add(1, std::memory_order_seq_cst);
   struct Leave {
-    GpuEngine* e;
-    ~Leave() {
-      std::lock_guard<std::mutex> lock(e->active_mu_);
-      if (--e->active_ == 0) e->active_cv_.notify_all();
-    }
-  } leave{this};
-  if (shut_down())
+    std::atomic<int>& active;
+    ~Leave() { active.fetch_sub(1, std::memory_order_seq_cst); }
+  } leave{active_};
+  if (closed_.load(std::memory_order_seq_cst))
     return Status::FailedPrecondition(
         ErrorPrefix(args.label) + std::string(Name(args.request.kind)) +
         ": FlexLink's GPU engine was shut down in this process (jax_flexlink.shutdown(), or the interpreter's "

@@ -135,10 +135,11 @@ class GpuEngine {
   // Never erased: device threads cache raw pointers; reconfigured links make new groups.
   std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<GpuExecutor>> groups_;
   // Shutdown: set once; Run counts the calls inside it (`active_`) so that Shutdown waits for them.
+  // Both sequentially consistent (Run: count in, then read closed_; Shutdown: set closed_, then read
+  // the count), so either a call sees the door closed or the shutdown sees the call: no lock on
+  // the call path.
   std::atomic<bool> closed_{false};
-  std::mutex active_mu_;
-  std::condition_variable active_cv_;
-  int active_ = 0;
+  std::atomic<int> active_{0};
   std::mutex shutdown_mu_;  // one Shutdown at a time
   bool shutdown_ran_ = false;
   std::mutex watch_mu_;

@@ -438,6 +438,11 @@ bool GpuExecutor::ReadSlot(int rank, Slot& slot) {
 }
 
 void GpuExecutor::PollAll() {
+  std::lock_guard<std::mutex> lock(release_mu_);
+  PollAllLocked();
+}
+
+void GpuExecutor::PollAllLocked() {
   if (!setup_.ready() || released()) return;
   for (int r = 0; r < group_.size(); ++r) PollTimings(r);
 }
@@ -528,7 +533,9 @@ void GpuExecutor::Break(uint64_t call, const std::string& reason, std::optional<
 }
 
 void GpuExecutor::Watch() {
-  PollAll();
+  std::lock_guard<std::mutex> held(release_mu_);
+  if (released()) return;
+  PollAllLocked();
   std::unique_lock<std::mutex> lock(broken_mu_);
   if (broken_.empty() || released_) return;
   // The communicators are aborted only when no rank can be enqueuing on them: every call begun

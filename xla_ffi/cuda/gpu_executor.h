@@ -167,6 +167,7 @@ class GpuExecutor {
   Status EnsureSetup(int rank, std::string_view label);
   Status SetupAll();
   // `profile`: stage 1's phase runs first, with this rank's scratch (null: none in this call).
+  void PollAllLocked();  // PollAll under release_mu_
   Status Enqueue(CallContext& ctx, int rank, const CallDesc& desc, Stream stream, const CallState& state,
                  const Assignment& work, const Effects& effects, ProfileScratch* profile);
   // The call runs stage 1's phase: every rank makes its scratch, then all agree, so that one that
@@ -218,6 +219,9 @@ class GpuExecutor {
   FaultCounter absent_calls_;  // the group's calls per rank, for injected rank:absent
   SetupOnce setup_;  // the group's set-up (streams, events, NCCL communicators, pinned pools)
   DeviceLedger ledger_{api_};  // what SetupAll made itself (the links keep their own)
+  // Release against the watchdog and stats(): held by Release, Watch and PollAll, so that nothing
+  // polls an event Release destroys (the watchdog runs on while a shutdown keeps other groups).
+  std::mutex release_mu_;
   std::atomic<bool> released_all_{false};  // Release ran: nothing of the group is left to poll
 
   // Rates measured without injected delays, per link: seconds per nccl-tests byte (0: none yet).

@@ -56,6 +56,7 @@ bool GpuExecutor::Drained(std::string* busy) {
 }
 
 Status GpuExecutor::Release(double timeout_s) {
+  std::lock_guard<std::mutex> held(release_mu_);
   if (released_all_.exchange(true, std::memory_order_acq_rel)) return Status::Ok();
   {
     // Later calls (the engine refuses them first) would find the group broken, not freed handles.
@@ -81,6 +82,7 @@ bool GpuXprocGroup::Drained(std::string* busy) {
 }
 
 Status GpuXprocGroup::Release(double timeout_s) {
+  std::lock_guard<std::mutex> held(release_mu_);
   if (released_all_.exchange(true, std::memory_order_acq_rel)) return Status::Ok();
   {
     std::lock_guard<std::mutex> lock(broken_mu_);

@@ -4,9 +4,10 @@
 //      returns at its arrival's deadline, which is why the whole shutdown has one);
 //   3. the devices: every group's streams idle and events complete (gpu_release.cc), with the
 //      watchdog still running, so a hung range breaks its group and its streams drain;
-//   4. the watchdog stopped and joined: nothing polls a group's events any more;
-//   5. each drained group released, under the engine's lock (stats() polls under it too);
-//      the device's shared pools last, once no group is left holding anything.
+//   4. each drained group released, under the engine's lock (stats() polls under it) and the
+//      group's own (its watchdog tick takes it), so nothing polls an event being destroyed;
+//   5. once every group is released: the watchdog stopped and joined, then the device's shared
+//      pools. A group kept keeps the watchdog too, so that a later shutdown can release it.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -55,7 +56,7 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
   ShutdownReport report;
   report.again = shutdown_ran_;
   shutdown_ran_ = true;
-  closed_.store(true, std::memory_order_release);
+  closed_.store(true, std::memory_order_seq_cst);
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(0.0, timeout_s)));
 
@@ -76,52 +77,51 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
                         [g] { return g->released(); }});
     return groups;
   };
-  {
-    std::unique_lock<std::mutex> lock(active_mu_);
-    if (!active_cv_.wait_until(lock, deadline, [&] { return active_ == 0; })) {
-      const int inside = active_;
-      lock.unlock();
+  for (int polls = 0; active_.load(std::memory_order_seq_cst) > 0; ++polls) {
+    if (Clock::now() >= deadline) {
+      const int inside = active_.load();
       for (const Held& g : collect())
         if (!g.released())
           report.kept.push_back(g.name + ": not released: " + std::to_string(inside) + " call(s) still inside FlexLink on "
                                 "the host after " + Secs(timeout_s) + " s (a rank waiting for a peer that never came?)");
       return report;
     }
+    std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
   }
 
   // Every call that could make a group has returned: the list is complete.
   std::vector<Held> groups = collect();
   // The devices: polled, never waited on (a hung stream must not hold the shutdown past its deadline).
-  std::vector<std::string> busy(groups.size());
   for (int polls = 0;; ++polls) {
     bool all = true;
-    for (size_t i = 0; i < groups.size(); ++i) {
-      busy[i].clear();
-      if (!groups[i].released() && !groups[i].drained(&busy[i])) all = false;
-    }
+    for (const Held& g : groups)
+      if (!g.released() && !g.drained(nullptr)) all = false;
     if (all || Clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
   }
-  StopWatchdog();
 
-  std::lock_guard<std::mutex> lock(mu_);
   bool all_released = true;
-  for (size_t i = 0; i < groups.size(); ++i) {
-    Held& g = groups[i];
-    if (g.released()) continue;
-    std::string what;
-    if (!g.drained(&what)) {
-      all_released = false;
-      report.kept.push_back(g.name + ": not released: " + what + " still busy after " + Secs(timeout_s) +
-                            " s (a range that never completes: a hung link, or a peer's device that never reached "
-                            "the call); its resources stay until the process exits");
-      continue;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // stats() polls the groups under it
+    for (const Held& g : groups) {
+      if (g.released()) continue;
+      std::string what;
+      if (!g.drained(&what)) {
+        all_released = false;
+        report.kept.push_back(g.name + ": not released: " + what + " still busy after " + Secs(timeout_s) +
+                              " s (a range that never completes: a hung link, or a peer's device that never reached "
+                              "the call); it keeps its resources, and a later shutdown tries again");
+        continue;
+      }
+      Status s = g.release(std::max(1.0, Left(deadline)));
+      if (s.ok()) report.released.push_back(g.name);
+      else report.errors.push_back(g.name + ": " + s.message());
     }
-    Status s = g.release(std::max(1.0, Left(deadline)));
-    if (s.ok()) report.released.push_back(g.name);
-    else report.errors.push_back(g.name + ": " + s.message());
   }
+  // The watchdog runs on while a group is kept: a hung range still breaks its group and frees its
+  // streams, so that a later shutdown can release it.
   if (all_released) {
+    StopWatchdog();
     Status s = api_.ReleaseShared();
     if (!s.ok()) report.errors.push_back("the devices' shared resources (stage 1's scratch pools): " + s.message());
   }

@@ -833,6 +833,7 @@ void GpuXprocGroup::ReleaseHangFlags() {
 }
 
 void GpuXprocGroup::Watch() {
+  std::lock_guard<std::mutex> held(release_mu_);
   if (!setup_.ready() || released()) return;
   for (int r : local_) PollHangs(r);
   // Broken here or in another process (a hang there, or a dead peer): this process's streams may

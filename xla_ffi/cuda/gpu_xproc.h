@@ -264,6 +264,7 @@ class GpuXprocGroup {
 
   SetupOnce setup_;  // this process's part of the set-up (SetupLocal)
   DeviceLedger ledger_{api_};  // what SetupLocal made itself (the links keep their own)
+  std::mutex release_mu_;  // Release against the watchdog's Watch (GpuExecutor's)
   std::atomic<bool> released_all_{false};
 
   // The break (this process's hang detector, or another process's through the segment) and the
