@@ -1487,6 +1487,18 @@ void TestShutdown() {
   SetAutotuneMinBytes(0);
 }
 
+// RunRanks without waiting for the devices: the call is left running (its outputs are not read).
+std::vector<Status> EnqueueOnly(Sim& s, const Case& c, std::vector<std::vector<std::vector<uint8_t>>>* out) {
+  const auto sync = s.h.sync;
+  const auto download = s.h.download;
+  s.h.sync = [](gpu::Stream) {};
+  s.h.download = [](void*, const void*, size_t) {};
+  std::vector<Status> st = RunRanks(*s.engine, s.h, c, out);
+  s.h.sync = sync;
+  s.h.download = download;
+  return st;
+}
+
 // A shutdown never blocks past its deadline: a group whose work is still running on a device keeps
 // everything (freeing it under the running copies would be a use after free on the device), and a
 // call still inside the engine on the host (ranks waiting for one that never came) keeps every
@@ -1502,11 +1514,8 @@ void TestShutdownWhileBusy() {
     // Call 2 is enqueued and left running: rank 2's stream is slow (each operation 400 ms later, so
     // its ranges start after the shutdown's deadline).
     s.device.SetStreamDelay(s.h.streams[2], 400000);
-    const auto sync = s.h.sync;
-    s.h.sync = [](gpu::Stream) {};
     std::vector<std::vector<std::vector<uint8_t>>> out;
-    for (const Status& st : RunRanks(*s.engine, s.h, kLargeCall, &out)) Expect(st.ok(), what + ": call 2: " + st.message());
-    s.h.sync = sync;
+    for (const Status& st : EnqueueOnly(s, kLargeCall, &out)) Expect(st.ok(), what + ": call 2: " + st.message());
     const sim::SimDevice::Live made = s.device.live();
     auto t0 = Clock::now();
     gpu::ShutdownReport report = s.engine->Shutdown(0.2);
@@ -1540,11 +1549,8 @@ void TestShutdownWhileBusy() {
     PinShares(*s.engine, kLargeCall, 4, {0.5, 0.5});
     Expect(gpu::SetGpuFaults("nccl:hang@at_call=2", s.engine->CurrentLinks()->names()).ok(), what + ": hang");
     CheckCase(*s.engine, s.h, kLargeCall, what + ": before the hang");
-    const auto sync = s.h.sync;
-    s.h.sync = [](gpu::Stream) {};
     std::vector<std::vector<std::vector<uint8_t>>> out;
-    for (const Status& st : RunRanks(*s.engine, s.h, kLargeCall, &out)) Expect(st.ok(), what + ": hung call: " + st.message());
-    s.h.sync = sync;
+    for (const Status& st : EnqueueOnly(s, kLargeCall, &out)) Expect(st.ok(), what + ": hung call: " + st.message());
     gpu::ShutdownReport report = s.engine->Shutdown(0.1);
     Expect(report.released.empty() && report.kept.size() == 1, what + ": the hung group kept by a 0.1 s shutdown");
     const auto t0 = Clock::now();
@@ -1565,9 +1571,9 @@ void TestShutdownWhileBusy() {
                 o.link_timeout_s);
   }
   {
-    // Rank 3 never calls: ranks 0 to 2 wait at the arrival for the global timeout (1 s here).
+    // Rank 3 never calls: ranks 0 to 2 wait at the arrival for the global timeout (3 s here).
     const double saved = TimeoutSeconds();
-    SetTimeoutSeconds(1.0 * kSanitizerSlowdown);
+    SetTimeoutSeconds(3.0);
     Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
     const sim::SimDevice::Live before = s.device.live();
     CheckCase(*s.engine, s.h, kLargeCall, what + ": a group");
@@ -1576,7 +1582,9 @@ void TestShutdownWhileBusy() {
       std::vector<std::vector<std::vector<uint8_t>>> out;
       st = RunRanks(*s.engine, s.h, kLargeCall, &out, /*skip=*/3);
     });
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto t0 = Clock::now();
+    while (s.engine->CallsInside() < 3 && Seconds(t0) < 10 * kSanitizerSlowdown)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     gpu::ShutdownReport report = s.engine->Shutdown(0.2);
     Expect(report.released.empty() && report.kept.size() == 1 &&
                report.kept[0].find("call(s) still inside FlexLink on the host after 0.2 s") != std::string::npos,

@@ -77,6 +77,7 @@ class GpuEngine {
   // communicator, bounded by the same deadline (at least 1 s).
   ShutdownReport Shutdown(double timeout_s);
   bool shut_down() const { return closed_.load(std::memory_order_acquire); }
+  int CallsInside() const { return active_.load(); }  // ranks' calls inside Run now (tests, messages)
   // Whether any group (in this process or across processes) was made: the exit handler's test.
   bool HasGroups();
 

@@ -6,6 +6,9 @@
 //   - with 2+ GPUs, one rank per GPU: nccl alone, pcie alone, and both with pinned shares (NCCL's
 //     float reductions are compared with a tolerance: its order is not rank order).
 // NCCL refuses two ranks of one communicator on one device, so nccl needs 2+ GPUs (a SKIP line).
+// Each engine is then shut down (GpuEngine::Shutdown): every group released on the real runtime
+// (cudaStreamQuery, cudaStreamDestroy, cudaEventDestroy, cudaFree, cudaFreeHost, the scratch pools,
+// and with 2+ GPUs ncclCommFinalize and ncclCommDestroy), nothing kept, no error.
 #include <chrono>
 #include <cstdio>
 
@@ -33,6 +36,18 @@ void Suite(gpu::GpuEngine& engine, Harness& h, const std::string& links, const s
               std::chrono::duration<double>(Clock::now() - t0).count(), g_failed == before ? "ok" : "FAILED");
 }
 
+void ExpectShutdown(gpu::GpuEngine& engine, const std::string& what, size_t groups) {
+  const auto t0 = Clock::now();
+  const gpu::ShutdownReport r = engine.Shutdown(30);
+  for (const std::string& e : r.errors) Expect(false, what + ": shutdown: " + e);
+  for (const std::string& k : r.kept) Expect(false, what + ": shutdown kept " + k);
+  Expect(r.released.size() == groups, what + ": shutdown released " + std::to_string(r.released.size()) + " of " +
+                                          std::to_string(groups) + " groups");
+  std::printf("  %-52s %4zu groups %6.3f s  %s\n", (what + ": shutdown").c_str(), r.released.size(),
+              std::chrono::duration<double>(Clock::now() - t0).count(),
+              r.errors.empty() && r.kept.empty() && r.released.size() == groups ? "ok" : "FAILED");
+}
+
 }  // namespace
 }  // namespace flexlink::testing
 
@@ -56,6 +71,7 @@ int main() {
     Harness h = CudaHarness(n, one_device.device_of);
     Suite(engine, h, "pcie@slot_mib=0.25", {}, 300000,
           std::to_string(n) + " virtual ranks on GPU 0, pcie", false);
+    ExpectShutdown(engine, std::to_string(n) + " virtual ranks on GPU 0", 1);
   }
   if (gpus >= 2) {
     flexlink::gpu::GpuEngine engine(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl());
@@ -65,6 +81,7 @@ int main() {
     Suite(engine, h, "pcie", {}, 1 << 20, n + "pcie", false);
     Suite(engine, h, "nccl;pcie", {0.7, 0.3}, 1 << 20, n + "nccl;pcie 70/30", true);
     Suite(engine, h, "nccl@staging_mib=0.0625", {}, 1 << 18, n + "nccl staged in 64 KiB", true);
+    ExpectShutdown(engine, n + "4 link sets", 4);
   } else {
     std::printf("SKIP: nccl needs 2+ GPUs (NCCL refuses two ranks of one communicator on one GPU)\n");
   }
