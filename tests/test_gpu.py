@@ -176,7 +176,11 @@ def test_shutdown_releases_the_groups(two_gpus, flexlink_on_gpus):
     afterwards on lax; and a process that never calls it exits through the exit handler silently.
     In fresh interpreters: the shutdown is for good."""
     program = """
-        import sys
+        import atexit, sys
+        def exit_check():  # registered before jax and jax_flexlink: runs after their exit handlers
+            from jax_flexlink._src import native
+            print("exit-check", native.cuda_module().is_shut_down(), native.cuda_module().has_groups(), flush=True)
+        atexit.register(exit_check)
         import jax, jax.numpy as jnp, numpy as np
         from jax import lax
         from jax.sharding import Mesh, PartitionSpec as P
@@ -205,7 +209,7 @@ def test_shutdown_releases_the_groups(two_gpus, flexlink_on_gpus):
     """
     for mode in ("explicit", "at-exit"):
         result = helpers.run_python(program.replace("sys.argv[-1]", repr(mode)), timeout=300)
-        assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (mode, result.stdout, result.stderr)
+        assert result.returncode == 0 and "ok\nexit-check True True" in result.stdout, (mode, result.stdout, result.stderr)
         assert "flexlink: warning: at exit" not in result.stderr, (mode, result.stderr)
 
 

@@ -17,14 +17,17 @@ import atexit
 import math
 import numbers
 import sys
+import threading
 
 import jax
 import numpy as np
 
 from jax_flexlink._src import native
 
-# The exit handler's deadline: how long a group's work may still take to complete on its devices.
+# The exit handler's deadline: how long a group's work may still take to complete on its devices,
+# and, before that, how long it waits for the computations already dispatched.
 EXIT_TIMEOUT_S = 10.0
+MAX_TIMEOUT_S = 1e6  # as configure(timeout_s=)
 
 
 def shutdown(timeout_s: float = 10.0) -> dict:
@@ -34,8 +37,10 @@ def shutdown(timeout_s: float = 10.0) -> dict:
   then for every group's work to complete on its devices, then releases each such group (its NCCL
   communicators finalized and destroyed; its streams, events, device and pinned memory freed).
   From the call on, every FlexLink collective on GPU fails with an error saying the engine was shut
-  down; jax.lax's collectives are unaffected. Call it once your program's FlexLink computations
-  are done (`block_until_ready`). Calling it again retries the groups an earlier call kept.
+  down; jax.lax's collectives are unaffected, and programs lowered afterwards for the GPU keep XLA's
+  collectives under replacement (jax's caches are cleared, `jax.clear_caches()`, so that functions
+  jitted before lower again). Call it once your program's FlexLink computations are done
+  (`block_until_ready`). Calling it again retries the groups an earlier call kept.
 
   Returns {"engine": "cuda", "released": [group, ...], "kept": [group: why, ...],
   "errors": [group: error, ...], "again": bool}; in a build without the CUDA module (FLEXLINK_CUDA=ON)
@@ -44,24 +49,34 @@ def shutdown(timeout_s: float = 10.0) -> dict:
   # As configure(timeout_s=): a bool or a string is a type error, not a number of seconds.
   if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real):
     raise TypeError(f"shutdown: timeout_s must be a number of seconds, got {type(timeout_s).__name__} {timeout_s!r}")
-  if not math.isfinite(timeout_s) or timeout_s < 0:
-    raise ValueError(f"shutdown: timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
+  if not math.isfinite(timeout_s) or not 0 <= timeout_s <= MAX_TIMEOUT_S:
+    raise ValueError(f"shutdown: timeout_s must be a finite number of seconds in [0, {MAX_TIMEOUT_S:g}], "
+                     f"got {timeout_s!r}")
   cuda = native.cuda_module()
   if cuda is None:
     return {"engine": None, "released": [], "kept": [], "errors": [], "again": False}
   report = dict(cuda.shutdown(float(timeout_s)))
   report["engine"] = "cuda"
+  # jax keeps lowerings by jaxpr: a function jitted again would reuse one with FlexLink's custom
+  # calls, which the engine now refuses, instead of lowering to XLA's collectives (lowering.py).
+  jax.clear_caches()
   return report
 
 
-def _wait_for_gpu_work() -> None:
+def _wait_for_gpu_work(timeout_s: float) -> None:
   """Lets computations already dispatched finish first: their FlexLink calls would be refused once
-  the engine is closed, and a group's ranks would then wait for each other to their deadline."""
-  try:
-    for array in jax.live_arrays("gpu"):
-      array.block_until_ready()
-  except Exception:  # noqa: BLE001 - at exit, a failed computation has nothing left to report to
-    pass
+  the engine is closed, and a group's ranks would then wait for each other to their deadline. On a
+  thread of its own, given up after `timeout_s`: a computation that never completes (an XLA
+  collective whose peer process died) must not hold the exit."""
+  def wait():
+    try:
+      for array in jax.live_arrays("gpu"):
+        array.block_until_ready()
+    except Exception:  # noqa: BLE001 - at exit, a failed computation has nothing left to report to
+      pass
+  waiter = threading.Thread(target=wait, name="flexlink-exit-wait", daemon=True)
+  waiter.start()
+  waiter.join(timeout_s)
 
 
 @atexit.register
@@ -69,7 +84,7 @@ def _at_exit() -> None:
   cuda = native.cuda_module()
   if cuda is None or not cuda.has_groups():
     return
-  _wait_for_gpu_work()
+  _wait_for_gpu_work(EXIT_TIMEOUT_S)
   report = cuda.shutdown(EXIT_TIMEOUT_S)
   for line in list(report["kept"]) + list(report["errors"]):
     print(f"flexlink: warning: at exit: {line}", file=sys.stderr)

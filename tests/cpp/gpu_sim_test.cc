@@ -1539,12 +1539,16 @@ void TestShutdownWhileBusy() {
     // A hung range (an injected nccl hang): a short shutdown keeps the group, and the watchdog, which
     // keeps running while a group is kept, breaks it at the link's deadline and frees its streams,
     // so the next shutdown releases it (the communicators the break aborted are not destroyed again).
+    // A drained group on the same devices (an earlier link set's) is kept with it: its frees would
+    // wait for the hung work (the simulation says so when device memory is freed under pending work).
     const HealthOptions saved = GetHealthOptions();
     HealthOptions o = saved;
     o.link_timeout_s = 0.5 * std::min(kSanitizerSlowdown, 10.0);
     SetHealthOptions(o);
     Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
     const sim::SimDevice::Live before = s.device.live();
+    Expect(s.engine->ConfigureLinks("nccl").ok(), what + ": configure nccl");
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": a group on nccl alone");
     Expect(s.engine->ConfigureLinks("nccl@staging_mib=0.0625;pcie@slot_mib=0.0625").ok(), what + ": configure");
     PinShares(*s.engine, kLargeCall, 4, {0.5, 0.5});
     Expect(gpu::SetGpuFaults("nccl:hang@at_call=2", s.engine->CurrentLinks()->names()).ok(), what + ": hang");
@@ -1552,16 +1556,22 @@ void TestShutdownWhileBusy() {
     std::vector<std::vector<std::vector<uint8_t>>> out;
     for (const Status& st : EnqueueOnly(s, kLargeCall, &out)) Expect(st.ok(), what + ": hung call: " + st.message());
     gpu::ShutdownReport report = s.engine->Shutdown(0.1);
-    Expect(report.released.empty() && report.kept.size() == 1, what + ": the hung group kept by a 0.1 s shutdown");
+    Expect(report.released.empty() && report.kept.size() == 2 &&
+               report.kept[0].find("(links nccl@staging_mib=0.0625;pcie@slot_mib=0.0625): not released: ") !=
+                   std::string::npos &&
+               report.kept[1].find("GPU group [0, 1, 2, 3] (links nccl): not released: it shares device 0 with a "
+                                   "group still running") == 0,
+           what + ": the hung group and the drained one on its devices kept by a 0.1 s shutdown (" +
+               (report.kept.empty() ? std::string("none") : report.kept[0]) + ")");
     const auto t0 = Clock::now();
     report = s.engine->Shutdown(5 * kSanitizerSlowdown);
     const double took = Seconds(t0);
-    Expect(report.released.size() == 1 && report.kept.empty() && report.errors.empty(),
-           what + ": released once the watchdog broke it (" + std::to_string(took) + " s)");
+    Expect(report.released.size() == 2 && report.kept.empty() && report.errors.empty(),
+           what + ": both released once the watchdog broke the hung one (" + std::to_string(took) + " s)");
     s.device.SynchronizeAll();
-    Expect(s.device.live() == before && s.comm.live() == 0 && s.comm.aborts() == 4 && s.comm.destroys() == 0,
-           what + ": everything released; the 4 communicators aborted by the break, none destroyed twice (" +
-               std::to_string(s.comm.destroys()) + " destroyed)");
+    Expect(s.device.live() == before && s.comm.live() == 0 && s.comm.aborts() == 4 && s.comm.destroys() == 4,
+           what + ": everything released; the hung group's 4 communicators aborted by the break, the other's 4 "
+                  "destroyed (" + std::to_string(s.comm.destroys()) + " destroyed)");
     Expect(s.device.flag_waits() == 4, what + ": the hung streams released by the host");
     Expect(gpu::SetGpuFaults("", s.engine->CurrentLinks()->names()).ok(), what + ": cleared");
     s.ExpectNoSimErrors(what + " (hang)");

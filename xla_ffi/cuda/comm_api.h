@@ -80,9 +80,12 @@ class CommApi {
   // whose nccl range missed its deadline, as PyTorch's NCCL watchdog does.
   virtual Status Abort(Comm comm) = 0;
   // Ends a communicator none of whose operations is left on any device (the engine's shutdown
-  // drains a group first, GpuEngine::Shutdown): ncclCommFinalize, settled within `timeout_s`, then
-  // ncclCommDestroy. Finalizing that fails or outlasts the deadline ends it with an abort instead
-  // (nothing of it runs any more) and says so. Every rank of a group is destroyed, one after another
+  // drains a group first, GpuEngine::Shutdown): ncclCommFinalize, then ncclCommDestroy. A
+  // non-blocking communicator's finalize is polled within `timeout_s`; a blocking one's (the
+  // in-process cliques') returns only when done, which with the group drained is a synchronisation
+  // of NCCL's own idle streams. Finalizing that fails or outlasts the deadline ends it with an
+  // abort instead (nothing of it runs any more; NCCL's abort first waits for the finalize's job)
+  // and says so. Every rank of a group is destroyed, one after another
   // from one thread: NCCL frees an in-process clique's shared resources at its last rank.
   virtual Status Destroy(Comm comm, double timeout_s) = 0;
 };

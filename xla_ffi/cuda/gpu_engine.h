@@ -67,14 +67,16 @@ class GpuEngine {
 
   // Ends the engine (jax_flexlink.shutdown(), and the interpreter's exit before jax's backends go;
   // gpu_release.cc says why only drained groups are released). From then on every call is refused
-  // with an error saying so. Within `timeout_s`: waits for the calls inside Run on the host to
-  // return, then for every group's work to complete on its devices (the hang detector still
-  // breaking hung ones), then stops the watchdog and releases each drained group: its NCCL
-  // communicators finalized and destroyed, its streams, events, device and pinned memory and host
-  // registrations freed; with every group released, the device's shared pools too. A group that
-  // did not drain keeps everything, named in the report with what was busy; calling Shutdown again
-  // retries those. Never blocks past the deadline, but for NCCL's own finalize of a drained
-  // communicator, bounded by the same deadline (at least 1 s).
+  // with an error saying so. Within `timeout_s` (clamped to [0, 1e6]): waits for the calls inside
+  // Run on the host to return, then for every group's work to complete on its devices (the hang
+  // detector still breaking hung ones), then releases each drained group: its NCCL communicators
+  // finalized and destroyed, its streams, events, device and pinned memory and host registrations
+  // freed; with every group released, the watchdog stopped and the device's shared pools freed. A
+  // group that did not drain keeps everything, and so does one sharing a device with it, each named
+  // in the report with why; calling Shutdown again retries those. The waits are bounded by the
+  // deadline; the release itself is not entirely: a non-blocking communicator's finalize gets what
+  // is left of it (at least 1 s), but a blocking one's, and cudaFree's implicit synchronisation of
+  // the device, take as long as the device's other work (docs/cuda.md, "Shutdown").
   ShutdownReport Shutdown(double timeout_s);
   bool shut_down() const { return closed_.load(std::memory_order_acquire); }
   int CallsInside() const { return active_.load(); }  // ranks' calls inside Run now (tests, messages)

@@ -39,7 +39,15 @@ struct Held {
   std::function<bool(std::string*)> drained;
   std::function<Status(double)> release;
   std::function<bool()> released;
+  std::vector<int> devices;  // this process's CUDA devices of the group
 };
+
+std::vector<int> LocalDevices(const std::vector<int>& devices) {
+  std::vector<int> out;
+  for (int d : devices)
+    if (d >= 0 && std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
+  return out;
+}
 
 }  // namespace
 
@@ -57,8 +65,10 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
   report.again = shutdown_ran_;
   shutdown_ran_ = true;
   closed_.store(true, std::memory_order_seq_cst);
+  // Clamped as the engine's other deadlines are: a huge one would overflow the clock's count.
+  timeout_s = std::min(std::max(0.0, timeout_s), 1e6);
   const auto deadline =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(0.0, timeout_s)));
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
 
   auto collect = [&] {
     std::vector<Held> groups;
@@ -68,13 +78,13 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
         GpuExecutor* g = ex.get();
         groups.push_back({"GPU group " + FormatIds(key.second) + " (links " + ex->links_spec() + ")",
                           [g](std::string* b) { return g->Drained(b); }, [g](double t) { return g->Release(t); },
-                          [g] { return g->released(); }});
+                          [g] { return g->released(); }, LocalDevices(g->group().devices)});
       }
     }
     for (GpuXprocGroup* g : GpuXprocGroupsOf(*this))
       groups.push_back({"GPU group " + FormatIds(g->group().ids) + " across processes (links " + g->links_spec() + ")",
                         [g](std::string* b) { return g->Drained(b); }, [g](double t) { return g->Release(t); },
-                        [g] { return g->released(); }});
+                        [g] { return g->released(); }, LocalDevices(g->group().devices)});
     return groups;
   };
   for (int polls = 0; active_.load(std::memory_order_seq_cst) > 0; ++polls) {
@@ -100,24 +110,38 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
     std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
   }
 
-  bool all_released = true;
-  {
-    std::lock_guard<std::mutex> lock(mu_);  // stats() polls the groups under it
-    for (const Held& g : groups) {
-      if (g.released()) continue;
-      std::string what;
-      if (!g.drained(&what)) {
-        all_released = false;
-        report.kept.push_back(g.name + ": not released: " + what + " still busy after " + Secs(timeout_s) +
-                              " s (a range that never completes: a hung link, or a peer's device that never reached "
-                              "the call); it keeps its resources, and a later shutdown tries again");
-        continue;
-      }
-      Status s = g.release(std::max(1.0, Left(deadline)));
-      if (s.ok()) report.released.push_back(g.name);
-      else report.errors.push_back(g.name + ": " + s.message());
-    }
+  // Not under the engine's lock: a release may wait on its device (cudaFree and cudaFreeHost may
+  // synchronise it), and the watchdog takes that lock at every tick; each group's own lock keeps
+  // its tick and stats() away from what is being destroyed. A drained group that shares a device
+  // with a group still running is kept too: its frees would wait for that group's hung work.
+  std::vector<char> kept(groups.size(), 0);
+  std::vector<int> busy_devices;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    std::string what;
+    if (groups[i].released() || groups[i].drained(&what)) continue;
+    kept[i] = 1;
+    report.kept.push_back(groups[i].name + ": not released: " + what + " still busy after " + Secs(timeout_s) +
+                          " s (a range that never completes: a hung link, or a peer's device that never reached the "
+                          "call); it keeps its resources, and a later shutdown tries again");
+    busy_devices.insert(busy_devices.end(), groups[i].devices.begin(), groups[i].devices.end());
   }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const Held& g = groups[i];
+    if (kept[i] || g.released()) continue;
+    auto shared = std::find_first_of(g.devices.begin(), g.devices.end(), busy_devices.begin(), busy_devices.end());
+    if (shared != g.devices.end()) {
+      kept[i] = 1;
+      report.kept.push_back(g.name + ": not released: it shares device " + std::to_string(*shared) +
+                            " with a group still running, whose work its frees would wait for; a later shutdown "
+                            "tries again");
+      continue;
+    }
+    Status s = g.release(std::max(1.0, Left(deadline)));
+    if (s.ok()) report.released.push_back(g.name);
+    else report.errors.push_back(g.name + ": " + s.message());
+  }
+  bool all_released = true;
+  for (char k : kept) all_released = all_released && !k;
   // The watchdog runs on while a group is kept: a hung range still breaks its group and frees its
   // streams, so that a later shutdown can release it.
   if (all_released) {

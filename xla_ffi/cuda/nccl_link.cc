@@ -1,6 +1,7 @@
 #include "xla_ffi/cuda/nccl_link.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 
 namespace flexlink::gpu {
@@ -54,6 +55,9 @@ Status NcclChannel::Setup() {
   std::vector<Comm> comms;
   Status s = comm_.InitAll(group_.devices, &comms);
   if (!s.ok()) return Status::Internal(where + s.message());
+  // Kept before any rank's set-up can fail, so that the shutdown destroys every one of them (NCCL
+  // frees an in-process clique at its last rank's destroy).
+  for (int r = 0; r < n; ++r) ranks_[r].comm = comms[r];
   for (int r = 0; r < n; ++r) FLEXLINK_RETURN_IF_ERROR(SetupRank(r, comms[r], where));
   return Status::Ok();
 }
@@ -99,6 +103,7 @@ Status NcclChannel::SetupAcrossProcesses(const CommId& id, std::span<const int> 
   if (!s.ok()) return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded
                           ? s
                           : Status(s.code(), where + s.message());
+  for (size_t i = 0; i < local.size(); ++i) ranks_[local[i]].comm = comms[i];  // as in Setup
   for (size_t i = 0; i < local.size(); ++i) FLEXLINK_RETURN_IF_ERROR(SetupRank(local[i], comms[i], where));
   return Status::Ok();
 }
@@ -120,10 +125,14 @@ Status NcclChannel::Abort() {
 
 Status NcclChannel::Release(double timeout_s) {
   (void)breaker_.Break(Status::Internal("it was released by the engine's shutdown"));
+  // One deadline for all the ranks' communicators, not `timeout_s` each.
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   Status first;
   for (Rank& k : ranks_) {  // an aborted group's are gone already (null)
     if (!k.comm) continue;
-    Status s = comm_.Destroy(k.comm, timeout_s);
+    const double left = std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
+    Status s = comm_.Destroy(k.comm, left);
     if (!s.ok() && first.ok()) first = s;
     k.comm = nullptr;
   }

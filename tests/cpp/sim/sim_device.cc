@@ -113,11 +113,11 @@ void* SimDevice::AllocBuffer(size_t bytes) {
   return p;
 }
 
-Status SimDevice::AllocDevice(int, size_t bytes, void** ptr) {
+Status SimDevice::AllocDevice(int device, size_t bytes, void** ptr) {
   *ptr = AllocBuffer(bytes);
   if (!*ptr) return Status::Internal("sim: out of memory");
   std::lock_guard<std::mutex> lock(mu_);
-  engine_memory_[*ptr] = false;
+  engine_memory_[*ptr] = {false, device};
   return Status::Ok();
 }
 
@@ -125,7 +125,7 @@ Status SimDevice::AllocPinnedHost(size_t bytes, void** ptr) {
   *ptr = AllocBuffer(bytes);
   if (!*ptr) return Status::Internal("sim: out of memory");
   std::lock_guard<std::mutex> lock(mu_);
-  engine_memory_[*ptr] = true;
+  engine_memory_[*ptr] = {true, -1};
   return Status::Ok();
 }
 
@@ -160,31 +160,34 @@ Status SimDevice::DestroyEvent(gpu::Event event) {
   return Status::Ok();
 }
 
-namespace {
-Status FreeOf(std::mutex& mu, std::map<void*, bool>& live, std::vector<void*>& all, void* ptr, bool pinned,
-              const std::function<void(std::string)>& error) {
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = live.find(ptr);
-  if (it == live.end() || it->second != pinned) {
+Status SimDevice::Free(void* ptr, bool pinned) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = engine_memory_.find(ptr);
+  if (it == engine_memory_.end() || it->second.pinned != pinned) {
     const std::string what = std::string("sim: freeing ") + (pinned ? "pinned" : "device") +
                              " memory that is not a live allocation of that kind";
-    error(what);
+    errors_.push_back(what);
     return Status::Internal(what);
   }
-  live.erase(it);
-  all.erase(std::find(all.begin(), all.end(), ptr));
+  if (!pinned)
+    for (const auto& s : streams_) {
+      if (s->device != it->second.device) continue;
+      std::lock_guard<std::mutex> sl(s->mu);
+      if (s->enqueued != s->done) {
+        errors_.push_back("sim: device memory of device " + std::to_string(s->device) +
+                          " freed while a stream of the device has work pending (cudaFree would wait for it)");
+        break;
+      }
+    }
+  engine_memory_.erase(it);
+  allocations_.erase(std::find(allocations_.begin(), allocations_.end(), ptr));
   std::free(ptr);  // really: a device operation still using it is a use after free (the ASan build)
   return Status::Ok();
 }
-}  // namespace
 
-Status SimDevice::FreeDevice(void* ptr) {
-  return FreeOf(mu_, engine_memory_, allocations_, ptr, false, [this](std::string m) { errors_.push_back(std::move(m)); });
-}
+Status SimDevice::FreeDevice(void* ptr) { return Free(ptr, false); }
 
-Status SimDevice::FreePinnedHost(void* ptr) {
-  return FreeOf(mu_, engine_memory_, allocations_, ptr, true, [this](std::string m) { errors_.push_back(std::move(m)); });
-}
+Status SimDevice::FreePinnedHost(void* ptr) { return Free(ptr, true); }
 
 Status SimDevice::ReleaseShared() {
   shared_releases_.fetch_add(1);
@@ -196,7 +199,7 @@ SimDevice::Live SimDevice::live() const {
   Live l;
   l.streams = live_streams_;
   l.events = live_events_;
-  for (const auto& [p, pinned] : engine_memory_) (pinned ? l.pinned : l.device)++;
+  for (const auto& [p, m] : engine_memory_) (m.pinned ? l.pinned : l.device)++;
   return l;
 }
 

@@ -48,7 +48,9 @@ class SimDevice : public gpu::DeviceApi {
   Status AllocPinnedHost(size_t bytes, void** ptr) override;
   // Checked as CUDA would not: destroying a stream with work pending or an event whose last record
   // has not completed, using either afterwards, and freeing memory twice or of the other kind are
-  // errors (TakeErrors), because the engine's shutdown releases only what drained.
+  // errors (TakeErrors), because the engine's shutdown releases only what drained. So is freeing
+  // device memory while any stream of its device has work pending: cudaFree may synchronise the
+  // device, which would wait for that work (a hung range: for good).
   Status DestroyStream(gpu::Stream stream) override;
   Status DestroyEvent(gpu::Event event) override;
   Status FreeDevice(void* ptr) override;
@@ -110,6 +112,7 @@ class SimDevice : public gpu::DeviceApi {
   struct SimStream;
   struct SimEvent;
   SimStream* S(gpu::Stream s) { return static_cast<SimStream*>(s); }
+  Status Free(void* ptr, bool pinned);
   SimEvent* E(gpu::Event e) { return static_cast<SimEvent*>(e); }
 
   const SimOptions options_;
@@ -117,7 +120,11 @@ class SimDevice : public gpu::DeviceApi {
   std::vector<std::unique_ptr<SimStream>> streams_;
   std::vector<std::unique_ptr<SimEvent>> events_;
   std::vector<void*> allocations_;             // every allocation, freed by the destructor if still here
-  std::map<void*, bool> engine_memory_;        // live engine allocations: pointer -> pinned (else device)
+  struct Memory {
+    bool pinned = false;
+    int device = -1;
+  };
+  std::map<void*, Memory> engine_memory_;      // live engine allocations
   int live_streams_ = 0, live_events_ = 0;     // under mu_
   std::atomic<int> shared_releases_{0};
   std::vector<std::string> errors_;

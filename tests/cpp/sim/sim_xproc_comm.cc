@@ -107,6 +107,9 @@ struct SimXprocComm::Rank {
   int rank = 0;
   bool complete = false;  // JoinState saw every rank connected
   std::atomic<bool> destroyed{false};
+  // Operations issued and not yet finished on their stream (Destroy with one is an error); shared
+  // with the operations themselves, which may outlive this object on a stream.
+  std::shared_ptr<std::atomic<int>> unfinished = std::make_shared<std::atomic<int>>(0);
   uint64_t next_collective = 0;
   std::map<int, uint64_t> sent, received;
 };
@@ -335,7 +338,12 @@ void SimXprocComm::Submit(Rank* rank, gpu::Stream stream, std::vector<Op> ops) {
     else if (op.type == Op::kRecv) seqs.push_back(rank->received[op.peer]++);
     else seqs.push_back(rank->next_collective++);
   }
-  device_.Enqueue(stream, [s, me, dev, timeout, ops = std::move(ops), seqs = std::move(seqs)] {
+  rank->unfinished->fetch_add(1);
+  device_.Enqueue(stream, [s, me, dev, timeout, ops = std::move(ops), seqs = std::move(seqs), left = rank->unfinished] {
+    struct Finished {
+      std::atomic<int>& left;
+      ~Finished() { left.fetch_sub(1); }
+    } finished{*left};
     const int n = s->n;
     std::string why;
     // Point to point: post every send, then complete every receive.
@@ -426,6 +434,9 @@ Status SimXprocComm::Destroy(gpu::Comm comm, double) {
     device_.Error("sim nccl: a communicator destroyed twice");
     return Status::Internal("sim nccl: a communicator destroyed twice");
   }
+  if (rank->unfinished->load() > 0 && !rank->shared->aborted.load())
+    device_.Error("sim nccl: a communicator across processes destroyed with " + std::to_string(rank->unfinished->load()) +
+                  " operation(s) unfinished");
   return Status::Ok();
 }
 
