@@ -19,7 +19,7 @@ def test_shutdown_without_the_cuda_module_has_nothing_to_release():
   assert report == {"engine": None, "released": [], "kept": [], "errors": [], "again": False}
 
 
-@pytest.mark.parametrize("bad", [-1, -0.5, math.nan, math.inf, 1e6 + 1, 10**30])
+@pytest.mark.parametrize("bad", [-1, -0.5, math.nan, math.inf, 1e6 + 1, 10**30, 10**400])
 def test_shutdown_timeout_must_be_finite_seconds(bad):
   with pytest.raises(ValueError, match=r"shutdown: timeout_s must be a finite number of seconds in \[0, 1e\+06\], got "):
     flx.shutdown(bad)
@@ -77,3 +77,16 @@ text = make(flx).trace(x).lower(lowering_platforms=("cpu",)).as_text()
 assert "flexlink_all_reduce" in text
 np.testing.assert_array_equal(np.asarray(make(flx)(x)), np.asarray(make(lax)(x)))
 """)
+
+
+def test_the_exit_wait_runs_inside_an_exit_handler():
+  """The exit handler's wait for dispatched GPU work polls on the exit's own thread: Python 3.12
+  refuses to start a thread in an exit handler (CI's jax 0.11.2 step runs this on 3.12)."""
+  from helpers import run_python
+  result = run_python("""
+      import atexit
+      from jax_flexlink._src import shutdown as sd
+      atexit.register(lambda: print("waited", sd._wait_for_gpu_work(1.0), flush=True))
+  """)
+  assert result.returncode == 0 and "waited True" in result.stdout, result.stdout + result.stderr
+  assert "Traceback" not in result.stderr, result.stderr

@@ -17,7 +17,7 @@ import atexit
 import math
 import numbers
 import sys
-import threading
+import time
 
 import jax
 import numpy as np
@@ -49,7 +49,7 @@ def shutdown(timeout_s: float = 10.0) -> dict:
   # As configure(timeout_s=): a bool or a string is a type error, not a number of seconds.
   if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real):
     raise TypeError(f"shutdown: timeout_s must be a number of seconds, got {type(timeout_s).__name__} {timeout_s!r}")
-  if not math.isfinite(timeout_s) or not 0 <= timeout_s <= MAX_TIMEOUT_S:
+  if not 0 <= timeout_s <= MAX_TIMEOUT_S or not math.isfinite(timeout_s):  # range first: 10**400 overflows a float
     raise ValueError(f"shutdown: timeout_s must be a finite number of seconds in [0, {MAX_TIMEOUT_S:g}], "
                      f"got {timeout_s!r}")
   cuda = native.cuda_module()
@@ -63,20 +63,22 @@ def shutdown(timeout_s: float = 10.0) -> dict:
   return report
 
 
-def _wait_for_gpu_work(timeout_s: float) -> None:
+def _wait_for_gpu_work(timeout_s: float) -> bool:
   """Lets computations already dispatched finish first: their FlexLink calls would be refused once
-  the engine is closed, and a group's ranks would then wait for each other to their deadline. On a
-  thread of its own, given up after `timeout_s`: a computation that never completes (an XLA
-  collective whose peer process died) must not hold the exit."""
-  def wait():
-    try:
-      for array in jax.live_arrays("gpu"):
-        array.block_until_ready()
-    except Exception:  # noqa: BLE001 - at exit, a failed computation has nothing left to report to
-      pass
-  waiter = threading.Thread(target=wait, name="flexlink-exit-wait", daemon=True)
-  waiter.start()
-  waiter.join(timeout_s)
+  the engine is closed, and a group's ranks would then wait for each other to their deadline.
+  Polled (`is_ready`), never blocked on, and given up after `timeout_s`: a computation that never
+  completes (an XLA collective whose peer process died) must not hold the exit. Not on a thread:
+  Python 3.12 refuses to start one in an exit handler. Whether everything completed."""
+  deadline = time.monotonic() + timeout_s
+  try:
+    arrays = jax.live_arrays("gpu")
+    while not all(a.is_ready() for a in arrays):
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(0.005)
+  except Exception:  # noqa: BLE001 - at exit, a failed computation has nothing left to report to
+    pass
+  return True
 
 
 @atexit.register
@@ -84,7 +86,12 @@ def _at_exit() -> None:
   cuda = native.cuda_module()
   if cuda is None or not cuda.has_groups():
     return
-  _wait_for_gpu_work(EXIT_TIMEOUT_S)
+  if not _wait_for_gpu_work(EXIT_TIMEOUT_S):
+    # Releasing now could block the exit for good: cudaFree may synchronise a device whose work
+    # never completes. The process's end frees everything anyway.
+    print(f"flexlink: warning: at exit: GPU computations still running after {EXIT_TIMEOUT_S:g} s; FlexLink's "
+          "GPU groups were not released (the process's exit frees them)", file=sys.stderr)
+    return
   report = cuda.shutdown(EXIT_TIMEOUT_S)
   for line in list(report["kept"]) + list(report["errors"]):
     print(f"flexlink: warning: at exit: {line}", file=sys.stderr)

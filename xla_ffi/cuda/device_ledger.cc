@@ -58,6 +58,9 @@ Status DeviceLedger::Release() {
   // reverse of the order they were made in does both, as set-up makes streams before their events.
   Status first;
   for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
+    // Its own device current: a free that synchronises a device then waits for this one's work,
+    // which drained, not for whichever device the shutdown's thread had current.
+    if (it->device >= 0) (void)api_.SetDevice(it->device);
     Status s;
     switch (it->what) {
       case What::kStream: s = api_.DestroyStream(it->handle); break;

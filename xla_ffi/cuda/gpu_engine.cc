@@ -303,8 +303,12 @@ std::vector<PlanSnapshot> GpuEngine::SnapshotPlans() {
 }
 
 void GpuEngine::PollTimings() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [key, ex] : groups_) ex->PollAll();
+  std::vector<GpuExecutor*> groups;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, ex] : groups_) groups.push_back(ex.get());  // never erased while the engine lives
+  }
+  for (GpuExecutor* ex : groups) ex->PollAll();
 }
 
 }  // namespace flexlink::gpu

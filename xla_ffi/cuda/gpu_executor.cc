@@ -438,8 +438,9 @@ bool GpuExecutor::ReadSlot(int rank, Slot& slot) {
 }
 
 void GpuExecutor::PollAll() {
-  std::lock_guard<std::mutex> lock(release_mu_);
-  PollAllLocked();
+  // Skipped while a release holds the lock (it may wait on its device): the poll never blocks.
+  std::unique_lock<std::mutex> lock(release_mu_, std::try_to_lock);
+  if (lock.owns_lock()) PollAllLocked();
 }
 
 void GpuExecutor::PollAllLocked() {
@@ -533,8 +534,10 @@ void GpuExecutor::Break(uint64_t call, const std::string& reason, std::optional<
 }
 
 void GpuExecutor::Watch() {
-  std::lock_guard<std::mutex> held(release_mu_);
-  if (released()) return;
+  // A group being released is skipped, not waited for: its release may wait on its device, and the
+  // watchdog must go on breaking the other groups' hangs meanwhile.
+  std::unique_lock<std::mutex> held(release_mu_, std::try_to_lock);
+  if (!held.owns_lock() || released()) return;
   PollAllLocked();
   std::unique_lock<std::mutex> lock(broken_mu_);
   if (broken_.empty() || released_) return;

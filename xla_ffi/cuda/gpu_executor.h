@@ -88,9 +88,10 @@ class GpuExecutor {
   // on the device, nor on a host wait longer than a lock.
   void Watch();
   // The engine's shutdown (GpuEngine::Shutdown, gpu_release.cc), from its thread, with no rank
-  // inside a call and the watchdog stopped. Drained: nothing the group made is still in use on a
-  // device (never blocks; *busy says what is). Release: once drained, every link's communicators
-  // ended and everything the set-up and stage 1 made released; PollAll does nothing afterwards.
+  // inside a call (the watchdog may still run: Release holds release_mu_, which Watch and PollAll
+  // try). Drained: nothing the group made is still in use on a device (never blocks; *busy says
+  // what is). Release: once drained, every link's communicators ended and everything the set-up
+  // and stage 1 made released; PollAll and Watch do nothing afterwards.
   bool Drained(std::string* busy);
   Status Release(double timeout_s);
   bool released() const { return released_all_.load(std::memory_order_acquire); }
@@ -219,8 +220,9 @@ class GpuExecutor {
   FaultCounter absent_calls_;  // the group's calls per rank, for injected rank:absent
   SetupOnce setup_;  // the group's set-up (streams, events, NCCL communicators, pinned pools)
   DeviceLedger ledger_{api_};  // what SetupAll made itself (the links keep their own)
-  // Release against the watchdog and stats(): held by Release, Watch and PollAll, so that nothing
-  // polls an event Release destroys (the watchdog runs on while a shutdown keeps other groups).
+  // Release against the watchdog and stats(): held by Release; Watch and PollAll only try it and
+  // skip the group when it is held, so nothing polls an event Release destroys, and nothing waits
+  // behind a release that waits on its device (the watchdog runs on while other groups are kept).
   std::mutex release_mu_;
   std::atomic<bool> released_all_{false};  // Release ran: nothing of the group is left to poll
 

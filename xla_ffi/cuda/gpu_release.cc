@@ -4,6 +4,8 @@
 // operations, and memory freed under a copy still running would be a use after free on the device.
 // A group that does not drain (a hung range, a peer's device that never came) keeps everything, and
 // the shutdown says so.
+#include <algorithm>
+#include <chrono>
 #include <functional>
 
 #include "xla_ffi/cuda/gpu_executor.h"
@@ -36,11 +38,16 @@ template <class Channels>
 Status ReleaseGroup(DeviceApi& api, DeviceLedger& ledger, Channels& channels, const std::function<Status()>& profile,
                     double timeout_s) {
   DeviceGuard guard(api);
+  // One deadline for all the links (a link set may hold several nccl links).
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   Status first;
   auto keep = [&](Status s, const std::string& what) {
     if (!s.ok() && first.ok()) first = Status(s.code(), what + ": " + s.message());
   };
-  for (auto& channel : channels) keep(channel->Release(timeout_s), "the " + std::string(channel->link_name()) + " link");
+  for (auto& channel : channels)
+    keep(channel->Release(std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count())),
+         "the " + std::string(channel->link_name()) + " link");
   keep(profile(), "stage 1's events");
   keep(ledger.Release(), "the group's streams, events and flags");
   return first;

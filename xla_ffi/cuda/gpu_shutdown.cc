@@ -4,8 +4,9 @@
 //      returns at its arrival's deadline, which is why the whole shutdown has one);
 //   3. the devices: every group's streams idle and events complete (gpu_release.cc), with the
 //      watchdog still running, so a hung range breaks its group and its streams drain;
-//   4. each drained group released, under the engine's lock (stats() polls under it) and the
-//      group's own (its watchdog tick takes it), so nothing polls an event being destroyed;
+//   4. each drained group released under its own lock, which its watchdog tick and stats()'s
+//      poll try (skipping the group while it is held), so nothing polls an event being destroyed
+//      and nothing waits behind a release; not under the engine's lock;
 //   5. once every group is released: the watchdog stopped and joined, then the device's shared
 //      pools. A group kept keeps the watchdog too, so that a later shutdown can release it.
 #include <algorithm>

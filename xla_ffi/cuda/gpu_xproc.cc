@@ -833,8 +833,8 @@ void GpuXprocGroup::ReleaseHangFlags() {
 }
 
 void GpuXprocGroup::Watch() {
-  std::lock_guard<std::mutex> held(release_mu_);
-  if (!setup_.ready() || released()) return;
+  std::unique_lock<std::mutex> held(release_mu_, std::try_to_lock);  // as GpuExecutor::Watch
+  if (!held.owns_lock() || !setup_.ready() || released()) return;
   for (int r : local_) PollHangs(r);
   // Broken here or in another process (a hang there, or a dead peer): this process's streams may
   // wait on peers that will never come, and only aborting the communicators releases them.
@@ -892,6 +892,10 @@ std::optional<plan::CostModel> SeedForGroup(const GpuXprocGroup& group, const pl
 
 Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment, std::vector<CommId> ids,
                 std::span<const int64_t> devices) {
+  // A group set up after the shutdown would never be released (nor could it run a call).
+  if (engine.shut_down())
+    return Status::FailedPrecondition("flexlink: GPU group " + FormatIds(devices) +
+                                      " across processes: FlexLink's GPU engine was shut down in this process");
   GroupInfo info;
   info.ids.assign(devices.begin(), devices.end());
   for (int r = 0; r < static_cast<int>(devices.size()); ++r)

@@ -131,10 +131,13 @@ Status SimDevice::AllocPinnedHost(size_t bytes, void** ptr) {
 
 Status SimDevice::DestroyStream(gpu::Stream stream) {
   SimStream* s = S(stream);
+  bool pending;
   {
     std::lock_guard<std::mutex> lock(s->mu);
-    if (s->enqueued != s->done) Error("sim: a stream of device " + std::to_string(s->device) + " destroyed with work pending");
+    pending = s->enqueued != s->done;
   }
+  // Error takes mu_, which Free holds while it takes a stream's: never under the stream's lock.
+  if (pending) Error("sim: a stream of device " + std::to_string(s->device) + " destroyed with work pending");
   if (s->destroyed.exchange(true)) {
     Error("sim: a stream destroyed twice");
     return Status::Internal("sim: stream destroyed twice");
@@ -146,11 +149,12 @@ Status SimDevice::DestroyStream(gpu::Stream stream) {
 
 Status SimDevice::DestroyEvent(gpu::Event event) {
   SimEvent* e = E(event);
+  bool pending;
   {
     std::lock_guard<std::mutex> lock(e->mu);
-    if (e->recorded != 0 && !e->done.count(e->recorded) && (e->done.empty() || e->done.begin()->first < e->recorded))
-      Error("sim: an event of device " + std::to_string(e->device) + " destroyed before its last record completed");
+    pending = e->recorded != 0 && !e->done.count(e->recorded) && (e->done.empty() || e->done.begin()->first < e->recorded);
   }
+  if (pending) Error("sim: an event of device " + std::to_string(e->device) + " destroyed before its last record completed");
   if (e->destroyed.exchange(true)) {
     Error("sim: an event destroyed twice");
     return Status::Internal("sim: event destroyed twice");
