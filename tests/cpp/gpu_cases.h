@@ -188,7 +188,8 @@ inline CollectiveArgs RankArgs(const Case& c, std::span<const int64_t> groups, s
 // instead of the random ones (special values), which Inputs() then does not regenerate.
 inline std::vector<Status> RunRanks(gpu::GpuEngine& engine, Harness& h, const Case& c,
                                     std::vector<std::vector<std::vector<uint8_t>>>* out, int skip = -1,
-                                    const std::vector<std::vector<std::vector<uint8_t>>>* inputs = nullptr) {
+                                    const std::vector<std::vector<std::vector<uint8_t>>>* inputs = nullptr,
+                                    const std::function<void(int)>& before_call = {}) {
   const int n = h.ranks;
   std::vector<int64_t> groups, sizes{n};
   for (int r = 0; r < n; ++r) groups.push_back(r);
@@ -220,6 +221,7 @@ inline std::vector<Status> RunRanks(gpu::GpuEngine& engine, Harness& h, const Ca
     if (r != skip) threads.emplace_back([&, r] {
       std::vector<OperandRequest> ops;
       const CollectiveArgs a = RankArgs(c, groups, sizes, r, run, "test", flat, din[r], dout[r], out_dims[r], &ops);
+      if (before_call) before_call(r);  // a rank held back (the shutdown's refusal)
       status[r] = engine.Run(a, h.streams[r]);
     });
   for (auto& t : threads) t.join();

@@ -91,6 +91,8 @@ struct Shared {
   // Mode 17: per process, the group call at which its health said nccl was degraded (0) and
   // healthy again (1); 0: never.
   std::atomic<int64_t> health_at[2][8];
+  // Mode 24: the closing process has shut its engine down; the others have checked their call.
+  std::atomic<int32_t> shut_down, checked;
 };
 
 struct Scenario {
@@ -114,7 +116,8 @@ struct Scenario {
                  // 20: a process's devices never reach a call (the break names its ranks); 21: the
                  // same at a call that runs stage 1's phase first; 22: stage 1 with one process
                  // unable to make its scratch (every rank skips the phase, the group stays usable);
-                 // 23: the engine's shutdown in every process after its calls
+                 // 23: the engine's shutdown in every process after its calls; 24: one process's
+                 // shutdown while the others wait at a call (they see its ranks closed)
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -998,6 +1001,60 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       Expect(st2.code() == StatusCode::kFailedPrecondition && st2.message().find("was shut down") != std::string::npos,
              who + ": a later call refused: " + st2.message());
     for (const std::string& e : L.device.TakeErrors()) Expect(false, who + ": simulation: " + e);
+  } else if (s.mode == 24) {
+    // The last process shuts its engine down 0.3 s after call 1 and stays alive, while the others'
+    // ranks already wait at call 2's arrival: they must fail as soon as it closes its ranks in the
+    // segment (the global timeout is 60 s here), naming them and the shutdown. The group is then
+    // broken for the others, and their own shutdown releases their part of it.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{1000}}, 0, {}, false};
+    L.Check(c, ++run, s.what + ": call 1");
+    const int closer = s.processes - 1;
+    const std::string who = s.what + ": process " + std::to_string(p);
+    auto released = [&](const gpu::ShutdownReport& r) {
+      Expect(r.released.size() == 1 && r.kept.empty() && r.errors.empty(),
+             who + ": its part of the group released (" + (r.released.empty() ? std::string("none") : r.released[0]) + ")");
+      for (const std::string& e : r.errors) Expect(false, who + ": " + e);
+      for (const std::string& e : r.kept) Expect(false, who + ": " + e);
+      Expect(L.device.live() == before && L.comm.live() == 0 && L.device.registered() == 0,
+             who + ": everything the engine made released (left: " + L.device.Describe(L.device.live()) + ")");
+    };
+    auto await = [&](std::atomic<int32_t>& word, int value) {
+      const auto t0 = Clock::now();
+      while (word.load() < value && Seconds(t0) < 30) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return word.load() >= value;
+    };
+    if (p == closer) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      released(L.engine->Shutdown(10));
+      shared->shut_down.store(1);
+      // Alive until the others checked: their waits must learn of the shutdown from the segment,
+      // not from this process's exit.
+      Expect(await(shared->checked, s.processes - 1), who + ": the others checked their call 2");
+    } else {
+      std::vector<std::vector<std::vector<uint8_t>>> out;
+      const auto t0 = Clock::now();
+      const auto status = L.Run(c, &out, ++run);
+      const double took = Seconds(t0);
+      Expect(shared->shut_down.load() == 1, who + ": call 2 returned after the last process's shutdown");
+      const std::string first = "rank " + std::to_string(closer * s.per_process) + " (device ";
+      for (size_t i = 0; i < status.size(); ++i) {
+        const std::string& m = status[i].message();
+        Expect(!status[i].ok() && took < 2.3 && m.find(first) != std::string::npos &&
+                   m.find("left at the shutdown of FlexLink's GPU engine in") != std::string::npos &&
+                   m.find("before arriving at step 0 of the call") != std::string::npos &&
+                   m.find("jax_flexlink.shutdown()") != std::string::npos,
+               who + ": call 2 fails at once on rank " + std::to_string(L.local[i]) + " (" + std::to_string(took) +
+                   " s, the global timeout 60 s), naming the closed ranks: " + m);
+      }
+      const auto t1 = Clock::now();
+      for (const Status& st2 : L.Run(c, &out, ++run))
+        Expect(!st2.ok() && st2.message().find("broken") != std::string::npos && Seconds(t1) < 1,
+               who + ": call 3 fails at once, the group broken: " + st2.message());
+      if (p == 0) std::printf("  %s: call 2 failed in %.3f s\n", s.what.c_str(), took);
+      shared->checked.fetch_add(1);
+      released(L.engine->Shutdown(10));
+    }
+    for (const std::string& e : L.device.TakeErrors()) Expect(false, who + ": simulation: " + e);
   } else if (s.mode == 10) {
     // Injected rank:absent across processes: the group's last rank (in the last process) stays away
     // from call 2. Every other rank, in every process, times out at the arrival naming it; the absent
@@ -1434,6 +1491,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie stage 1, a process cannot time it", 2, per, "nccl@staging_mib=0.0625;pcie", 14});
     RunScenario({shape + "nccl;pcie stage 1, a process cannot make its scratch", 2, per, "nccl@staging_mib=0.0625;pcie", 22});
     RunScenario({shape + "nccl;pcie shutdown", 2, per, "nccl@staging_mib=0.0625;pcie", 23, 10});
+    RunScenario({shape + "nccl;pcie, a peer's shutdown", 2, per, "nccl@staging_mib=0.0625;pcie", 24});
     RunScenario({shape + "nccl;pcie stage 1 from the tuning cache", 2, per, "nccl@staging_mib=0.0625;pcie", 15});
     RunScenario({shape + "links configured after the set-up", 2, per, "nccl@staging_mib=0.0625", 16});
     RunScenario({shape + "nccl;pcie health across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 17});

@@ -43,8 +43,8 @@ std::string CallContext::Where(std::string_view link) const {
       s += descs_[r].Describe() + " ";
       break;
     }
-  s += "on group " + FormatIds(comm_->devices()) + " (link " + std::string(link) + ", run " +
-       std::to_string(run_id_) + ", call " + std::to_string(seq_) + " on this group)";
+  s += "on group " + FormatIds(comm_->devices()) + " (" + (link.empty() ? "" : "link " + std::string(link) + ", ") +
+       "run " + std::to_string(run_id_) + ", call " + std::to_string(seq_) + " on this group)";
   return s;
 }
 
@@ -76,7 +76,7 @@ Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, std::condition_v
   const bool lane_first = lane_deadline < deadline;
   const bool ok = cv.wait_until(lock, lane_first ? lane_deadline : deadline,
                                 [&] { return done() || abandoned_ || (lane && lane->aborted); });
-  if (abandoned_) return Status::DeadlineExceeded(error_);
+  if (abandoned_) return Abandoned();
   if (lane && lane->aborted) return Status::DeadlineExceeded(lane->error);
   if (ok) return Status::Ok();
   char secs[32];
@@ -145,7 +145,7 @@ Status CallContext::WaitLane(int rank, int lane_index, std::string_view link) {
   const TimePoint lane_deadline = LaneDeadline(lane);
   const TimePoint global = Deadline();
   cv_.wait_until(lock, std::min(lane_deadline, global), [&] { return abandoned_ || lane.aborted; });
-  if (abandoned_) return Status::DeadlineExceeded(error_);
+  if (abandoned_) return Abandoned();
   if (!lane.aborted) {
     char secs[32];
     std::snprintf(secs, sizeof secs, "%g", lane_deadline < global ? lane.budget_s : TimeoutSeconds());
@@ -162,13 +162,22 @@ bool CallContext::HasArrived(int rank) {
   return present_[rank] != 0;
 }
 
+void CallContext::Refuse(int rank, std::string_view reason, StatusCode code) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (abandoned_) return;
+  abandoned_ = true;
+  abandon_code_ = code;
+  error_ = Where("") + ": " + RankList({rank}) + " " + std::string(reason);
+  WakeAll();
+}
+
 Status CallContext::WaitAbandoned(int rank) {
   std::unique_lock<std::mutex> lock(mu_);
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(std::min(1.5 * TimeoutSeconds(), 1e9)));
   cv_.wait_until(lock, deadline, [&] { return abandoned_; });
-  if (abandoned_) return Status::DeadlineExceeded(error_);
+  if (abandoned_) return Abandoned();
   return Status::DeadlineExceeded(Where("") + ": rank " + std::to_string(rank) +
                                   " stayed away (injected rank:absent) and no peer timed out");
 }
@@ -178,9 +187,9 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (abandoned_)
-      return Status::DeadlineExceeded(ErrorPrefix(label_) + "rank " + std::to_string(rank) +
-                                      " (device " + std::to_string(comm_->devices()[rank]) +
-                                      ") arrived after the call was abandoned: " + error_);
+      return Status(abandon_code_, ErrorPrefix(label_) + "rank " + std::to_string(rank) + " (device " +
+                                       std::to_string(comm_->devices()[rank]) +
+                                       ") arrived after the call was abandoned: " + error_);
     descs_[rank] = desc;
     present_[rank] = 1;
     const int arrived = ++arrived_;
@@ -268,7 +277,7 @@ uint64_t CallContext::barriers_passed(int lane) {
 
 Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, std::string_view link) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (abandoned_) return Status::DeadlineExceeded(error_);
+  if (abandoned_) return Abandoned();
   Lane& lane = lanes_[lane_index];
   if (lane.aborted) return Status::DeadlineExceeded(lane.error);
   const uint64_t generation = lane.generation;
@@ -318,7 +327,7 @@ void CallContext::Advance(int rank, int lane_index) {
 Status CallContext::WaitProgress(int rank, int lane_index, std::span<const int> peers, uint64_t value,
                                  std::string_view what, std::string_view link) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (abandoned_) return Status::DeadlineExceeded(error_);
+  if (abandoned_) return Abandoned();
   Lane& lane = lanes_[lane_index];
   if (lane.aborted) return Status::DeadlineExceeded(lane.error);
   auto there = [&] {

@@ -72,6 +72,10 @@ class CallContext {
   Status WaitLane(int rank, int lane, std::string_view link);
   // Whether `rank` has published its arrival (a failed single-link call may or may not have).
   bool HasArrived(int rank);
+  // For a rank that will never arrive (its engine refused the call: the GPU engine's shutdown):
+  // abandons the call at once for every rank, waiting or still to come, with `reason` after the
+  // call and the rank's name and with `code`, as its deadline would later.
+  void Refuse(int rank, std::string_view reason, StatusCode code);
   // For a rank that does not arrive (fault injection's rank:absent): waits until the others abandon
   // the call at their deadline and returns their error (naming this rank), or its own after 1.5 x
   // the timeout.
@@ -162,6 +166,8 @@ class CallContext {
   std::vector<Lane> lanes_;
   bool abandoned_ = false;  // a wait timed out: later arrivals fail at once instead of hanging
   std::string error_;
+  StatusCode abandon_code_ = StatusCode::kDeadlineExceeded;  // a timeout's, or Refuse's
+  Status Abandoned() const { return Status(abandon_code_, error_); }
   std::shared_ptr<void> scratch_;
   std::shared_ptr<void> executor_state_;
   std::vector<TimePoint> dispatch_;

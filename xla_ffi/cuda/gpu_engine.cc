@@ -187,11 +187,14 @@ Status GpuEngine::Run(const CollectiveArgs& args, Stream stream) {
     std::atomic<int>& active;
     ~Leave() { active.fetch_sub(1, std::memory_order_seq_cst); }
   } leave{active_};
-  if (closed_.load(std::memory_order_seq_cst))
-    return Status::FailedPrecondition(
-        ErrorPrefix(args.label) + std::string(Name(args.request.kind)) +
-        ": FlexLink's GPU engine was shut down in this process (jax_flexlink.shutdown(), or the interpreter's "
-        "exit), so no FlexLink collective runs on its GPUs any more; the jax.lax collectives still do");
+  if (closed_.load(std::memory_order_seq_cst)) {
+    constexpr std::string_view kShutDown =
+        "FlexLink's GPU engine was shut down in this process (jax_flexlink.shutdown(), or the interpreter's exit), so "
+        "no FlexLink collective runs on its GPUs any more; the jax.lax collectives still do";
+    TellRefused(args, std::string("was refused: ") + std::string(kShutDown));
+    return Status::FailedPrecondition(ErrorPrefix(args.label) + std::string(Name(args.request.kind)) + ": " +
+                                      std::string(kShutDown));
+  }
   // No input may abort the process (the CPU engine's rule): exceptions become this rank's error.
   try {
     return RunOrThrow(args, stream);

@@ -113,6 +113,10 @@ class GpuEngine {
   void StartWatchdog();
 
  private:
+  // A call refused after the shutdown never arrives: its peers already inside the engine learn it
+  // at once (its in-process call abandoned with `reason`, or its rank closed in the segment of a
+  // group across processes), instead of at their deadline, which the shutdown would wait for.
+  void TellRefused(const CollectiveArgs& args, std::string_view reason);
   Status RunOrThrow(const CollectiveArgs& args, Stream stream);
   Status GetGroup(std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
   std::unique_ptr<GpuExecutor> MakeGroup(std::shared_ptr<const GpuLinkSet> links, const std::vector<int64_t>& ids);

@@ -10,6 +10,7 @@
 
 #include "xla_ffi/cuda/gpu_executor.h"
 #include "xla_ffi/cuda/gpu_xproc.h"
+#include "xla_ffi/xproc/process_group.h"
 
 namespace flexlink::gpu {
 namespace {
@@ -82,7 +83,11 @@ Status GpuExecutor::Release(double timeout_s) {
 }
 
 // A group across processes: this process's part only. Its peers keep theirs; the next call they
-// make finds this process's ranks gone (their arrival names them), as after an exit.
+// make finds this process's ranks closed (the shutdown closed them before draining), and their
+// arrival names them at once, as after an exit.
+void GpuXprocGroup::Close() { segment_->Close(); }
+void GpuXprocGroup::CloseRank(int rank) { segment_->Close(rank); }
+
 bool GpuXprocGroup::Drained(std::string* busy) {
   if (released()) return true;
   return GroupDrained(ledger_, profiler_->EventsDrained(), channels_, busy);

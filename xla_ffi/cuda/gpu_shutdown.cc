@@ -1,7 +1,11 @@
 // The engine's shutdown (GpuEngine::Shutdown): the order matters.
-//   1. close: every later call is refused (Run checks after counting itself in, so none slips past);
-//   2. the host: calls already inside Run return (a rank waiting for a peer that was refused
-//      returns at its arrival's deadline, which is why the whole shutdown has one);
+//   1. close: every later call is refused (Run checks after counting itself in, so none slips past),
+//      and its peers inside the engine are told at once (TellRefused);
+//   2. the host: calls already inside Run return (a rank waiting for a peer process's rank returns
+//      when that rank arrives, when its process closes its ranks at its own step 2, or at the
+//      arrival's deadline, which is why the whole shutdown has one); then this process's ranks of
+//      every group across processes are closed in the segment, so that the other processes'
+//      waits for them fail at once, naming the shutdown (xproc::ProcessGroup::Close);
 //   3. the devices: every group's streams idle and events complete (gpu_release.cc), with the
 //      watchdog still running, so a hung range breaks its group and its streams drain;
 //   4. each drained group released under its own lock, which its watchdog tick and stats()'s
@@ -15,8 +19,11 @@
 #include <functional>
 #include <thread>
 
+#include "xla_ffi/core/call.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/rendezvous.h"
 #include "xla_ffi/cuda/gpu_engine.h"
+#include "xla_ffi/cuda/gpu_executor.h"
 #include "xla_ffi/cuda/gpu_xproc.h"
 
 namespace flexlink::gpu {
@@ -60,6 +67,32 @@ bool GpuEngine::HasGroups() {
   return !GpuXprocGroupsOf(*this).empty();
 }
 
+void GpuEngine::TellRefused(const CollectiveArgs& args, std::string_view reason) {
+  // Never an error of its own: the refusal is the caller's answer, and a call that could not have
+  // run anyway (bad groups, a group never set up) has nobody waiting for it.
+  try {
+    std::span<const int64_t> members;
+    int rank = 0;
+    if (!ResolveGroup(args.groups, args.group_sizes, args.device, args.label, &members, &rank).ok() ||
+        members.size() < 2)
+      return;
+    std::shared_ptr<const GpuLinkSet> links = CurrentLinks();
+    if (GpuXprocGroup* x = FindGpuXprocGroup(*this, members, args.links_version, links.get())) {
+      x->CloseRank(rank);
+      return;
+    }
+    GpuExecutor* group = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = groups_.find({links->version, std::vector<int64_t>(members.begin(), members.end())});
+      if (it == groups_.end()) return;
+      group = it->second.get();
+    }
+    group->comm().Join(rank, args.run_id, args.label)->Refuse(rank, reason, StatusCode::kFailedPrecondition);
+  } catch (const std::exception&) {
+  }
+}
+
 ShutdownReport GpuEngine::Shutdown(double timeout_s) {
   std::lock_guard<std::mutex> once(shutdown_mu_);
   ShutdownReport report;
@@ -100,8 +133,10 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
     std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
   }
 
-  // Every call that could make a group has returned: the list is complete.
+  // Every call that could make a group has returned: the list is complete, and no local rank
+  // arrives anywhere again, which the other processes' waits for these ranks now learn at once.
   std::vector<Held> groups = collect();
+  for (GpuXprocGroup* g : GpuXprocGroupsOf(*this)) g->Close();
   // The devices: polled, never waited on (a hung stream must not hold the shutdown past its deadline).
   for (int polls = 0;; ++polls) {
     bool all = true;

@@ -396,8 +396,8 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
       watch.timeout_s = std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
       watch.check = [&]() -> std::string {
         if (std::optional<std::string> b = seg.broken()) return "the group failed in another process: " + *b;
-        exited = seg.ExitedRanks();
-        return exited.empty() ? std::string() : names(exited) + " exited before or while joining it";
+        exited = seg.LeftRanks();
+        return exited.empty() ? std::string() : seg.DescribeLeft(exited) + " before or while joining it";
       };
       Status s = nccl->SetupAcrossProcesses(comm_ids_[k], local_, watch);
       if (s.code() == StatusCode::kUnavailable)
@@ -774,7 +774,7 @@ void GpuXprocGroup::PollHangs(int rank) {
         oldest->clock,
         [&] { return api_.Query(oldest->profiled ? oldest->before : oldest->start, &error) == Poll::kDone; }, *board_,
         rank, oldest->call,
-        [&] { return segment_->ExitedRanks(); });
+        [&] { return segment_->LeftRanks(); });
     if (clock.state == ClockReading::kPeersLate) {
       PeersLate(*oldest, rank, clock);
     } else if (clock.state == ClockReading::kRunning) {

@@ -122,7 +122,12 @@ class GpuXprocGroup {
   // the watchdog stopped. Release ends this process's communicators and releases what its set-up
   // made, including the segment's registration as pinned memory; the segment stays mapped (host
   // memory of this process only: its name was unlinked once every process had mapped it), and the
-  // group refuses later calls. Other processes are not told: their next call finds this one gone.
+  // group refuses later calls. Close, earlier (once no call of this process is inside the engine):
+  // this process's ranks arrive at nothing more, and the other processes' waits for them fail at
+  // once naming the shutdown (xproc::ProcessGroup::Close), not at their deadline.
+  // CloseRank: one local rank, whose call the closed engine refused (it arrives at nothing more).
+  void Close();
+  void CloseRank(int rank);
   bool Drained(std::string* busy);
   Status Release(double timeout_s);
   bool released() const { return released_all_.load(std::memory_order_acquire); }

@@ -22,8 +22,9 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // stage-1 fits in the plan slot, failover masks per round parity (several failover rounds);
 // 6: GPU groups' stage 1 (the profile fields of the plan slot, ProfileTimes); 7: the plan slot's
 // measured and profiled bytes; 8: the rank blocks' device_reached (GPU groups' hang detector);
-// 9: GPU groups' stage-1 agreement (TimesSlot::failed[1] and a barrier in every profiling call)
-inline constexpr uint32_t kLayoutVersion = 9;
+// 9: GPU groups' stage-1 agreement (TimesSlot::failed[1] and a barrier in every profiling call);
+// 10: the rank blocks' `closed` (a GPU engine's shutdown, seen by the other processes' waits)
+inline constexpr uint32_t kLayoutVersion = 10;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -126,6 +127,10 @@ struct alignas(64) RankBlock {
   std::atomic<int32_t> pid;       // 0 until the rank's process attached
   int64_t device;
   int32_t process_index;
+  // Nonzero once the rank's process shut its GPU engine down (GpuEngine::Shutdown, after the calls
+  // inside it returned): the rank arrives at nothing more, so a peer waiting for it fails at once,
+  // as for an exited process, instead of at its deadline. Written by the rank's process only.
+  std::atomic<uint32_t> closed;
   // steady_clock nanoseconds (CLOCK_MONOTONIC: one clock for every process of the host) of this
   // rank's arrival at a call, by the parity of the call's first step: written before the release of
   // `arrived`, read by the leader after its acquire (straggler detection, core/stragglers.h). The

@@ -206,19 +206,52 @@ std::optional<std::string> ProcessGroup::broken() const {
   return broken_;
 }
 
-std::vector<int> ProcessGroup::ExitedRanks() const {
+std::vector<int> ProcessGroup::LeftRanks() const {
   // One verdict per process, so that a process exiting during the scan is named with all its ranks
   // (checked rank by rank, its first ranks could pass as alive and its last as gone).
   std::vector<std::pair<int32_t, bool>> verdicts;
   std::vector<int> gone;
   for (int r = 0; r < size(); ++r) {
     if (is_local(r)) continue;
+    if (ranks_[r].closed.load(std::memory_order_acquire)) {
+      gone.push_back(r);
+      continue;
+    }
     const int32_t pid = ranks_[r].pid.load(std::memory_order_relaxed);
     auto it = std::find_if(verdicts.begin(), verdicts.end(), [&](const auto& v) { return v.first == pid; });
     if (it == verdicts.end()) it = verdicts.insert(verdicts.end(), {pid, ProcessGone(pid)});
     if (it->second) gone.push_back(r);
   }
   return gone;
+}
+
+std::string ProcessGroup::DescribeLeft(const std::vector<int>& ranks) const {
+  std::string exited, closed;
+  int n_closed = 0;
+  for (int r : ranks) {
+    const bool shut = ranks_[r].closed.load(std::memory_order_acquire) != 0;
+    std::string& to = shut ? closed : exited;
+    to += (to.empty() ? "" : ", ") + RankName(r);
+    n_closed += shut;
+  }
+  std::string s;
+  if (!exited.empty()) s = exited + " exited";
+  if (!closed.empty())
+    s += (s.empty() ? "" : ", and ") + closed + " left at the shutdown of FlexLink's GPU engine in " +
+         (n_closed > 1 ? "their process" : "its process");
+  return s;
+}
+
+void ProcessGroup::Close() {
+  for (int r = 0; r < size(); ++r)
+    if (is_local(r)) Close(r);
+}
+
+void ProcessGroup::Close(int rank) {
+  if (rank < 0 || rank >= size() || !is_local(rank) || ranks_[rank].closed.exchange(1, std::memory_order_acq_rel))
+    return;
+  // Waiters sleep on the counter of the rank they wait for, whichever it is.
+  for (int r = 0; r < size(); ++r) FutexWakeAll(&ranks_[r].arrived);
 }
 
 std::string ProcessGroup::RankName(int rank) const {
@@ -296,16 +329,24 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
       if (now >= next_liveness) {
         next_liveness = now + kSlice;
         std::vector<int> gone;
-        // Its arrival is read again after its process is seen gone: this thread may have been
-        // descheduled since missing() long enough for the rank to arrive, go on and exit (a peer
-        // killed right after enqueuing its call, on a loaded machine), and that is no failure here.
-        for (int m : missing())
-          if (ProcessGone(ranks_[m].pid.load(std::memory_order_relaxed)) && !arrived(m)) gone.push_back(m);
+        bool closed = false;
+        // Its arrival is read again after its process is seen gone or closed: this thread may have
+        // been descheduled since missing() long enough for the rank to arrive, go on and exit (a
+        // peer killed right after enqueuing its call, on a loaded machine), and that is no failure.
+        for (int m : missing()) {
+          const bool shut = ranks_[m].closed.load(std::memory_order_acquire) != 0;
+          if ((shut || ProcessGone(ranks_[m].pid.load(std::memory_order_relaxed))) && !arrived(m)) {
+            gone.push_back(m);
+            closed = closed || shut;
+          }
+        }
         if (!gone.empty())
-          return Status::Internal(where() + ": " + list(gone) + " exited" +
-                                  " before arriving at step " + std::to_string(step_of_call) +
-                                  " of the call (its process ended; the group is broken, later calls on it "
-                                  "fail at once)");
+          return Status::Internal(where() + ": " + DescribeLeft(gone) + " before arriving at step " +
+                                  std::to_string(step_of_call) + " of the call (" +
+                                  (closed ? "a process whose GPU engine was shut down, by jax_flexlink.shutdown() or "
+                                            "at its exit, takes no more calls"
+                                          : "its process ended") +
+                                  "; the group is broken, later calls on it fail at once)");
       }
       if (now >= deadline) {
         char secs[32];

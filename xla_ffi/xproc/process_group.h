@@ -98,10 +98,17 @@ class ProcessGroup {
   int processes() const { return static_cast<int>(header_->processes); }
   uint64_t calls() const;  // calls started by this process's ranks (the most of any local rank)
   // For waits outside the step protocol (the GPU engine's communicator set-up across processes,
-  // cuda/gpu_xproc.cc): the ranks whose attached process has exited (the barrier's liveness test),
-  // and a rank as messages name it ("rank 2 (device 2048, pid 12345)").
-  std::vector<int> ExitedRanks() const;
+  // cuda/gpu_xproc.cc): the ranks that will arrive at nothing more, their attached process exited or
+  // closed (the barrier's liveness test), each as messages name it ("rank 2 (device 2048, pid
+  // 12345) exited"), and a rank as messages name it ("rank 2 (device 2048, pid 12345)").
+  std::vector<int> LeftRanks() const;
+  std::string DescribeLeft(const std::vector<int>& ranks) const;
   std::string DescribeRank(int rank) const { return RankName(rank); }
+  // This process's ranks (or local rank `rank`) arrive at nothing more (its GPU engine's shutdown,
+  // once no call is inside it, or a call it refused): a peer waiting for one of them fails at once,
+  // naming the shutdown, as for an exited process.
+  void Close();
+  void Close(int rank);
   std::optional<std::string> broken() const;
 
  private:
