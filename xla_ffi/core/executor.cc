@@ -7,6 +7,7 @@
 
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/deadline.h"
 #include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/core/failover.h"
 #include "xla_ffi/core/pages.h"
@@ -51,8 +52,7 @@ void LinkWorker::Post(std::function<Status()> task) {
 
 Status LinkWorker::Wait(double timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(std::min(timeout_s, 1e9)));
+  const auto deadline = DeadlineAfter(timeout_s);
   if (!cv_.wait_until(lock, deadline, [&] { return done_; }))
     return Status::DeadlineExceeded("flexlink: a link worker did not finish its range within " +
                                     std::to_string(timeout_s) + " s");

@@ -7,6 +7,7 @@
 
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/deadline.h"
 
 namespace flexlink {
 
@@ -58,10 +59,7 @@ std::string CallContext::RankList(const std::vector<int>& ranks) const {
 }
 
 CallContext::TimePoint CallContext::Deadline() {
-  // Clamped so that an "infinite" setting cannot overflow the clock's integer nanoseconds.
-  return std::chrono::steady_clock::now() +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-             std::chrono::duration<double>(std::min(TimeoutSeconds(), 1e9)));
+  return DeadlineAfter(TimeoutSeconds());
 }
 
 // Waits for `done` up to `deadline`. On timeout the call is abandoned for everyone: waiting ranks
@@ -106,8 +104,7 @@ CallContext::TimePoint CallContext::LaneDeadline(const Lane& lane) const {
     if (arrived_ < n_) return TimePoint::max();  // before the arrival only the global deadline counts
     start = arrived_at_;
   }
-  return start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(std::min(lane.budget_s, 1e9)));
+  return start + ClampedSeconds(lane.budget_s);
 }
 
 void CallContext::SetLaneBudget(int lane, double budget_s) {
@@ -173,9 +170,7 @@ void CallContext::Refuse(int rank, std::string_view reason, StatusCode code) {
 
 Status CallContext::WaitAbandoned(int rank) {
   std::unique_lock<std::mutex> lock(mu_);
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::min(1.5 * TimeoutSeconds(), 1e9)));
+  const auto deadline = DeadlineAfter(1.5 * TimeoutSeconds());
   cv_.wait_until(lock, deadline, [&] { return abandoned_; });
   if (abandoned_) return Abandoned();
   return Status::DeadlineExceeded(Where("") + ": rank " + std::to_string(rank) +

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <thread>
 
+#include "xla_ffi/core/deadline.h"
+
 namespace flexlink::gpu {
 namespace {
 
@@ -38,8 +40,7 @@ Status CommApi::InitRanks(const CommId& id, int nranks, std::span<const int> ran
                           const JoinWatch& watch, std::vector<Comm>* comms) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(std::clamp(watch.timeout_s, 0.0, 1e9)));
+  const auto deadline = start + ClampedSeconds(watch.timeout_s);
   std::vector<Comm> made;
   Status s = InitRanksAsync(id, nranks, ranks, devices, &made);
   // Whatever InitRanksAsync made before failing is aborted too: NCCL frees a communicator in

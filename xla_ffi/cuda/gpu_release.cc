@@ -5,9 +5,9 @@
 // A group that does not drain (a hung range, a peer's device that never came) keeps everything, and
 // the shutdown says so.
 #include <algorithm>
-#include <chrono>
 #include <functional>
 
+#include "xla_ffi/core/deadline.h"
 #include "xla_ffi/cuda/gpu_executor.h"
 #include "xla_ffi/cuda/gpu_xproc.h"
 #include "xla_ffi/xproc/process_group.h"
@@ -40,14 +40,13 @@ Status ReleaseGroup(DeviceApi& api, DeviceLedger& ledger, Channels& channels, co
                     double timeout_s) {
   DeviceGuard guard(api);
   // One deadline for all the links (a link set may hold several nccl links).
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto deadline = DeadlineAfter(timeout_s);
   Status first;
   auto keep = [&](Status s, const std::string& what) {
     if (!s.ok() && first.ok()) first = Status(s.code(), what + ": " + s.message());
   };
   for (auto& channel : channels)
-    keep(channel->Release(std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count())),
+    keep(channel->Release(SecondsLeft(deadline)),
          "the " + std::string(channel->link_name()) + " link");
   keep(profile(), "stage 1's events");
   keep(ledger.Release(), "the group's streams, events and flags");

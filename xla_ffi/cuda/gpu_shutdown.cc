@@ -15,12 +15,12 @@
 //      pools. A group kept keeps the watchdog too, so that a later shutdown can release it.
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <functional>
 #include <thread>
 
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/deadline.h"
 #include "xla_ffi/core/rendezvous.h"
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_executor.h"
@@ -29,17 +29,7 @@
 namespace flexlink::gpu {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Left(Clock::time_point deadline) {
-  return std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
-}
-
-std::string Secs(double s) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", s);
-  return text;
-}
+using Clock = SteadyClock;
 
 // One group of either kind, as the shutdown sees it.
 struct Held {
@@ -101,8 +91,7 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
   closed_.store(true, std::memory_order_seq_cst);
   // Clamped as the engine's other deadlines are: a huge one would overflow the clock's count.
   timeout_s = std::min(std::max(0.0, timeout_s), 1e6);
-  const auto deadline =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto deadline = DeadlineAfter(timeout_s);
 
   auto collect = [&] {
     std::vector<Held> groups;
@@ -127,7 +116,7 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
       for (const Held& g : collect())
         if (!g.released())
           report.kept.push_back(g.name + ": not released: " + std::to_string(inside) + " call(s) still inside FlexLink on "
-                                "the host after " + Secs(timeout_s) + " s (a rank waiting for a peer that never came?)");
+                                "the host after " + FormatSeconds(timeout_s) + " s (a rank waiting for a peer that never came?)");
       return report;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
@@ -156,7 +145,7 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
     std::string what;
     if (groups[i].released() || groups[i].drained(&what)) continue;
     kept[i] = 1;
-    report.kept.push_back(groups[i].name + ": not released: " + what + " still busy after " + Secs(timeout_s) +
+    report.kept.push_back(groups[i].name + ": not released: " + what + " still busy after " + FormatSeconds(timeout_s) +
                           " s (a range that never completes: a hung link, or a peer's device that never reached the "
                           "call); it keeps its resources, and a later shutdown tries again");
     busy_devices.insert(busy_devices.end(), groups[i].devices.begin(), groups[i].devices.end());
@@ -172,7 +161,7 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
                             "tries again");
       continue;
     }
-    Status s = g.release(std::max(1.0, Left(deadline)));
+    Status s = g.release(std::max(1.0, SecondsLeft(deadline)));
     if (s.ok()) report.released.push_back(g.name);
     else report.errors.push_back(g.name + ": " + s.message());
   }

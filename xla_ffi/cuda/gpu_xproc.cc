@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/deadline.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/core/failover.h"
@@ -375,9 +376,7 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
   // peer that never comes ends them at the deadline, instead of a hang inside ncclCommInitRank.
   xproc::ProcessGroup& seg = *segment_;
   const double timeout = TimeoutSeconds();
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(std::min(timeout, 1e9)));
+  const auto deadline = DeadlineAfter(timeout);
   auto names = [&](const std::vector<int>& ranks) {
     std::string out;
     for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + seg.DescribeRank(ranks[i]);
@@ -393,7 +392,7 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
       MarkJoining(k);
       std::vector<int> exited;
       CommApi::JoinWatch watch;
-      watch.timeout_s = std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
+      watch.timeout_s = SecondsLeft(deadline);
       watch.check = [&]() -> std::string {
         if (std::optional<std::string> b = seg.broken()) return "the group failed in another process: " + *b;
         exited = seg.LeftRanks();

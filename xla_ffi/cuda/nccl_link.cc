@@ -1,8 +1,9 @@
 #include "xla_ffi/cuda/nccl_link.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
+
+#include "xla_ffi/core/deadline.h"
 
 namespace flexlink::gpu {
 namespace {
@@ -126,13 +127,11 @@ Status NcclChannel::Abort() {
 Status NcclChannel::Release(double timeout_s) {
   (void)breaker_.Break(Status::Internal("it was released by the engine's shutdown"));
   // One deadline for all the ranks' communicators, not `timeout_s` each.
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto deadline = DeadlineAfter(timeout_s);
   Status first;
   for (Rank& k : ranks_) {  // an aborted group's are gone already (null)
     if (!k.comm) continue;
-    const double left = std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
-    Status s = comm_.Destroy(k.comm, left);
+    Status s = comm_.Destroy(k.comm, SecondsLeft(deadline));
     if (!s.ok() && first.ok()) first = s;
     k.comm = nullptr;
   }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/deadline.h"
 
 namespace flexlink::gpu {
 
@@ -43,9 +44,7 @@ Status PcieGate::Await(Ready ready, std::string_view where, std::string_view wha
     if (aborted_.load()) break;
   }
   const double timeout = TimeoutSeconds();
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::min(timeout, 1e9)));
+  const auto deadline = DeadlineAfter(timeout);
   std::unique_lock<std::mutex> lock(mu_);
   sleepers_.fetch_add(1);
   std::atomic_thread_fence(std::memory_order_seq_cst);  // Publish's fence pairs with this one

@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "xla_ffi/core/deadline.h"
 #include "xla_ffi/core/status.h"
 
 namespace flexlink::gpu {
@@ -51,9 +52,7 @@ class SetupOnce {
       out.ran = true;
       return out;
     }
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(std::min(wait_s, 1e9)));
+    const auto deadline = DeadlineAfter(wait_s);
     if (!cv_.wait_until(lock, deadline, [&] { return done_; })) {
       out.timed_out = true;
       return out;

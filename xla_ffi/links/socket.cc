@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "xla_ffi/core/deadline.h"
+
 namespace flexlink::net {
 namespace {
 
@@ -30,8 +32,7 @@ sockaddr_in Loopback(uint16_t port) {
 }  // namespace
 
 Clock::time_point DeadlineIn(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(std::min(seconds, 1e9)));
+  return DeadlineAfter(seconds);
 }
 
 int PollMillis(Clock::time_point deadline) {

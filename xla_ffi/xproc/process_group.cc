@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/deadline.h"
 #include "xla_ffi/core/pages.h"
 #include "xla_ffi/xproc/fingerprint.h"
 #include "xla_ffi/xproc/futex.h"
@@ -297,8 +298,7 @@ Status ProcessGroup::AbortError(const Where& where) {
 Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, int step_of_call) {
   const double timeout = TimeoutSeconds();
   const Clock::time_point start = Clock::now();
-  const Clock::time_point deadline =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(timeout, 1e9)));
+  const Clock::time_point deadline = start + ClampedSeconds(timeout);
   Clock::time_point next_liveness = start;
   const int n = size();
   auto arrived = [&](int j) {

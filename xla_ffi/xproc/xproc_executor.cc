@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/deadline.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/core/failover.h"
@@ -409,7 +410,7 @@ class XprocExecutor {
 
   static Clock::time_point Deadline(double seconds) { return Clock::now() + Seconds(seconds); }
   static Clock::duration Seconds(double s) {
-    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
+    return ClampedSeconds(s);
   }
   // A link's predicted time for `bytes` (nccl-tests bytes): the leader's fit, else the unfitted one.
   static double Predicted(const std::vector<plan::AlphaBeta>& fits, size_t link, double bytes) {
@@ -718,9 +719,7 @@ XprocLinks XprocLinksOf(ProcessGroup* group) {
 }
 
 Status StayAway(ProcessGroup* group, int rank, uint64_t call, std::string_view label) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::min(1.5 * TimeoutSeconds(), 1e9)));
+  const auto deadline = DeadlineAfter(1.5 * TimeoutSeconds());
   while (!group->aborted() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   const std::optional<std::string> broken = group->broken();

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/deadline.h"
 
 namespace flexlink::gpu {
 
@@ -90,13 +91,7 @@ using Clock = std::chrono::steady_clock;
 // The engine's deadline (FLEXLINK_TIMEOUT_S) from now.
 Clock::time_point DeadlineFromNow(double* seconds) {
   *seconds = std::clamp(TimeoutSeconds(), 0.0, kMaxTimeoutSeconds);
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*seconds));
-}
-
-std::string Seconds(double s) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", s);
-  return text;
+  return DeadlineAfter(*seconds);
 }
 
 // Polling NCCL's state of a non-blocking communicator: yields first (a launch handed to NCCL's
@@ -259,7 +254,7 @@ Status NcclComm::InitAll(std::span<const int> devices, std::vector<Comm>* comms)
                                           std::to_string(n) + ": " + sym_->GetErrorString(state)));
         if (Clock::now() >= deadline)
           return give_up(Status::DeadlineExceeded("NCCL's communicators of " + std::to_string(n) +
-                                                  " ranks were not complete after " + Seconds(seconds) + " s"));
+                                                  " ranks were not complete after " + FormatSeconds(seconds) + " s"));
         Backoff(polls);
       }
     }
@@ -374,7 +369,7 @@ Status NcclComm::Settle(int r, std::span<const Comm> comms, const char* what) {
       if (state == ncclSuccess) break;
       if (state != ncclInProgress) return Status::Internal(std::string(what) + ": " + sym_->GetErrorString(state));
       if (Clock::now() >= deadline)
-        return Status::DeadlineExceeded(std::string(what) + ": still in progress after " + Seconds(seconds) +
+        return Status::DeadlineExceeded(std::string(what) + ": still in progress after " + FormatSeconds(seconds) +
                                         " s (NCCL connects a communicator's peers at its first operations and waits "
                                         "for them: a rank of the group that never issued its part?)");
       Backoff(polls);
@@ -464,14 +459,14 @@ Status NcclComm::Destroy(Comm comm, double timeout_s) {
   std::string why;
   if (sym_->CommFinalize) {
     ncclResult_t r = sym_->CommFinalize(c);
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+    const auto deadline = DeadlineAfter(timeout_s);
     for (int polls = 0; r == ncclInProgress && sym_->CommGetAsyncError; ++polls) {
       ncclResult_t state = ncclSuccess;
       if (sym_->CommGetAsyncError(c, &state) != ncclSuccess) break;
       r = state;
       if (r != ncclInProgress) break;
       if (Clock::now() >= deadline) {
-        why = "ncclCommFinalize still in progress after " + Seconds(timeout_s) + " s";
+        why = "ncclCommFinalize still in progress after " + FormatSeconds(timeout_s) + " s";
         break;
       }
       Backoff(polls);
