@@ -124,7 +124,9 @@ def test_dry_run_creates_outdir_and_runs_nothing(tmp_path):
     assert "cmake.define.FLEXLINK_CUDA=ON" in steps["build"]["note"] and "--no-build-isolation" in steps["build"]["note"]
     assert "-m jax_flexlink.topology" in steps["topology"]["note"]
     assert "-m pytest -q -m gpu" in steps["pytest"]["note"]
-    assert "jax_flexlink.bench --scenario gpu" in steps["bench"]["note"]
+    # The bench splits over both GPU links (the balancer's claim), not nccl alone (the GPU default).
+    assert "jax_flexlink.bench --scenario gpu --links nccl;pcie" in steps["bench"]["note"], steps["bench"]
+    assert "--target cuda_ranks_test cuda_pcie_bench" in steps["cpp-build"]["note"], steps["cpp-build"]
     assert (out / "summary.md").read_text().startswith("# gpu_check summary")
     assert not (out / "topology.json").exists()
 

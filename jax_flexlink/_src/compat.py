@@ -290,6 +290,12 @@ def lowering_for_export(ctx) -> bool:
   return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
 
 
+def backends_initialized() -> bool:
+  """Whether jax has created its backends (XLA reads the host device count only before that)."""
+  from jax._src import xla_bridge
+  return bool(xla_bridge.backends_are_initialized())
+
+
 def distributed_client():
   """The key-value store client of `jax.distributed.initialize`, or None in a single-process job.
 

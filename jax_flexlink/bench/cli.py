@@ -228,8 +228,8 @@ _REEXEC_ENV = "JAX_FLEXLINK_BENCH_REEXEC"
 
 def _backends_initialized() -> bool:
     try:
-        from jax._src import xla_bridge
-        return bool(xla_bridge.backends_are_initialized())
+        from jax_flexlink._src import compat
+        return compat.backends_initialized()
     except Exception:  # unknown: assume the worst
         return True
 

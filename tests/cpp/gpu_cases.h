@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -16,6 +17,7 @@
 
 #include "tests/cpp/check.h"
 #include "tests/cpp/reference.h"
+#include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/cuda/gpu_engine.h"
 
@@ -320,6 +322,43 @@ inline std::vector<Case> StandardCases(int n, size_t big) {
   cases.push_back({Kind::kReduceScatter, ReduceOp::kSum, {DType::kF64, DType::kU16}, {{2, N * 9}, {2, N * 3}}, 1, {}, false});
   cases.push_back({Kind::kAllToAll, ReduceOp::kSum, {DType::kF32, DType::kU8}, {{2, N * 64}, {3, N, 11}}, 1, {}, false});
   return cases;
+}
+
+// Stage 1 and stage 2 on the device, as a default configuration runs them (autotune on): the group's
+// first all_reduce of 1 MiB runs stage 1's phases on the ranks' streams, later calls read their
+// event times once complete, the fits are installed, and stage 2 plans from them. Every call's
+// result is checked meanwhile. Returns the fitted model (empty on failure) for the caller to print.
+inline std::optional<plan::CostModel> CheckStageOne(gpu::GpuEngine& engine, Harness& h, const std::string& links,
+                                                    const std::string& what, bool approx, int* calls_out) {
+  Status st = engine.ConfigureLinks(links);
+  Expect(st.ok(), what + ": configure " + links + ": " + st.message());
+  if (!st.ok()) return std::nullopt;
+  const uint64_t autotune = AutotuneMinBytes(), tune_max = TuneMaxBytes();
+  engine.SetAutotune(256 << 10);
+  engine.SetTuneMax(1 << 20);
+  const Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{262144}}, 0, {}, false};  // 1 MiB
+  std::vector<int64_t> group;
+  for (int r = 0; r < h.ranks; ++r) group.push_back(r);
+  int calls = 0;
+  const int failed = g_failed;
+  while (!engine.GroupModel(group).value_or(plan::CostModel()).Has(Kind::kAllReduce) && calls < 60 && g_failed == failed)
+    CheckCase(engine, h, c, what + ": call " + std::to_string(++calls), approx);
+  const std::optional<plan::CostModel> model = engine.GroupModel(group);
+  const bool fitted = model && model->Has(Kind::kAllReduce) && model->ProfiledBytes(Kind::kAllReduce) > 0 &&
+                      model->MeasuredThreshold(Kind::kAllReduce).has_value();
+  Expect(fitted, what + ": stage 1's fits installed (after " + std::to_string(calls) + " calls)");
+  if (fitted)
+    for (const plan::AlphaBeta& f : model->Fits(Kind::kAllReduce))
+      Expect(f.alpha >= 0 && f.beta > 0, what + ": a fit with a positive time per byte");
+  // Stage 2 from the fits: more calls, each right, and no plan left waiting for a profile.
+  for (int i = 0; i < 8; ++i) CheckCase(engine, h, c, what + ": after stage 1, call " + std::to_string(i + 1), approx);
+  bool profiling = false;
+  for (const auto& p : engine.SnapshotPlans()) profiling = profiling || p.plan.mode == plan::PlanMode::kProfile;
+  Expect(!profiling, what + ": no plan waits for a profile any more");
+  engine.SetAutotune(autotune);
+  engine.SetTuneMax(tune_max);
+  if (calls_out) *calls_out = calls;
+  return fitted ? model : std::nullopt;
 }
 
 // Pins `shares` for the bucket of every case (so the ranges of the split are exactly these).

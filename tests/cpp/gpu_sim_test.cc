@@ -702,6 +702,31 @@ void TestStageOne() {
   SetAutotuneMinBytes(0);
 }
 
+// cuda_ranks_test's stage-1 check (gpu_cases.h), on the simulation first, as it runs there: two
+// links across devices, and two pcie links (the only kind virtual ranks can share) across 3 ranks on
+// one device (one scratch pool, one device's streams).
+void TestStageOneCheck() {
+  const uint64_t autotune = AutotuneMinBytes();
+  for (const auto& [n, links] : std::vector<std::pair<int, std::string>>{
+           {2, "nccl;pcie@slot_mib=0.25"}, {3, "pcie@slot_mib=0.25;pcie:b@slot_mib=0.25"}}) {
+    const bool one_device = n == 3;
+    Sim s(n, {}, one_device);
+    const std::string what =
+        "stage 1 check, " + std::to_string(n) + " ranks" + (one_device ? " on one device, " : ", ") + links;
+    int calls = 0;
+    const auto model = CheckStageOne(*s.engine, s.h, links, what, false, &calls);
+    std::printf("  %s: fits after %d calls:", what.c_str(), calls);
+    if (model)
+      for (size_t i = 0; i < model->num_links(); ++i)
+        std::printf(" %s %.3g GB/s + %.3g us", model->links()[i].c_str(),
+                    model->Fits(Kind::kAllReduce)[i].bytes_per_second() / 1e9, model->Fits(Kind::kAllReduce)[i].alpha * 1e6);
+    std::printf("\n");
+    s.ExpectNoSimErrors(what);
+    s.ExpectScratchFreed(what);
+  }
+  Expect(AutotuneMinBytes() == autotune, "stage 1 check: autotune restored");
+}
+
 // Ranks that cannot make stage 1's scratch (its allocation fails, as on a GPU whose memory XLA
 // took): device `fails_on`, or every device. The ranks agree before any of them enqueues an NCCL
 // operation of the phase (AgreeProfile), so all skip it: the call runs on nccl alone and is right
@@ -1684,6 +1709,7 @@ int main(int argc, char** argv) {
   Timed("TestOutOfStep", TestOutOfStep);
   Timed("TestShutdown", TestShutdown);
   Timed("TestShutdownWhileBusy", TestShutdownWhileBusy);
+  Timed("TestStageOneCheck", TestStageOneCheck);
   Timed("TestCollectives", TestCollectives);
   return Summary();
 }

@@ -6,11 +6,16 @@
 //   - with 2+ GPUs, one rank per GPU: nccl alone, pcie alone, and both with pinned shares (NCCL's
 //     float reductions are compared with a tolerance: its order is not rank order).
 // NCCL refuses two ranks of one communicator on one device, so nccl needs 2+ GPUs (a SKIP line).
+// Stage 1 on the device (CheckStageOne, gpu_cases.h): with autotune on, the first 1 MiB all_reduce
+// profiles the links on the ranks' streams, the fits come from CUDA events read once complete, and
+// stage 2 plans from them; two pcie links on GPU 0's virtual ranks, and nccl;pcie across 2+ GPUs.
+// Everything else here pins its shares (autotune off), so that the suites test the links' ranges.
 // Each engine is then shut down (GpuEngine::Shutdown): every group released on the real runtime
 // (cudaStreamQuery, cudaStreamDestroy, cudaEventDestroy, cudaFree, cudaFreeHost, the scratch pools,
 // and with 2+ GPUs ncclCommFinalize and ncclCommDestroy), nothing kept, no error.
 #include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include "tests/cpp/cuda/cuda_harness.h"
 #include "xla_ffi/core/config.h"
@@ -36,6 +41,25 @@ void Suite(gpu::GpuEngine& engine, Harness& h, const std::string& links, const s
               std::chrono::duration<double>(Clock::now() - t0).count(), g_failed == before ? "ok" : "FAILED");
 }
 
+void StageOne(gpu::GpuEngine& engine, Harness& h, const std::string& links, const std::string& what, bool approx) {
+  const auto t0 = Clock::now();
+  const int before = g_failed;
+  int calls = 0;
+  const std::optional<plan::CostModel> model = CheckStageOne(engine, h, links, what, approx, &calls);
+  std::string fits;
+  if (model)
+    for (size_t i = 0; i < model->num_links(); ++i) {
+      char text[96];
+      const plan::AlphaBeta& f = model->Fits(Kind::kAllReduce)[i];
+      std::snprintf(text, sizeof text, "%s%s %.3g GB/s + %.3g us", i ? ", " : "", model->links()[i].c_str(),
+                    f.bytes_per_second() / 1e9, f.alpha * 1e6);
+      fits += text;
+    }
+  std::printf("  %-52s %4d calls %7.2f s  %s (all_reduce fits: %s)\n", what.c_str(), calls,
+              std::chrono::duration<double>(Clock::now() - t0).count(), g_failed == before ? "ok" : "FAILED",
+              fits.empty() ? "none" : fits.c_str());
+}
+
 void ExpectShutdown(gpu::GpuEngine& engine, const std::string& what, size_t groups) {
   const auto t0 = Clock::now();
   const gpu::ShutdownReport r = engine.Shutdown(30);
@@ -54,7 +78,7 @@ void ExpectShutdown(gpu::GpuEngine& engine, const std::string& what, size_t grou
 int main() {
   using namespace flexlink::testing;
   flexlink::SetTimeoutSeconds(60);
-  flexlink::SetAutotuneMinBytes(0);  // pinned shares; stage 1 is the sim test's and the Python tests'
+  flexlink::SetAutotuneMinBytes(0);  // pinned shares or equal ones, except in StageOne
   flexlink::SetTuneUseCache(false);
   UseNcclLibrary();
   std::string why;
@@ -73,6 +97,13 @@ int main() {
           std::to_string(n) + " virtual ranks on GPU 0, pcie", false);
     ExpectShutdown(engine, std::to_string(n) + " virtual ranks on GPU 0", 1);
   }
+  {
+    flexlink::gpu::GpuEngine engine(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl(), one_device);
+    Harness h = CudaHarness(3, one_device.device_of);
+    StageOne(engine, h, "pcie@slot_mib=0.25;pcie:b@slot_mib=0.25", "3 virtual ranks on GPU 0, stage 1 on two pcie links",
+             false);
+    ExpectShutdown(engine, "3 virtual ranks on GPU 0, stage 1", 1);
+  }
   if (gpus >= 2) {
     flexlink::gpu::GpuEngine engine(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl());
     Harness h = CudaHarness(gpus, [](int64_t id) { return static_cast<int>(id); });
@@ -82,6 +113,9 @@ int main() {
     Suite(engine, h, "nccl;pcie", {0.7, 0.3}, 1 << 20, n + "nccl;pcie 70/30", true);
     Suite(engine, h, "nccl@staging_mib=0.0625", {}, 1 << 18, n + "nccl staged in 64 KiB", true);
     ExpectShutdown(engine, n + "4 link sets", 4);
+    flexlink::gpu::GpuEngine staged(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl());
+    StageOne(staged, h, "nccl;pcie", n + "stage 1 on nccl;pcie", true);
+    ExpectShutdown(staged, n + "stage 1", 1);
   } else {
     std::printf("SKIP: nccl needs 2+ GPUs (NCCL refuses two ranks of one communicator on one GPU)\n");
   }
