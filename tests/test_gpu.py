@@ -244,7 +244,7 @@ def test_shutdown_releases_the_groups(two_gpus, flexlink_on_gpus):
         print("ok")
     """
     for mode in ("explicit", "at-exit"):
-        result = helpers.run_python(program.replace("sys.argv[-1]", repr(mode)), timeout=60)
+        result = helpers.run_python(program.replace("sys.argv[-1]", repr(mode)), timeout=100)
         assert result.returncode == 0 and "ok\nexit-check True True" in result.stdout, (mode, result.stdout, result.stderr)
         assert "flexlink: warning: at exit" not in result.stderr, (mode, result.stderr)
 

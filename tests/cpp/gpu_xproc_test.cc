@@ -91,8 +91,8 @@ struct Shared {
   // Mode 17: per process, the group call at which its health said nccl was degraded (0) and
   // healthy again (1); 0: never.
   std::atomic<int64_t> health_at[2][8];
-  // Mode 24: the closing process has shut its engine down; the others have checked their call.
-  std::atomic<int32_t> shut_down, checked;
+  // Mode 24: the closing process is shutting its engine down; the others have checked their call.
+  std::atomic<int32_t> closing, checked;
 };
 
 struct Scenario {
@@ -1025,8 +1025,8 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     };
     if (p == closer) {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      shared->closing.store(1);  // before: the others may fail as soon as its ranks are closed
       released(L.engine->Shutdown(10));
-      shared->shut_down.store(1);
       // Alive until the others checked: their waits must learn of the shutdown from the segment,
       // not from this process's exit.
       Expect(await(shared->checked, s.processes - 1), who + ": the others checked their call 2");
@@ -1035,11 +1035,11 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       const auto t0 = Clock::now();
       const auto status = L.Run(c, &out, ++run);
       const double took = Seconds(t0);
-      Expect(shared->shut_down.load() == 1, who + ": call 2 returned after the last process's shutdown");
+      Expect(shared->closing.load() == 1, who + ": call 2 returned after the last process's shutdown began");
       const std::string first = "rank " + std::to_string(closer * s.per_process) + " (device ";
       for (size_t i = 0; i < status.size(); ++i) {
         const std::string& m = status[i].message();
-        Expect(!status[i].ok() && took < 2.3 && m.find(first) != std::string::npos &&
+        Expect(!status[i].ok() && took < 0.3 + 2 * kSanitizerSlowdown && m.find(first) != std::string::npos &&
                    m.find("left at the shutdown of FlexLink's GPU engine in") != std::string::npos &&
                    m.find("before arriving at step 0 of the call") != std::string::npos &&
                    m.find("jax_flexlink.shutdown()") != std::string::npos,
@@ -1048,7 +1048,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       }
       const auto t1 = Clock::now();
       for (const Status& st2 : L.Run(c, &out, ++run))
-        Expect(!st2.ok() && st2.message().find("broken") != std::string::npos && Seconds(t1) < 1,
+        Expect(!st2.ok() && st2.message().find("broken") != std::string::npos && Seconds(t1) < kSanitizerSlowdown,
                who + ": call 3 fails at once, the group broken: " + st2.message());
       if (p == 0) std::printf("  %s: call 2 failed in %.3f s\n", s.what.c_str(), took);
       shared->checked.fetch_add(1);

@@ -211,8 +211,9 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
             },
             "arrive", link, deadline);
         if (!s.ok()) {
-          // Counted once per call, by whichever rank wakes first, with the ranks still missing.
-          if (!absence_counted_ && arrived_ < n_) {
+          // Counted once per call, by whichever rank wakes first, with the ranks still missing; a
+          // call refused by a closed engine (Refuse) counts nobody as a straggler.
+          if (!absence_counted_ && arrived_ < n_ && abandon_code_ == StatusCode::kDeadlineExceeded) {
             absence_counted_ = true;
             for (int r = 0; r < n_; ++r)
               if (!present_[r]) comm_->stragglers().RecordAbsent(r);

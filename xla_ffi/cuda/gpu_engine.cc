@@ -124,29 +124,32 @@ Status GpuEngine::GetGroup(std::span<const int64_t> devices, std::string_view la
       *out = ex;
       return Status::Ok();
     }
-  std::vector<int64_t> key(devices.begin(), devices.end());
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = groups_.find({links->version, key});
-    if (it == groups_.end()) {
-      FLEXLINK_RETURN_IF_ERROR(CheckDistinct(devices, label));
-      std::string why;
-      const int count = api_.DeviceCount(&why);
-      for (int64_t id : devices) {
-        const int dev = options_.device_of(id);
-        if (dev < 0 || dev >= count)
-          return Status::InvalidArgument(
-              ErrorPrefix(label) + "device " + std::to_string(id) + " of group " + FormatIds(devices) +
-              " is not a CUDA device of this process (" + std::to_string(count) + " visible" +
-              (why.empty() ? std::string() : ": " + why) +
-              "); FlexLink on GPU runs groups of the devices of one process");
-      }
-      it = groups_.emplace(std::make_pair(links->version, key), MakeGroup(links, key)).first;
-    }
-    *out = it->second.get();
-  }
+  FLEXLINK_RETURN_IF_ERROR(FindOrMakeGroup(links, devices, label, out));
   StartWatchdog();
-  cache.emplace_back(serial_, links->version, std::move(key), *out);
+  cache.emplace_back(serial_, links->version, std::vector<int64_t>(devices.begin(), devices.end()), *out);
+  return Status::Ok();
+}
+
+Status GpuEngine::FindOrMakeGroup(const std::shared_ptr<const GpuLinkSet>& links, std::span<const int64_t> devices,
+                                  std::string_view label, GpuExecutor** out) {
+  std::vector<int64_t> key(devices.begin(), devices.end());
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = groups_.find({links->version, key});
+  if (it == groups_.end()) {
+    FLEXLINK_RETURN_IF_ERROR(CheckDistinct(devices, label));
+    std::string why;
+    const int count = api_.DeviceCount(&why);
+    for (int64_t id : devices) {
+      const int dev = options_.device_of(id);
+      if (dev < 0 || dev >= count)
+        return Status::InvalidArgument(
+            ErrorPrefix(label) + "device " + std::to_string(id) + " of group " + FormatIds(devices) +
+            " is not a CUDA device of this process (" + std::to_string(count) + " visible" +
+            (why.empty() ? std::string() : ": " + why) + "); FlexLink on GPU runs groups of the devices of one process");
+    }
+    it = groups_.emplace(std::make_pair(links->version, key), MakeGroup(links, key)).first;
+  }
+  *out = it->second.get();
   return Status::Ok();
 }
 

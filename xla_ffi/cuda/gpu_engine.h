@@ -119,6 +119,10 @@ class GpuEngine {
   void TellRefused(const CollectiveArgs& args, std::string_view reason);
   Status RunOrThrow(const CollectiveArgs& args, Stream stream);
   Status GetGroup(std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
+  // GetGroup's lookup under mu_, making the group (host objects only; its set-up runs inside its
+  // first call) when it does not exist; without the watchdog or the device thread's cache.
+  Status FindOrMakeGroup(const std::shared_ptr<const GpuLinkSet>& links, std::span<const int64_t> devices,
+                         std::string_view label, GpuExecutor** out);
   std::unique_ptr<GpuExecutor> MakeGroup(std::shared_ptr<const GpuLinkSet> links, const std::vector<int64_t>& ids);
   // Executors of the current link set (under mu_).
   template <class F>

@@ -10,6 +10,7 @@
 #include "xla_ffi/core/deadline.h"
 #include "xla_ffi/cuda/gpu_executor.h"
 #include "xla_ffi/cuda/gpu_xproc.h"
+#include "xla_ffi/cuda/start_board.h"
 #include "xla_ffi/xproc/process_group.h"
 
 namespace flexlink::gpu {
@@ -95,6 +96,10 @@ bool GpuXprocGroup::Drained(std::string* busy) {
 Status GpuXprocGroup::Release(double timeout_s) {
   std::lock_guard<std::mutex> held(release_mu_);
   if (released_all_.exchange(true, std::memory_order_acq_rel)) return Status::Ok();
+  // Drained: this process's devices reached (and finished) every call its ranks arrived at. The
+  // watchdog that would have said so for the last ones ticks no more here, and the other processes'
+  // hang detectors wait for these words (cuda/start_board.h).
+  for (int r : local_) board_->Reach(r, segment_->rank_calls(r));
   {
     std::lock_guard<std::mutex> lock(broken_mu_);
     released_ = true;  // the watchdog's abort has nothing left to do

@@ -59,7 +59,9 @@ bool GpuEngine::HasGroups() {
 
 void GpuEngine::TellRefused(const CollectiveArgs& args, std::string_view reason) {
   // Never an error of its own: the refusal is the caller's answer, and a call that could not have
-  // run anyway (bad groups, a group never set up) has nobody waiting for it.
+  // run anyway (bad groups) has nobody waiting for it. Nor has one with no other call inside the
+  // engine: every later one is refused too.
+  if (active_.load(std::memory_order_seq_cst) <= 1) return;
   try {
     std::span<const int64_t> members;
     int rank = 0;
@@ -71,13 +73,11 @@ void GpuEngine::TellRefused(const CollectiveArgs& args, std::string_view reason)
       x->CloseRank(rank);
       return;
     }
+    // Peers admitted before the door closed may be at the group's very first call, with the group
+    // not made yet: made here as they would (no set-up), so that their Join finds the call refused.
+    // Made or not, the shutdown lists it only once they have left (its step 2).
     GpuExecutor* group = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = groups_.find({links->version, std::vector<int64_t>(members.begin(), members.end())});
-      if (it == groups_.end()) return;
-      group = it->second.get();
-    }
+    if (!FindOrMakeGroup(links, members, args.label, &group).ok()) return;
     group->comm().Join(rank, args.run_id, args.label)->Refuse(rank, reason, StatusCode::kFailedPrecondition);
   } catch (const std::exception&) {
   }

@@ -773,7 +773,9 @@ void GpuXprocGroup::PollHangs(int rank) {
         oldest->clock,
         [&] { return api_.Query(oldest->profiled ? oldest->before : oldest->start, &error) == Poll::kDone; }, *board_,
         rank, oldest->call,
-        [&] { return segment_->LeftRanks(); });
+        // Exited only: a rank closed by its engine's shutdown still runs on its device what its host
+        // enqueued, and its device_reached word says how far (its Release marks the rest reached).
+        [&] { return segment_->ExitedRanks(); });
     if (clock.state == ClockReading::kPeersLate) {
       PeersLate(*oldest, rank, clock);
     } else if (clock.state == ClockReading::kRunning) {

@@ -207,14 +207,14 @@ std::optional<std::string> ProcessGroup::broken() const {
   return broken_;
 }
 
-std::vector<int> ProcessGroup::LeftRanks() const {
+std::vector<int> ProcessGroup::Gone(bool closed_too) const {
   // One verdict per process, so that a process exiting during the scan is named with all its ranks
   // (checked rank by rank, its first ranks could pass as alive and its last as gone).
   std::vector<std::pair<int32_t, bool>> verdicts;
   std::vector<int> gone;
   for (int r = 0; r < size(); ++r) {
     if (is_local(r)) continue;
-    if (ranks_[r].closed.load(std::memory_order_acquire)) {
+    if (closed_too && ranks_[r].closed.load(std::memory_order_acquire)) {
       gone.push_back(r);
       continue;
     }
@@ -229,17 +229,21 @@ std::vector<int> ProcessGroup::LeftRanks() const {
 std::string ProcessGroup::DescribeLeft(const std::vector<int>& ranks) const {
   std::string exited, closed;
   int n_closed = 0;
+  std::vector<int32_t> pids;  // of the closed ranks
   for (int r : ranks) {
     const bool shut = ranks_[r].closed.load(std::memory_order_acquire) != 0;
     std::string& to = shut ? closed : exited;
     to += (to.empty() ? "" : ", ") + RankName(r);
-    n_closed += shut;
+    if (!shut) continue;
+    ++n_closed;
+    const int32_t pid = ranks_[r].pid.load(std::memory_order_relaxed);
+    if (std::find(pids.begin(), pids.end(), pid) == pids.end()) pids.push_back(pid);
   }
   std::string s;
   if (!exited.empty()) s = exited + " exited";
   if (!closed.empty())
     s += (s.empty() ? "" : ", and ") + closed + " left at the shutdown of FlexLink's GPU engine in " +
-         (n_closed > 1 ? "their process" : "its process");
+         (pids.size() > 1 ? "their processes" : n_closed > 1 ? "their process" : "its process");
   return s;
 }
 
@@ -326,10 +330,12 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
       }
       if (header_->abort.load(std::memory_order_acquire) == kAbortSet) return AbortError(where);
       const Clock::time_point now = Clock::now();
+      // Close() wakes this wait: a closed rank is looked at now, not at the next liveness tick.
+      if (ranks_[j].closed.load(std::memory_order_acquire)) next_liveness = std::min(next_liveness, now);
       if (now >= next_liveness) {
         next_liveness = now + kSlice;
         std::vector<int> gone;
-        bool closed = false;
+        bool closed = false, all_closed = true;
         // Its arrival is read again after its process is seen gone or closed: this thread may have
         // been descheduled since missing() long enough for the rank to arrive, go on and exit (a
         // peer killed right after enqueuing its call, on a loaded machine), and that is no failure.
@@ -338,10 +344,14 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
           if ((shut || ProcessGone(ranks_[m].pid.load(std::memory_order_relaxed))) && !arrived(m)) {
             gone.push_back(m);
             closed = closed || shut;
+            all_closed = all_closed && shut;
           }
         }
+        // Only closed ranks: a refusal, as the in-process engine's (CallContext::Refuse); an exit
+        // is the group's failure.
         if (!gone.empty())
-          return Status::Internal(where() + ": " + DescribeLeft(gone) + " before arriving at step " +
+          return Status(all_closed ? StatusCode::kFailedPrecondition : StatusCode::kInternal,
+                        where() + ": " + DescribeLeft(gone) + " before arriving at step " +
                                   std::to_string(step_of_call) + " of the call (" +
                                   (closed ? "a process whose GPU engine was shut down, by jax_flexlink.shutdown() or "
                                             "at its exit, takes no more calls"

@@ -101,7 +101,10 @@ class ProcessGroup {
   // cuda/gpu_xproc.cc): the ranks that will arrive at nothing more, their attached process exited or
   // closed (the barrier's liveness test), each as messages name it ("rank 2 (device 2048, pid
   // 12345) exited"), and a rank as messages name it ("rank 2 (device 2048, pid 12345)").
-  std::vector<int> LeftRanks() const;
+  // ExitedRanks: only those whose process is gone, for the hang detector, whose clocks wait for
+  // what a rank's device reached: a closed rank's device still runs what its host enqueued.
+  std::vector<int> LeftRanks() const { return Gone(true); }
+  std::vector<int> ExitedRanks() const { return Gone(false); }
   std::string DescribeLeft(const std::vector<int>& ranks) const;
   std::string DescribeRank(int rank) const { return RankName(rank); }
   // This process's ranks (or local rank `rank`) arrive at nothing more (its GPU engine's shutdown,
@@ -133,6 +136,7 @@ class ProcessGroup {
   Status Barrier(int rank, uint32_t* step, const Where& where, int step_of_call, bool fault_outputs,
                  const CallDesc& desc);
   std::string RankName(int rank) const;  // "rank 2 (device 2048, pid 12345)"
+  std::vector<int> Gone(bool closed_too) const;
   Status WaitArrived(int rank, uint32_t target, const Where& where, int step_of_call);
   // The leader, after a call's arrival: who of the ranks came last, and how late (arrived_ns).
   void RecordArrivalOrder(int parity);
