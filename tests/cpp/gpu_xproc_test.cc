@@ -117,7 +117,8 @@ struct Scenario {
                  // same at a call that runs stage 1's phase first; 22: stage 1 with one process
                  // unable to make its scratch (every rank skips the phase, the group stays usable);
                  // 23: the engine's shutdown in every process after its calls; 24: one process's
-                 // shutdown while the others wait at a call (they see its ranks closed)
+                 // shutdown while the others wait at a call (they see its ranks closed); 25: one
+                 // process's shutdown right after enqueuing a call its devices reach late
   int jitter_us = 0;  // the simulation's random delay before every stream operation: races bite
   double copy_gbps = 0;  // > 0: the simulated device's copies (the pcie link's) this slow
 };
@@ -1055,6 +1056,40 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
       released(L.engine->Shutdown(10));
     }
     for (const std::string& e : L.device.TakeErrors()) Expect(false, who + ": simulation: " + e);
+  } else if (s.mode == 25) {
+    // The last process's devices run 4 x the link's deadline behind (1.2 s of other work before
+    // call 2), and it shuts its engine down as soon as its host has enqueued call 2: its ranks are
+    // closed at once, while its devices have not reached the call. The others' hang detector must
+    // wait for those devices (a closed rank still runs what it enqueued; it is not gone) instead of
+    // starting their ranges' clocks and breaking the group at 0.3 s: call 2 is right everywhere,
+    // the group stays whole, and every process's shutdown releases its part.
+    Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{30000}}, 0, {}, false};
+    HealthOptions o = GetHealthOptions();
+    o.link_timeout_s = 0.3;
+    SetHealthOptions(o);
+    L.Check(c, ++run, s.what + ": call 1");
+    const bool closer = p == s.processes - 1;
+    const std::string who = s.what + ": process " + std::to_string(p);
+    auto released = [&](const gpu::ShutdownReport& r) {
+      Expect(r.released.size() == 1 && r.kept.empty() && r.errors.empty(),
+             who + ": its part of the group released (" + (r.released.empty() ? std::string("none") : r.released[0]) + ")");
+      for (const std::string& e : r.errors) Expect(false, who + ": " + e);
+      for (const std::string& e : r.kept) Expect(false, who + ": " + e);
+    };
+    if (closer) {
+      for (gpu::Stream st : L.streams) Expect(L.device.Delay(1.2, st).ok(), who + ": the delay");
+      L.after_enqueue = [&](const std::vector<Status>&) { released(L.engine->Shutdown(10)); };
+    }
+    const auto t0 = Clock::now();
+    L.Check(c, ++run, who + ": call 2, the last process shutting down with its devices late");
+    const double late = Seconds(t0);
+    L.after_enqueue = nullptr;
+    for (const gpu::GpuXprocInfo& g : gpu::GpuXprocGroups(*L.engine))
+      Expect(!g.broken, who + ": the group is whole: " + g.broken.value_or(""));
+    if (!closer) released(L.engine->Shutdown(10));
+    Expect(L.device.live() == before && L.comm.live() == 0, who + ": everything the engine made released (left: " +
+                                                                L.device.Describe(L.device.live()) + ")");
+    if (p == 0) std::printf("  %s: call 2 took %.2f s against a link deadline of 0.3 s\n", s.what.c_str(), late);
   } else if (s.mode == 10) {
     // Injected rank:absent across processes: the group's last rank (in the last process) stays away
     // from call 2. Every other rank, in every process, times out at the arrival naming it; the absent
@@ -1492,6 +1527,7 @@ int main(int argc, char** argv) {
     RunScenario({shape + "nccl;pcie stage 1, a process cannot make its scratch", 2, per, "nccl@staging_mib=0.0625;pcie", 22});
     RunScenario({shape + "nccl;pcie shutdown", 2, per, "nccl@staging_mib=0.0625;pcie", 23, 10});
     RunScenario({shape + "nccl;pcie, a peer's shutdown", 2, per, "nccl@staging_mib=0.0625;pcie", 24});
+    RunScenario({shape + "nccl;pcie, a peer's shutdown with its devices late", 2, per, "nccl@staging_mib=0.0625;pcie", 25});
     RunScenario({shape + "nccl;pcie stage 1 from the tuning cache", 2, per, "nccl@staging_mib=0.0625;pcie", 15});
     RunScenario({shape + "links configured after the set-up", 2, per, "nccl@staging_mib=0.0625", 16});
     RunScenario({shape + "nccl;pcie health across processes", 2, per, "nccl@staging_mib=0.0625;pcie", 17});
