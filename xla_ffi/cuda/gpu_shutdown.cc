@@ -59,9 +59,7 @@ bool GpuEngine::HasGroups() {
 
 void GpuEngine::TellRefused(const CollectiveArgs& args, std::string_view reason) {
   // Never an error of its own: the refusal is the caller's answer, and a call that could not have
-  // run anyway (bad groups) has nobody waiting for it. Nor has one with no other call inside the
-  // engine: every later one is refused too.
-  if (active_.load(std::memory_order_seq_cst) <= 1) return;
+  // run anyway (bad groups) has nobody waiting for it.
   try {
     std::span<const int64_t> members;
     int rank = 0;
@@ -73,6 +71,9 @@ void GpuEngine::TellRefused(const CollectiveArgs& args, std::string_view reason)
       x->CloseRank(rank);
       return;
     }
+    // In this process only calls inside the engine can wait for this one: with none but itself,
+    // every later one is refused too.
+    if (active_.load(std::memory_order_seq_cst) <= 1) return;
     // Peers admitted before the door closed may be at the group's very first call, with the group
     // not made yet: made here as they would (no set-up), so that their Join finds the call refused.
     // Made or not, the shutdown lists it only once they have left (its step 2).
