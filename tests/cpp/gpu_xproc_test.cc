@@ -311,6 +311,21 @@ std::map<uint64_t, std::vector<const SplitRow*>> RowsByCall(const Shared* shared
   return by_call;
 }
 
+// The links' own deadline (FLEXLINK_LINK_TIMEOUT_S) in this process: the hang and fault scenarios'.
+void SetLinkTimeout(double seconds) {
+  HealthOptions o = GetHealthOptions();
+  o.link_timeout_s = seconds;
+  SetHealthOptions(o);
+}
+
+// A shutdown that released this process's part of its one group, kept nothing and met no error.
+void ExpectReleasedOne(const gpu::ShutdownReport& r, const std::string& who) {
+  Expect(r.released.size() == 1 && r.kept.empty() && r.errors.empty(),
+         who + ": its part of the group released (" + (r.released.empty() ? std::string("none") : r.released[0]) + ")");
+  for (const std::string& e : r.errors) Expect(false, who + ": " + e);
+  for (const std::string& e : r.kept) Expect(false, who + ": " + e);
+}
+
 // Mode 15's planted cache entry: fits no profile of the simulation produces.
 constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1 / 0.75e9};
 
@@ -825,9 +840,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     // hang detector finds its ranges past their deadline, breaks the group in every process and
     // releases the streams, so the device drains within about the deadline instead of the 60 s
     // timeout, and call 3 fails at once in every process naming call 2's nccl range.
-    HealthOptions o = GetHealthOptions();
-    o.link_timeout_s = 0.3;
-    SetHealthOptions(o);
+    SetLinkTimeout(0.3);
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
     const std::vector<std::string> names{"nccl", "pcie"};
     Expect(gpu::SetGpuFaults("nccl:hang@at_call=2", names).ok(), s.what + ": set");
@@ -867,9 +880,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
     const std::vector<std::string> names{"pcie"};
     const int victim = s.processes - 1;
-    HealthOptions o = GetHealthOptions();
-    o.link_timeout_s = 0.3;
-    SetHealthOptions(o);
+    SetLinkTimeout(0.3);
     // The fault agreement runs when the leader's process has faults: one there that never fires.
     Expect(gpu::SetGpuFaults(p == victim ? "pcie:hang@at_call=2" : "pcie:hang@at_call=1000000", names).ok(),
            s.what + ": set");
@@ -915,9 +926,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     // long for them. Their clocks start only once every rank, in every process, reached the call
     // (the segment's rank blocks), so nothing breaks and calls 2 and 3 are right everywhere.
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{30000}}, 0, {}, false};
-    HealthOptions o = GetHealthOptions();
-    o.link_timeout_s = 0.3;
-    SetHealthOptions(o);
+    SetLinkTimeout(0.3);
     L.Check(c, ++run, s.what + ": call 1");
     if (p == s.processes - 1)
       for (gpu::Stream st : L.streams) Expect(L.device.Delay(1.2, st).ok(), s.what + ": the delay");
@@ -940,9 +949,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     // the phase, whose NCCL operations wait for the late ranks too.
     const bool profiling = s.mode == 21;
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kS32}, {{3000}}, 0, {}, false};
-    HealthOptions o = GetHealthOptions();
-    o.link_timeout_s = 0.3;
-    SetHealthOptions(o);
+    SetLinkTimeout(0.3);
     L.Check(c, ++run, s.what + ": call 1");
     if (profiling) c = Case{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{262144}}, 0, {}, false};  // 1 MiB
     const int late = s.processes - 1;
@@ -989,11 +996,9 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     for (size_t i = 0; i < cases.size(); i += 4) L.Check(cases[i], ++run, s.what);
     const std::string who = s.what + ": process " + std::to_string(p);
     const gpu::ShutdownReport r = L.engine->Shutdown(10);
-    Expect(r.released.size() == 1 && r.kept.empty() && r.errors.empty() &&
-               r.released[0].find("across processes (links nccl@staging_mib=0.0625;pcie") != std::string::npos,
-           who + ": its part of the group released (" + (r.released.empty() ? std::string("none") : r.released[0]) + ")");
-    for (const std::string& e : r.errors) Expect(false, who + ": " + e);
-    for (const std::string& e : r.kept) Expect(false, who + ": " + e);
+    ExpectReleasedOne(r, who);
+    Expect(!r.released.empty() && r.released[0].find("across processes (links nccl@staging_mib=0.0625;pcie") != std::string::npos,
+           who + ": the report names the group and its links");
     Expect(L.device.live() == before, who + ": everything the engine made released (left: " +
                                           L.device.Describe(L.device.live()) + "; the test's own: " + L.device.Describe(before) + ")");
     Expect(L.comm.live() == 0 && L.device.registered() == 0, who + ": communicators destroyed, the segment unregistered");
@@ -1012,10 +1017,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     const int closer = s.processes - 1;
     const std::string who = s.what + ": process " + std::to_string(p);
     auto released = [&](const gpu::ShutdownReport& r) {
-      Expect(r.released.size() == 1 && r.kept.empty() && r.errors.empty(),
-             who + ": its part of the group released (" + (r.released.empty() ? std::string("none") : r.released[0]) + ")");
-      for (const std::string& e : r.errors) Expect(false, who + ": " + e);
-      for (const std::string& e : r.kept) Expect(false, who + ": " + e);
+      ExpectReleasedOne(r, who);
       Expect(L.device.live() == before && L.comm.live() == 0 && L.device.registered() == 0,
              who + ": everything the engine made released (left: " + L.device.Describe(L.device.live()) + ")");
     };
@@ -1064,21 +1066,13 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     // starting their ranges' clocks and breaking the group at 0.3 s: call 2 is right everywhere,
     // the group stays whole, and every process's shutdown releases its part.
     Case c{Kind::kAllReduce, ReduceOp::kSum, {DType::kF32}, {{30000}}, 0, {}, false};
-    HealthOptions o = GetHealthOptions();
-    o.link_timeout_s = 0.3;
-    SetHealthOptions(o);
+    SetLinkTimeout(0.3);
     L.Check(c, ++run, s.what + ": call 1");
     const bool closer = p == s.processes - 1;
     const std::string who = s.what + ": process " + std::to_string(p);
-    auto released = [&](const gpu::ShutdownReport& r) {
-      Expect(r.released.size() == 1 && r.kept.empty() && r.errors.empty(),
-             who + ": its part of the group released (" + (r.released.empty() ? std::string("none") : r.released[0]) + ")");
-      for (const std::string& e : r.errors) Expect(false, who + ": " + e);
-      for (const std::string& e : r.kept) Expect(false, who + ": " + e);
-    };
     if (closer) {
       for (gpu::Stream st : L.streams) Expect(L.device.Delay(1.2, st).ok(), who + ": the delay");
-      L.after_enqueue = [&](const std::vector<Status>&) { released(L.engine->Shutdown(10)); };
+      L.after_enqueue = [&](const std::vector<Status>&) { ExpectReleasedOne(L.engine->Shutdown(10), who); };
     }
     const auto t0 = Clock::now();
     L.Check(c, ++run, who + ": call 2, the last process shutting down with its devices late");
@@ -1086,7 +1080,7 @@ constexpr plan::AlphaBeta kCachedNccl{3.5e-5, 1 / 1.25e9}, kCachedPcie{4.5e-5, 1
     L.after_enqueue = nullptr;
     for (const gpu::GpuXprocInfo& g : gpu::GpuXprocGroups(*L.engine))
       Expect(!g.broken, who + ": the group is whole: " + g.broken.value_or(""));
-    if (!closer) released(L.engine->Shutdown(10));
+    if (!closer) ExpectReleasedOne(L.engine->Shutdown(10), who);
     Expect(L.device.live() == before && L.comm.live() == 0, who + ": everything the engine made released (left: " +
                                                                 L.device.Describe(L.device.live()) + ")");
     if (p == 0) std::printf("  %s: call 2 took %.2f s against a link deadline of 0.3 s\n", s.what.c_str(), late);
