@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <string>
 
 #include "xla_ffi/core/communicator.h"
@@ -77,19 +76,16 @@ Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, std::condition_v
   if (abandoned_) return Abandoned();
   if (lane && lane->aborted) return Status::DeadlineExceeded(lane->error);
   if (ok) return Status::Ok();
-  char secs[32];
   if (lane_first) {
-    std::snprintf(secs, sizeof secs, "%g", lane->budget_s);
     lane->aborted = true;
-    lane->error = Where(link) + ": link " + std::string(link) + " missed its deadline of " + secs +
+    lane->error = Where(link) + ": link " + std::string(link) + " missed its deadline of " + FormatSeconds(lane->budget_s) +
                   " s waiting for " + RankList(missing()) + " to " + std::string(what) +
                   " (the link's own deadline: docs/faults.md, FLEXLINK_LINK_TIMEOUT_S)";
     WakeAll();
     return Status::DeadlineExceeded(lane->error);
   }
   abandoned_ = true;
-  std::snprintf(secs, sizeof secs, "%g", timeout);
-  error_ = Where(link) + ": timed out after " + secs + " s waiting for " + RankList(missing()) + " to " +
+  error_ = Where(link) + ": timed out after " + FormatSeconds(timeout) + " s waiting for " + RankList(missing()) + " to " +
            std::string(what) +
            " (a device that never issues the matching collective, or issues collectives in a "
            "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)";
@@ -144,11 +140,9 @@ Status CallContext::WaitLane(int rank, int lane_index, std::string_view link) {
   cv_.wait_until(lock, std::min(lane_deadline, global), [&] { return abandoned_ || lane.aborted; });
   if (abandoned_) return Abandoned();
   if (!lane.aborted) {
-    char secs[32];
-    std::snprintf(secs, sizeof secs, "%g", lane_deadline < global ? lane.budget_s : TimeoutSeconds());
     lane.aborted = true;
     lane.error = Where(link) + ": link " + std::string(link) + " did not complete within its deadline of " +
-                 secs + " s (rank " + std::to_string(rank) + ")";
+                 FormatSeconds(lane_deadline < global ? lane.budget_s : TimeoutSeconds()) + " s (rank " + std::to_string(rank) + ")";
     WakeAll();
   }
   return Status::DeadlineExceeded(lane.error);

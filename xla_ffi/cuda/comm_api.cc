@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <thread>
 
 #include "xla_ffi/core/deadline.h"
@@ -71,9 +70,7 @@ Status CommApi::InitRanks(const CommId& id, int nranks, std::span<const int> ran
     }
     const auto now = Clock::now();
     if (now >= deadline) {
-      char secs[32];
-      std::snprintf(secs, sizeof secs, "%g", watch.timeout_s);
-      return give_up(Status::DeadlineExceeded(std::string("the communicator was not complete after ") + secs +
+      return give_up(Status::DeadlineExceeded("the communicator was not complete after " + FormatSeconds(watch.timeout_s) +
                                               " s (every rank of every process must join it)"));
     }
     // Joining takes NCCL's bootstrap and topology exchange (tens of ms and more): short yields first

@@ -407,10 +407,8 @@ Status GpuXprocGroup::SetupLocal(const CallDesc& desc, std::string_view label, i
         std::vector<int> others;
         for (int r = 0; r < group_.size(); ++r)
           if (!seg.is_local(r)) others.push_back(r);
-        char secs[32];
-        std::snprintf(secs, sizeof secs, "%g", timeout);
         return Status::DeadlineExceeded(
-            call + ": timed out after " + secs + " s making the " + used_names_[i] +
+            call + ": timed out after " + FormatSeconds(timeout) + " s making the " + used_names_[i] +
             " link's NCCL communicator across processes: " +
             (late.empty() ? "every rank started joining but NCCL did not complete; unconfirmed: " + names(others)
                           : "missing: " + names(late) + ", which never started joining") +

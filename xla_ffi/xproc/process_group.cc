@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -214,7 +213,7 @@ std::vector<int> ProcessGroup::Gone(bool closed_too) const {
   std::vector<int> gone;
   for (int r = 0; r < size(); ++r) {
     if (is_local(r)) continue;
-    if (closed_too && ranks_[r].closed.load(std::memory_order_acquire)) {
+    if (closed_too && Closed(r)) {
       gone.push_back(r);
       continue;
     }
@@ -231,7 +230,7 @@ std::string ProcessGroup::DescribeLeft(const std::vector<int>& ranks) const {
   int n_closed = 0;
   std::vector<int32_t> pids;  // of the closed ranks
   for (int r : ranks) {
-    const bool shut = ranks_[r].closed.load(std::memory_order_acquire) != 0;
+    const bool shut = Closed(r);
     std::string& to = shut ? closed : exited;
     to += (to.empty() ? "" : ", ") + RankName(r);
     if (!shut) continue;
@@ -331,7 +330,7 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
       if (header_->abort.load(std::memory_order_acquire) == kAbortSet) return AbortError(where);
       const Clock::time_point now = Clock::now();
       // Close() wakes this wait: a closed rank is looked at now, not at the next liveness tick.
-      if (ranks_[j].closed.load(std::memory_order_acquire)) next_liveness = std::min(next_liveness, now);
+      if (Closed(j)) next_liveness = std::min(next_liveness, now);
       if (now >= next_liveness) {
         next_liveness = now + kSlice;
         std::vector<int> gone;
@@ -340,7 +339,7 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
         // been descheduled since missing() long enough for the rank to arrive, go on and exit (a
         // peer killed right after enqueuing its call, on a loaded machine), and that is no failure.
         for (int m : missing()) {
-          const bool shut = ranks_[m].closed.load(std::memory_order_acquire) != 0;
+          const bool shut = Closed(m);
           if ((shut || ProcessGone(ranks_[m].pid.load(std::memory_order_relaxed))) && !arrived(m)) {
             gone.push_back(m);
             closed = closed || shut;
@@ -359,10 +358,8 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
                                   "; the group is broken, later calls on it fail at once)");
       }
       if (now >= deadline) {
-        char secs[32];
-        std::snprintf(secs, sizeof secs, "%g", timeout);
         return Status::DeadlineExceeded(
-            where() + ": timed out after " + secs + " s waiting for " + list(missing()) + " to arrive at step " +
+            where() + ": timed out after " + FormatSeconds(timeout) + " s waiting for " + list(missing()) + " to arrive at step " +
             std::to_string(step_of_call) +
             " of the call (a device that never issues the matching collective, or issues collectives in a "
             "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)");

@@ -137,6 +137,7 @@ class ProcessGroup {
                  const CallDesc& desc);
   std::string RankName(int rank) const;  // "rank 2 (device 2048, pid 12345)"
   std::vector<int> Gone(bool closed_too) const;
+  bool Closed(int rank) const { return ranks_[rank].closed.load(std::memory_order_acquire) != 0; }
   Status WaitArrived(int rank, uint32_t target, const Where& where, int step_of_call);
   // The leader, after a call's arrival: who of the ranks came last, and how late (arrived_ns).
   void RecordArrivalOrder(int parity);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -428,9 +427,8 @@ class XprocExecutor {
                     FormatIds(g_->devices()) + ": injected ";
     if (f.kind == Fault::Kind::kHang) {
       std::this_thread::sleep_for(std::chrono::duration<double>(budget_s));
-      char secs[32];
-      std::snprintf(secs, sizeof secs, "%g", budget_s);
-      m += "hang at its call " + std::to_string(call) + ": it did not complete within its deadline of " + secs + " s";
+      m += "hang at its call " + std::to_string(call) + ": it did not complete within its deadline of " +
+           FormatSeconds(budget_s) + " s";
     } else {
       m += "error at its call " + std::to_string(call);
     }
@@ -747,8 +745,7 @@ Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::st
         budget = LinkBudgetSeconds(plan::UnfittedSeconds(static_cast<double>(MessageBytes(desc, group->size()))));
         std::this_thread::sleep_for(std::chrono::duration<double>(budget));
       }
-      char secs[32];
-      std::snprintf(secs, sizeof secs, "%g", budget);
+      const std::string secs = FormatSeconds(budget);
       return Status::Unavailable(ErrorPrefix(label) + "link shm of cross-process group " + FormatIds(group->devices()) +
                                  ": injected " + (f->kind == Fault::Kind::kHang
                                                       ? std::string("hang at its call ") + std::to_string(c) +
