@@ -249,6 +249,45 @@ def test_shutdown_releases_the_groups(two_gpus, flexlink_on_gpus):
         assert "flexlink: warning: at exit" not in result.stderr, (mode, result.stderr)
 
 
+def test_new_links_release_the_earlier_groups(two_gpus, flexlink_on_gpus):
+    """New GPU links release the groups of the earlier ones (GpuEngine::ReleaseEarlierLinks): NCCL's
+    finalize and destroy of real communicators while the engine stays open; the calls on the new
+    links right; the shutdown then releases only the current links' group. In a fresh interpreter,
+    so that no other test's groups are in the reports."""
+    program = """
+        import warnings
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import lax
+        from jax.sharding import Mesh, PartitionSpec as P
+        import jax_flexlink as flx
+        from jax_flexlink._src import native, runtime
+        cuda = native.cuda_module()
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        mesh = Mesh(np.array(gpus), ("x",))
+        make = lambda mod: jax.jit(jax.shard_map(lambda v: mod.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+        x = jax.device_put(jnp.arange(len(gpus) * (1 << 18), dtype=jnp.int32), jax.sharding.NamedSharding(mesh, P("x")))
+        want = np.asarray(make(lax)(x))
+        flx.configure(links="nccl", autotune_min_bytes=0)
+        np.testing.assert_array_equal(np.asarray(make(flx)(x)), want)
+        cuda.configure_links("nccl;pcie")  # the module's own: configure() would release at once
+        report = runtime.release_earlier_gpu_groups(cuda)
+        released = lambda r: [line.split(" (links ")[1] for line in r["released"]]
+        assert released(report) == ["nccl)"] and not report["kept"] and not report["errors"], report
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(make(flx)(x)), want)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            flx.configure(links="nccl")  # releases the nccl;pcie group, with nothing to warn about
+        np.testing.assert_array_equal(np.asarray(make(flx)(x)), want)
+        assert runtime.release_earlier_gpu_groups(cuda)["released"] == []
+        report = flx.shutdown(30)
+        assert released(report) == ["nccl)"] and not report["kept"] and not report["errors"], report
+        print("ok")
+    """
+    result = helpers.run_python(program, timeout=100)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout, result.stderr)
+
+
 # Floating max/min with NaN: NCCL's semantics on both links, as native lax on the GPU -------------------
 #
 # XLA:GPU's all-reduce with max/min is ncclMax/ncclMin, whose kernels use fmaxf/fmax/__hmax: a NaN

@@ -79,6 +79,31 @@ np.testing.assert_array_equal(np.asarray(make(flx)(x)), np.asarray(make(lax)(x))
 """)
 
 
+def test_new_gpu_links_release_the_earlier_groups_with_the_cuda_module():
+  """configure(links=...) with GPU links calls the engine's release of the earlier links' groups
+  (GpuEngine::ReleaseEarlierLinks; on the simulated device: gpu_sim_test TestReleaseEarlierLinks;
+  on GPUs: test_gpu.py::test_new_links_release_the_earlier_groups). Here, with no GPU, there is no
+  group to release: nothing is reported, nothing warned, the engine stays open, and the CPU links'
+  configure does not call it."""
+  _run_with_cuda_module("""
+import warnings
+from jax_flexlink._src import runtime
+calls = []
+real = runtime.release_earlier_gpu_groups
+runtime.release_earlier_gpu_groups = lambda m: calls.append(m) or real(m)
+with warnings.catch_warnings():
+  warnings.simplefilter("error")
+  flx.configure(links="nccl")
+  flx.configure(links="nccl;pcie@slot_mib=1")
+  flx.configure(links="shm")
+assert calls == [cuda, cuda], calls
+assert cuda.links_spec() == "nccl;pcie@slot_mib=1" and _flexlink.links_spec() == "shm"
+report = cuda.release_earlier_links(0.5)
+assert report == {"released": [], "kept": [], "errors": [], "again": False}, report
+assert not cuda.has_groups() and not cuda.is_shut_down()
+""")
+
+
 def test_the_exit_wait_runs_inside_an_exit_handler():
   """The exit handler's wait for dispatched GPU work polls on the exit's own thread: Python 3.12
   refuses to start a thread in an exit handler (CI's jax 0.11.2 step runs this on 3.12)."""

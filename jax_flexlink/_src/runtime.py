@@ -1,6 +1,8 @@
 """Runtime control of the engine: links, deadlines, statistics."""
 from __future__ import annotations
 
+import warnings
+
 from jax_flexlink import _flexlink
 from jax_flexlink._src import gpu_seed
 from jax_flexlink._src import native
@@ -18,7 +20,10 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     emulated (a real link, shm by default, paced to `gbps` bus bandwidth and `latency_us` per call).
     GPU links (a build with the CUDA module, docs/cuda.md): nccl (NVLink through NCCL) and pcie
     (pinned host staging), e.g. "nccl;pcie"; a spec names one platform's links, and each platform
-    keeps its own (CPU collectives keep theirs when the GPU links change).
+    keeps its own (CPU collectives keep theirs when the GPU links change). New GPU links release the
+    GPU groups of the earlier ones in this process (their communicators, streams and buffers) once
+    their work has completed, waiting for it up to 10 s; one still running then is kept, with a
+    warning, until the next configure(links=...) or shutdown().
   timeout_s: the deadline of every wait in a collective, in (0, 1e6] seconds (default:
     FLEXLINK_TIMEOUT_S or 300 s).
   autotune_min_bytes: with several links, the first call of a collective of at least this size
@@ -59,8 +64,27 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
       global _gpu_links_chosen
       _gpu_links_chosen = True
       gpu_seed.seed_from_topology(target)
+      release_earlier_gpu_groups(target)
   if faults is not None:
     inject_faults(faults)
+
+
+# How long configure(links=...) waits for the GPU groups of the links it replaced to complete their
+# work on the devices before releasing them; the same as shutdown()'s default.
+RELEASE_TIMEOUT_S = 10.0
+
+
+def release_earlier_gpu_groups(cuda) -> dict:
+  """Releases the GPU groups of the link sets configure(links=...) replaced: no call reaches them
+  again (a call takes the current links' group), yet each holds NCCL communicators, streams, device
+  staging and pinned host memory (GpuEngine::ReleaseEarlierLinks; docs/cuda.md, "Shutdown").
+  Waits at most RELEASE_TIMEOUT_S for their work to complete on the devices; a group still busy
+  then, or sharing a device with one, is kept with a warning saying why, and the next
+  configure(links=...) or shutdown() tries again. Returns the engine's report."""
+  report = dict(cuda.release_earlier_links(RELEASE_TIMEOUT_S))
+  for line in report["kept"] + report["errors"]:
+    warnings.warn(f"jax_flexlink: configure(links=...): {line}", RuntimeWarning, stacklevel=3)
+  return report
 
 
 def inject_faults(spec: str) -> None:

@@ -1512,6 +1512,19 @@ void TestShutdown() {
   SetAutotuneMinBytes(0);
 }
 
+// Ranks 0 to 2 of a large call on a thread of their own, waiting inside the engine for rank 3, which
+// never calls, until the global timeout; returns once the three are inside.
+std::thread WaitWithoutRank3(Sim& s, std::vector<Status>* st) {
+  std::thread waiting([&s, st] {
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    *st = RunRanks(*s.engine, s.h, kLargeCall, &out, /*skip=*/3);
+  });
+  const auto t0 = Clock::now();
+  while (s.engine->CallsInside() < 3 && Seconds(t0) < 10 * kSanitizerSlowdown)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return waiting;
+}
+
 // RunRanks without waiting for the devices: the call is left running (its outputs are not read).
 std::vector<Status> EnqueueOnly(Sim& s, const Case& c, std::vector<std::vector<std::vector<uint8_t>>>* out) {
   const auto sync = s.h.sync;
@@ -1613,13 +1626,7 @@ void TestShutdownWhileBusy() {
     const sim::SimDevice::Live before = s.device.live();
     CheckCase(*s.engine, s.h, kLargeCall, what + ": a group");
     std::vector<Status> st;
-    std::thread waiting([&] {
-      std::vector<std::vector<std::vector<uint8_t>>> out;
-      st = RunRanks(*s.engine, s.h, kLargeCall, &out, /*skip=*/3);
-    });
-    const auto t0 = Clock::now();
-    while (s.engine->CallsInside() < 3 && Seconds(t0) < 10 * kSanitizerSlowdown)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::thread waiting = WaitWithoutRank3(s, &st);
     gpu::ShutdownReport report = s.engine->Shutdown(0.2);
     Expect(report.released.empty() && report.kept.size() == 1 &&
                report.kept[0].find("call(s) still inside FlexLink on the host after 0.2 s") != std::string::npos,
@@ -1678,6 +1685,146 @@ void TestShutdownWhileBusy() {
   }
 }
 
+
+sim::SimDevice::Live Minus(const sim::SimDevice::Live& a, const sim::SimDevice::Live& b) {
+  return {a.streams - b.streams, a.events - b.events, a.device - b.device, a.pinned - b.pinned};
+}
+
+std::string Names(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const std::string& l : lines) out += (out.empty() ? "" : " | ") + l;
+  return out.empty() ? "none" : out;
+}
+
+// The groups of an earlier link set (ConfigureLinks since) released with the engine left open
+// (GpuEngine::ReleaseEarlierLinks; jax_flexlink.configure(links=...) calls it): exactly their
+// resources go, the current links' groups and later calls are untouched, and a group is kept (and
+// released by a later call) while its work still runs, while it shares a device with a group whose
+// work still runs, or while calls are inside the engine on the host.
+void TestReleaseEarlierLinks() {
+  SetAutotuneMinBytes(0);
+  const std::string what = "release of earlier links";
+  {
+    Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+    const sim::SimDevice::Live before = s.device.live();
+    Expect(s.engine->ConfigureLinks("nccl").ok(), what + ": configure nccl");
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": nccl");
+    const sim::SimDevice::Live nccl = Minus(s.device.live(), before);
+    const sim::SimDevice::Live one = s.device.live();
+    gpu::ShutdownReport report = s.engine->ReleaseEarlierLinks(1);
+    Expect(report.released.empty() && report.kept.empty() && report.errors.empty() && s.comm.destroys() == 0 &&
+               s.device.live() == one,
+           what + ": nothing earlier than the current links, nothing released (" + Names(report.released) + ")");
+    Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), what + ": configure nccl;pcie");
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": nccl;pcie");
+    CheckCase(*s.engine, s.h, Case{Kind::kAllGather, ReduceOp::kSum, {DType::kF32}, {{5000}}, 0, {}, false},
+              what + ": nccl;pcie all_gather");
+    const sim::SimDevice::Live both = s.device.live();
+    const auto t0 = Clock::now();
+    report = s.engine->ReleaseEarlierLinks(5);
+    const double took = Seconds(t0);
+    Expect(report.released.size() == 1 && report.released[0] == "GPU group [0, 1, 2, 3] (links nccl)" &&
+               report.kept.empty() && report.errors.empty() && !report.again,
+           what + ": the nccl group released (" + Names(report.released) + "; kept: " + Names(report.kept) + ")");
+    Expect(s.device.live() == Minus(both, nccl),
+           what + ": exactly its resources released (" + s.device.Describe(nccl) + "; left: " +
+               s.device.Describe(s.device.live()) + ")");
+    Expect(s.comm.destroys() == 4 && s.comm.live() == 4 && s.comm.aborts() == 0,
+           what + ": its 4 communicators destroyed, the current group's 4 live (" + std::to_string(s.comm.destroys()) +
+               " destroyed)");
+    Expect(!s.engine->shut_down() && s.device.shared_releases() == 0, what + ": the engine stays open, its pools kept");
+    for (int i = 1; i <= 3; ++i) CheckCase(*s.engine, s.h, kLargeCall, what + ": a later call " + std::to_string(i));
+    report = s.engine->ReleaseEarlierLinks(1);
+    Expect(report.released.empty() && report.kept.empty() && s.comm.destroys() == 4,
+           what + ": a second release has nothing left to do");
+    // The links back to nccl: a new group (the released one is never reused), and the nccl;pcie one
+    // is earlier now.
+    Expect(s.engine->ConfigureLinks("nccl").ok(), what + ": configure nccl again");
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": nccl again");
+    report = s.engine->ReleaseEarlierLinks(5);
+    Expect(report.released.size() == 1 && report.released[0].find("(links nccl;pcie@slot_mib=0.25") != std::string::npos &&
+               s.comm.destroys() == 8 && s.comm.live() == 4,
+           what + ": the nccl;pcie group released in its turn (" + Names(report.released) + ")");
+    report = s.engine->Shutdown(5);
+    Expect(report.released.size() == 1 && report.released[0] == "GPU group [0, 1, 2, 3] (links nccl)" &&
+               report.kept.empty() && report.errors.empty(),
+           what + ": the shutdown releases only the current group (" + Names(report.released) + ")");
+    Expect(s.device.live() == before && s.comm.live() == 0 && s.comm.destroys() == 12 && s.device.shared_releases() == 1,
+           what + ": everything released at the shutdown (left: " + s.device.Describe(s.device.live()) + ")");
+    Expect(s.engine->ReleaseEarlierLinks(1).released.empty(), what + ": nothing after the shutdown");
+    s.ExpectScratchFreed(what);
+    s.ExpectNoSimErrors(what);
+    std::printf("  an earlier link set's group (%s, 4 communicators) released in %.3f s, the engine open\n",
+                s.device.Describe(nccl).c_str(), took);
+  }
+  {
+    // Kept while its work runs (rank 2's stream 400 ms per operation), then released once drained.
+    Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+    Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), what + ": configure");
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": call 1");
+    s.device.SetStreamDelay(s.h.streams[2], 400000);
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    for (const Status& st : EnqueueOnly(s, kLargeCall, &out)) Expect(st.ok(), what + ": call 2: " + st.message());
+    Expect(s.engine->ConfigureLinks("nccl").ok(), what + ": configure nccl");
+    const sim::SimDevice::Live running = s.device.live();
+    const auto t0 = Clock::now();
+    gpu::ShutdownReport report = s.engine->ReleaseEarlierLinks(0.2);
+    const double took = Seconds(t0);
+    Expect(report.released.empty() && report.errors.empty() && report.kept.size() == 1 &&
+               report.kept[0].find("GPU group [0, 1, 2, 3] (links nccl;pcie@slot_mib=0.25): not released: ") == 0 &&
+               report.kept[0].find("still busy after 0.2 s") != std::string::npos &&
+               report.kept[0].find("the next release of the earlier links' groups, or the shutdown, tries again") !=
+                   std::string::npos,
+           what + ": the running group kept: " + Names(report.kept));
+    Expect(took >= 0.2 && took < 0.2 + 1.0 * kSanitizerSlowdown, what + ": returned at its deadline (" + std::to_string(took) + " s)");
+    Expect(s.device.live() == running && s.comm.destroys() == 0, what + ": nothing of the running group released");
+    s.device.SetStreamDelay(s.h.streams[2], 0);
+    s.device.SynchronizeAll();
+    // A drained earlier group beside a current one still running (call 2 on nccl left running):
+    // kept, since its frees would wait for that work.
+    s.device.SetStreamDelay(s.h.streams[1], 400000);
+    for (const Status& st : EnqueueOnly(s, kLargeCall, &out)) Expect(st.ok(), what + ": nccl call: " + st.message());
+    report = s.engine->ReleaseEarlierLinks(0.1);
+    Expect(report.released.empty() && report.kept.size() == 1 &&
+               report.kept[0].find("(links nccl;pcie@slot_mib=0.25): not released: it shares device 0 with a group "
+                                   "still running") != std::string::npos &&
+               s.comm.destroys() == 0,
+           what + ": a drained group kept beside a running current one: " + Names(report.kept));
+    s.device.SetStreamDelay(s.h.streams[1], 0);
+    s.device.SynchronizeAll();
+    report = s.engine->ReleaseEarlierLinks(5);
+    Expect(report.released.size() == 1 && report.kept.empty() && report.errors.empty() && s.comm.destroys() == 4 &&
+               s.comm.live() == 4,
+           what + ": released once everything drained (" + Names(report.released) + ")");
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": the current links still right");
+    s.ExpectNoSimErrors(what + " (busy)");
+    std::printf("  a running earlier group kept by a 0.2 s release (returned in %.3f s), released once drained\n", took);
+  }
+  {
+    // Ranks 0 to 2 inside a call of the earlier links, waiting for rank 3 (which never calls) to the
+    // global timeout: nothing released while they are inside, since they hold the group.
+    const double saved = TimeoutSeconds();
+    SetTimeoutSeconds(2.0);
+    Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+    CheckCase(*s.engine, s.h, kLargeCall, what + ": a group");
+    std::vector<Status> st;
+    std::thread waiting = WaitWithoutRank3(s, &st);
+    Expect(s.engine->ConfigureLinks("nccl;pcie").ok(), what + ": configure while ranks wait");
+    gpu::ShutdownReport report = s.engine->ReleaseEarlierLinks(0.2);
+    Expect(report.released.empty() && report.kept.size() == 1 &&
+               report.kept[0].find("3 call(s) still inside FlexLink on the host after 0.2 s") != std::string::npos &&
+               s.comm.destroys() == 0,
+           what + ": kept while ranks wait inside a call: " + Names(report.kept));
+    waiting.join();
+    for (int r = 0; r < 3; ++r)
+      Expect(st[r].code() == StatusCode::kDeadlineExceeded, what + ": rank " + std::to_string(r) + " timed out: " + st[r].message());
+    report = s.engine->ReleaseEarlierLinks(5);
+    Expect(report.released.size() == 1 && report.kept.empty() && s.comm.destroys() == 4 && s.comm.live() == 0,
+           what + ": released once the ranks left (" + Names(report.released) + ")");
+    s.ExpectNoSimErrors(what + " (host)");
+    SetTimeoutSeconds(saved);
+  }
+}
 }  // namespace
 }  // namespace flexlink::testing
 
@@ -1712,6 +1859,7 @@ int main(int argc, char** argv) {
   Timed("TestOutOfStep", TestOutOfStep);
   Timed("TestShutdown", TestShutdown);
   Timed("TestShutdownWhileBusy", TestShutdownWhileBusy);
+  Timed("TestReleaseEarlierLinks", TestReleaseEarlierLinks);
   Timed("TestStageOneCheck", TestStageOneCheck);
   Timed("TestCollectives", TestCollectives);
   return Summary();

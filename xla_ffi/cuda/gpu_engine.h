@@ -5,6 +5,8 @@
 // the CUDA runtime and NCCL; the tests make theirs over the simulated device.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -78,6 +80,16 @@ class GpuEngine {
   // is left of it (at least 1 s), but a blocking one's, and cudaFree's implicit synchronisation of
   // the device, take as long as the device's other work (docs/cuda.md, "Shutdown").
   ShutdownReport Shutdown(double timeout_s);
+  // Releases, as Shutdown does but with the engine left open, this process's groups of the link
+  // sets before the current one (ConfigureLinks since): no call reaches them any more, since a call
+  // picks its group by the current links, yet each holds its communicators, streams, staging and
+  // pinned memory. Within `timeout_s`: waits until no call is inside Run (one inside may hold an
+  // earlier group), then for the earlier groups' work to complete on their devices, then releases
+  // each drained one that shares no device with a group still running. What it keeps is named in
+  // the report with why, and a later call of this or Shutdown retries it. Groups across processes
+  // are left: a program lowered under earlier links still runs on theirs (links_version).
+  // `again` is always false. jax_flexlink.configure(links=...) calls it (runtime.py).
+  ShutdownReport ReleaseEarlierLinks(double timeout_s);
   bool shut_down() const { return closed_.load(std::memory_order_acquire); }
   int CallsInside() const { return active_.load(); }  // ranks' calls inside Run now (tests, messages)
   // Whether any group (in this process or across processes) was made: the exit handler's test.
@@ -118,6 +130,8 @@ class GpuEngine {
   // group across processes), instead of at their deadline, which the shutdown would wait for.
   void TellRefused(const CollectiveArgs& args, std::string_view reason);
   Status RunOrThrow(const CollectiveArgs& args, Stream stream);
+  // Polls until no call is inside Run; false at the deadline.
+  bool WaitNoCallInside(std::chrono::steady_clock::time_point deadline);
   Status GetGroup(std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
   // GetGroup's lookup under mu_, making the group (host objects only; its set-up runs inside its
   // first call) when it does not exist; without the watchdog or the device thread's cache.
@@ -151,7 +165,7 @@ class GpuEngine {
   // the call path.
   std::atomic<bool> closed_{false};
   std::atomic<int> active_{0};
-  std::mutex shutdown_mu_;  // one Shutdown at a time
+  std::mutex shutdown_mu_;  // one Shutdown or ReleaseEarlierLinks at a time
   bool shutdown_ran_ = false;
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;

@@ -87,13 +87,15 @@ class GpuExecutor {
   // release of a broken group's communicators once no rank is inside one of its calls. Never blocks
   // on the device, nor on a host wait longer than a lock.
   void Watch();
-  // The engine's shutdown (GpuEngine::Shutdown, gpu_release.cc), from its thread, with no rank
+  // The engine's shutdown (GpuEngine::Shutdown, ReleaseEarlierLinks; gpu_release.cc), from its thread, with no rank
   // inside a call (the watchdog may still run: Release holds release_mu_, which Watch and PollAll
   // try). Drained: nothing the group made is still in use on a device (never blocks; *busy says
   // what is). Release: once drained, every link's communicators ended and everything the set-up
   // and stage 1 made released; PollAll and Watch do nothing afterwards.
   bool Drained(std::string* busy);
-  Status Release(double timeout_s);
+  // `why` is what a call that still found the group would be told (none should: the engine refuses
+  // calls after its shutdown, and calls of later link sets find their own groups).
+  Status Release(double timeout_s, std::string_view why);
   bool released() const { return released_all_.load(std::memory_order_acquire); }
 
   // Timing ring per rank: how many calls may be in flight on the device, per rank, before the

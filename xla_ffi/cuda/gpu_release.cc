@@ -1,4 +1,5 @@
-// A group's release at the engine's shutdown (GpuEngine::Shutdown): the reverse of its set-up
+// A group's release at the engine's shutdown (GpuEngine::Shutdown), or once its links were replaced
+// (GpuEngine::ReleaseEarlierLinks): the reverse of its set-up
 // (gpu_setup.cc, GpuXprocGroup::SetupLocal). Only a drained group is released: CUDA lets a stream
 // or event be destroyed with work pending, but NCCL's finalize waits for its communicator's
 // operations, and memory freed under a copy still running would be a use after free on the device.
@@ -63,13 +64,13 @@ bool GpuExecutor::Drained(std::string* busy) {
   return GroupDrained(ledger_, profile, channels_, busy);
 }
 
-Status GpuExecutor::Release(double timeout_s) {
+Status GpuExecutor::Release(double timeout_s, std::string_view why) {
   std::lock_guard<std::mutex> held(release_mu_);
   if (released_all_.exchange(true, std::memory_order_acq_rel)) return Status::Ok();
   {
     // Later calls (the engine refuses them first) would find the group broken, not freed handles.
     std::lock_guard<std::mutex> lock(broken_mu_);
-    if (broken_.empty()) broken_ = "the engine was shut down";
+    if (broken_.empty()) broken_ = why;
     released_ = true;  // the watchdog's abort has nothing left to do
   }
   return ReleaseGroup(api_, ledger_, channels_, [&] {

@@ -13,9 +13,11 @@
 //      and nothing waits behind a release; not under the engine's lock;
 //   5. once every group is released: the watchdog stopped and joined, then the device's shared
 //      pools. A group kept keeps the watchdog too, so that a later shutdown can release it.
+// ReleaseEarlierLinks runs steps 2 to 4 for the groups of earlier link sets, with the door open.
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <string_view>
 #include <thread>
 
 #include "xla_ffi/core/call.h"
@@ -84,6 +86,83 @@ void GpuEngine::TellRefused(const CollectiveArgs& args, std::string_view reason)
   }
 }
 
+namespace {
+
+std::string NameOf(const std::vector<int64_t>& ids, GpuExecutor* g) {
+  return "GPU group " + FormatIds(ids) + " (links " + g->links_spec() + ")";
+}
+
+Held HeldOf(const std::vector<int64_t>& ids, GpuExecutor* g, std::string why) {
+  return {NameOf(ids, g),
+          [g](std::string* b) { return g->Drained(b); },
+          [g, why = std::move(why)](double t) { return g->Release(t, why); },
+          [g] { return g->released(); },
+          LocalDevices(g->group().devices)};
+}
+
+// Steps 3 and 4 for `targets`, against `deadline`: polls until each is drained (or released), then
+// releases the drained ones, except those sharing a device with a group still busy: one of the
+// targets, or one of `others` (groups left running, whose devices count as busy while they are).
+// Returns whether every target is released; a kept one's line ends with `retry` (who tries again).
+bool ReleaseDrained(const std::vector<Held>& targets, const std::vector<Held>& others,
+                    Clock::time_point deadline, double timeout_s, std::string_view retry,
+                    ShutdownReport* report) {
+  // The devices: polled, never waited on (a hung stream must not hold the caller past its deadline).
+  for (int polls = 0;; ++polls) {
+    bool all = true;
+    for (const Held& g : targets)
+      if (!g.released() && !g.drained(nullptr)) all = false;
+    if (all || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
+  }
+
+  // Not under the engine's lock: a release may wait on its device (cudaFree and cudaFreeHost may
+  // synchronise it), and the watchdog takes that lock at every tick; each group's own lock keeps
+  // its tick and stats() away from what is being destroyed. A drained group that shares a device
+  // with a group still running is kept too: its frees would wait for that group's hung work.
+  std::vector<char> kept(targets.size(), 0);
+  std::vector<int> busy_devices;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    std::string what;
+    if (targets[i].released() || targets[i].drained(&what)) continue;
+    kept[i] = 1;
+    report->kept.push_back(targets[i].name + ": not released: " + what + " still busy after " +
+                           FormatSeconds(timeout_s) +
+                           " s (a range that never completes: a hung link, or a peer's device that never reached the "
+                           "call); it keeps its resources, and " + std::string(retry));
+    busy_devices.insert(busy_devices.end(), targets[i].devices.begin(), targets[i].devices.end());
+  }
+  for (const Held& g : others)
+    if (!g.released() && !g.drained(nullptr)) busy_devices.insert(busy_devices.end(), g.devices.begin(), g.devices.end());
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const Held& g = targets[i];
+    if (kept[i] || g.released()) continue;
+    auto shared = std::find_first_of(g.devices.begin(), g.devices.end(), busy_devices.begin(), busy_devices.end());
+    if (shared != g.devices.end()) {
+      kept[i] = 1;
+      report->kept.push_back(g.name + ": not released: it shares device " + std::to_string(*shared) +
+                             " with a group still running, whose work its frees would wait for; " + std::string(retry));
+      continue;
+    }
+    Status s = g.release(std::max(1.0, SecondsLeft(deadline)));
+    if (s.ok()) report->released.push_back(g.name);
+    else report->errors.push_back(g.name + ": " + s.message());
+  }
+  for (char k : kept)
+    if (k) return false;
+  return true;
+}
+
+}  // namespace
+
+bool GpuEngine::WaitNoCallInside(std::chrono::steady_clock::time_point deadline) {
+  for (int polls = 0; active_.load(std::memory_order_seq_cst) > 0; ++polls) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
+  }
+  return true;
+}
+
 ShutdownReport GpuEngine::Shutdown(double timeout_s) {
   std::lock_guard<std::mutex> once(shutdown_mu_);
   ShutdownReport report;
@@ -98,12 +177,7 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
     std::vector<Held> groups;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& [key, ex] : groups_) {
-        GpuExecutor* g = ex.get();
-        groups.push_back({"GPU group " + FormatIds(key.second) + " (links " + ex->links_spec() + ")",
-                          [g](std::string* b) { return g->Drained(b); }, [g](double t) { return g->Release(t); },
-                          [g] { return g->released(); }, LocalDevices(g->group().devices)});
-      }
+      for (auto& [key, ex] : groups_) groups.push_back(HeldOf(key.second, ex.get(), "the engine was shut down"));
     }
     for (GpuXprocGroup* g : GpuXprocGroupsOf(*this))
       groups.push_back({"GPU group " + FormatIds(g->group().ids) + " across processes (links " + g->links_spec() + ")",
@@ -111,70 +185,62 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
                         [g] { return g->released(); }, LocalDevices(g->group().devices)});
     return groups;
   };
-  for (int polls = 0; active_.load(std::memory_order_seq_cst) > 0; ++polls) {
-    if (Clock::now() >= deadline) {
-      const int inside = active_.load();
-      for (const Held& g : collect())
-        if (!g.released())
-          report.kept.push_back(g.name + ": not released: " + std::to_string(inside) + " call(s) still inside FlexLink on "
-                                "the host after " + FormatSeconds(timeout_s) + " s (a rank waiting for a peer that never came?)");
-      return report;
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
+  if (!WaitNoCallInside(deadline)) {
+    const int inside = active_.load();
+    for (const Held& g : collect())
+      if (!g.released())
+        report.kept.push_back(g.name + ": not released: " + std::to_string(inside) + " call(s) still inside FlexLink on "
+                              "the host after " + FormatSeconds(timeout_s) + " s (a rank waiting for a peer that never came?)");
+    return report;
   }
 
   // Every call that could make a group has returned: the list is complete, and no local rank
   // arrives anywhere again, which the other processes' waits for these ranks now learn at once.
   std::vector<Held> groups = collect();
   for (GpuXprocGroup* g : GpuXprocGroupsOf(*this)) g->Close();
-  // The devices: polled, never waited on (a hung stream must not hold the shutdown past its deadline).
-  for (int polls = 0;; ++polls) {
-    bool all = true;
-    for (const Held& g : groups)
-      if (!g.released() && !g.drained(nullptr)) all = false;
-    if (all || Clock::now() >= deadline) break;
-    std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
-  }
-
-  // Not under the engine's lock: a release may wait on its device (cudaFree and cudaFreeHost may
-  // synchronise it), and the watchdog takes that lock at every tick; each group's own lock keeps
-  // its tick and stats() away from what is being destroyed. A drained group that shares a device
-  // with a group still running is kept too: its frees would wait for that group's hung work.
-  std::vector<char> kept(groups.size(), 0);
-  std::vector<int> busy_devices;
-  for (size_t i = 0; i < groups.size(); ++i) {
-    std::string what;
-    if (groups[i].released() || groups[i].drained(&what)) continue;
-    kept[i] = 1;
-    report.kept.push_back(groups[i].name + ": not released: " + what + " still busy after " + FormatSeconds(timeout_s) +
-                          " s (a range that never completes: a hung link, or a peer's device that never reached the "
-                          "call); it keeps its resources, and a later shutdown tries again");
-    busy_devices.insert(busy_devices.end(), groups[i].devices.begin(), groups[i].devices.end());
-  }
-  for (size_t i = 0; i < groups.size(); ++i) {
-    const Held& g = groups[i];
-    if (kept[i] || g.released()) continue;
-    auto shared = std::find_first_of(g.devices.begin(), g.devices.end(), busy_devices.begin(), busy_devices.end());
-    if (shared != g.devices.end()) {
-      kept[i] = 1;
-      report.kept.push_back(g.name + ": not released: it shares device " + std::to_string(*shared) +
-                            " with a group still running, whose work its frees would wait for; a later shutdown "
-                            "tries again");
-      continue;
-    }
-    Status s = g.release(std::max(1.0, SecondsLeft(deadline)));
-    if (s.ok()) report.released.push_back(g.name);
-    else report.errors.push_back(g.name + ": " + s.message());
-  }
-  bool all_released = true;
-  for (char k : kept) all_released = all_released && !k;
   // The watchdog runs on while a group is kept: a hung range still breaks its group and frees its
   // streams, so that a later shutdown can release it.
-  if (all_released) {
+  if (ReleaseDrained(groups, {}, deadline, timeout_s, "a later shutdown tries again", &report)) {
     StopWatchdog();
     Status s = api_.ReleaseShared();
     if (!s.ok()) report.errors.push_back("the devices' shared resources (stage 1's scratch pools): " + s.message());
   }
+  return report;
+}
+
+ShutdownReport GpuEngine::ReleaseEarlierLinks(double timeout_s) {
+  std::lock_guard<std::mutex> once(shutdown_mu_);
+  ShutdownReport report;
+  if (closed_.load(std::memory_order_seq_cst)) return report;  // the shutdown owns every group now
+  timeout_s = std::min(std::max(0.0, timeout_s), 1e6);
+  const auto deadline = DeadlineAfter(timeout_s);
+  constexpr std::string_view kRetry = "the next release of the earlier links' groups, or the shutdown, tries again";
+  const uint64_t current = CurrentLinks()->version;
+  // A call holding an earlier set's group counted itself in before it read the links, i.e. before
+  // they changed; once none is inside, every later call found the current set: nothing new reaches
+  // the earlier groups, and what they enqueued is all the drain below has to wait for.
+  if (!WaitNoCallInside(deadline)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, ex] : groups_)
+      if (key.first != current && !ex->released())
+        report.kept.push_back(NameOf(key.second, ex.get()) + ": not released: " + std::to_string(active_.load()) +
+                              " call(s) still inside FlexLink on the host after " + FormatSeconds(timeout_s) + " s; " +
+                              std::string(kRetry));
+    return report;
+  }
+  std::vector<Held> earlier, others;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, ex] : groups_) {
+      if (ex->released()) continue;
+      (key.first == current ? others : earlier)
+          .push_back(HeldOf(key.second, ex.get(), "its links were replaced (configure_links) and it was released"));
+    }
+  }
+  for (GpuXprocGroup* g : GpuXprocGroupsOf(*this))
+    others.push_back({"", [g](std::string* b) { return g->Drained(b); }, nullptr, [g] { return g->released(); },
+                      LocalDevices(g->group().devices)});
+  (void)ReleaseDrained(earlier, others, deadline, timeout_s, kRetry, &report);
   return report;
 }
 

@@ -12,7 +12,9 @@
 // Everything else here pins its shares (autotune off), so that the suites test the links' ranges.
 // Each engine is then shut down (GpuEngine::Shutdown): every group released on the real runtime
 // (cudaStreamQuery, cudaStreamDestroy, cudaEventDestroy, cudaFree, cudaFreeHost, the scratch pools,
-// and with 2+ GPUs ncclCommFinalize and ncclCommDestroy), nothing kept, no error.
+// and with 2+ GPUs ncclCommFinalize and ncclCommDestroy), nothing kept, no error. Twice an earlier
+// link set's group is released with the engine open (GpuEngine::ReleaseEarlierLinks) and the new
+// links' calls checked after it: 3 virtual ranks on GPU 0, and the nccl group across 2+ GPUs.
 #include <chrono>
 #include <cstdio>
 #include <optional>
@@ -72,6 +74,20 @@ void ExpectShutdown(gpu::GpuEngine& engine, const std::string& what, size_t grou
               r.errors.empty() && r.kept.empty() && r.released.size() == groups ? "ok" : "FAILED");
 }
 
+// GpuEngine::ReleaseEarlierLinks after a link change: the earlier set's `groups` released on the real
+// runtime while the engine stays open, nothing kept.
+void ExpectReleaseEarlier(gpu::GpuEngine& engine, const std::string& what, size_t groups) {
+  const auto t0 = Clock::now();
+  const gpu::ShutdownReport r = engine.ReleaseEarlierLinks(30);
+  for (const std::string& e : r.errors) Expect(false, what + ": release of the earlier links: " + e);
+  for (const std::string& k : r.kept) Expect(false, what + ": release of the earlier links kept " + k);
+  const bool ok = r.errors.empty() && r.kept.empty() && r.released.size() == groups && !engine.shut_down();
+  Expect(ok, what + ": released " + std::to_string(r.released.size()) + " of " + std::to_string(groups) +
+                 " groups of the earlier links, the engine open");
+  std::printf("  %-52s %4zu groups %6.3f s  %s\n", (what + ": earlier links released").c_str(), r.released.size(),
+              std::chrono::duration<double>(Clock::now() - t0).count(), ok ? "ok" : "FAILED");
+}
+
 }  // namespace
 }  // namespace flexlink::testing
 
@@ -95,6 +111,13 @@ int main() {
     Harness h = CudaHarness(n, one_device.device_of);
     Suite(engine, h, "pcie@slot_mib=0.25", {}, 300000,
           std::to_string(n) + " virtual ranks on GPU 0, pcie", false);
+    if (n == 3) {
+      // The link set changed: the first one's group released with the engine open, the new one's
+      // calls right, and the shutdown left with only the new group.
+      Suite(engine, h, "pcie@slot_mib=1", {}, 300000, "3 virtual ranks on GPU 0, pcie in 1 MiB slots", false);
+      ExpectReleaseEarlier(engine, "3 virtual ranks on GPU 0", 1);
+      for (const Case& c : StandardCases(n, 300000)) CheckCase(engine, h, c, "3 virtual ranks on GPU 0, after it", false);
+    }
     ExpectShutdown(engine, std::to_string(n) + " virtual ranks on GPU 0", 1);
   }
   {
@@ -110,9 +133,11 @@ int main() {
     const std::string n = std::to_string(gpus) + " GPUs, ";
     Suite(engine, h, "nccl", {}, 1 << 20, n + "nccl", true);
     Suite(engine, h, "pcie", {}, 1 << 20, n + "pcie", false);
+    // The nccl group's communicators finalized and destroyed while the pcie group's live on.
+    ExpectReleaseEarlier(engine, n + "nccl then pcie", 1);
     Suite(engine, h, "nccl;pcie", {0.7, 0.3}, 1 << 20, n + "nccl;pcie 70/30", true);
     Suite(engine, h, "nccl@staging_mib=0.0625", {}, 1 << 18, n + "nccl staged in 64 KiB", true);
-    ExpectShutdown(engine, n + "4 link sets", 4);
+    ExpectShutdown(engine, n + "3 link sets", 3);
     flexlink::gpu::GpuEngine staged(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl());
     StageOne(staged, h, "nccl;pcie", n + "stage 1 on nccl;pcie", true);
     ExpectShutdown(staged, n + "stage 1", 1);

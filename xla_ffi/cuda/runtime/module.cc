@@ -46,6 +46,22 @@ nb::dict Registrations() {
   return d;
 }
 
+// GpuEngine::Shutdown or ReleaseEarlierLinks on the process's engine, without the GIL (the device
+// threads' handlers may need it meanwhile); the report as jax_flexlink.shutdown() returns it.
+nb::dict Released(ShutdownReport (GpuEngine::*release)(double), double timeout_s) {
+  ShutdownReport r;
+  {
+    nb::gil_scoped_release unlocked;
+    r = (ProcessEngine().*release)(timeout_s);
+  }
+  nb::dict d;
+  d["released"] = r.released;
+  d["kept"] = r.kept;
+  d["errors"] = r.errors;
+  d["again"] = r.again;
+  return d;
+}
+
 nb::dict Stats() {
   ProcessEngine().CurrentLinks();
   ProcessEngine().PollTimings();  // calls whose events completed since their group's last call
@@ -212,19 +228,7 @@ NB_MODULE(_flexlink_cuda, m) {
   m.def("timeout", &TimeoutSeconds);
   m.def(
       "shutdown",
-      [](double timeout_s) {
-        ShutdownReport r;
-        {
-          nb::gil_scoped_release release;  // the device threads' handlers may need the GIL meanwhile
-          r = ProcessEngine().Shutdown(timeout_s);
-        }
-        nb::dict d;
-        d["released"] = r.released;
-        d["kept"] = r.kept;
-        d["errors"] = r.errors;
-        d["again"] = r.again;
-        return d;
-      },
+      [](double timeout_s) { return Released(&GpuEngine::Shutdown, timeout_s); },
       nb::arg("timeout_s"),
       "Ends the GPU engine: later calls are refused; every group whose work completed within timeout_s is "
       "released (NCCL communicators, streams, events, device and pinned memory). {'released': [...], 'kept': "
@@ -234,6 +238,13 @@ NB_MODULE(_flexlink_cuda, m) {
   m.def("set_debug_level", &SetDebugLevel, nb::arg("level"));
   m.def("configure_links", [](const std::string& spec) { Check(ProcessEngine().ConfigureLinks(spec)); },
         nb::arg("spec"), "Selects the GPU links (kinds nccl, pcie; rdma is refused); calls must not be running.");
+  m.def(
+      "release_earlier_links",
+      [](double timeout_s) { return Released(&GpuEngine::ReleaseEarlierLinks, timeout_s); },
+      nb::arg("timeout_s"),
+      "Releases the groups of the link sets before the current one whose work completed within timeout_s, the "
+      "engine left open; {'released': [...], 'kept': [...], 'errors': [...], 'again': False} "
+      "(GpuEngine::ReleaseEarlierLinks).");
   m.def("links", [] { return ProcessEngine().CurrentLinks()->names(); });
   m.def("links_spec", [] { return ProcessEngine().CurrentLinks()->spec; });
   m.def("links_version", [] { return ProcessEngine().CurrentLinks()->version; },
