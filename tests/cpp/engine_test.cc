@@ -1044,6 +1044,62 @@ void TestMultiOperandGatherScatter() {
   }
 }
 
+// A group whose ranks spin before they sleep (Communicator::SetSpin, as the GPU engine's groups do
+// where every rank has a core): the same results and the same deadlines as sleeping at once. Here 4
+// ranks share 2 cores, so most spins run out and the waits end on the condition variable; the spin
+// only shortens the wake-up, the condition variable stays the wait's guarantee. Calls of mixed sizes
+// (the staged path: the arrival alone; the direct one: arrival and barrier; in place: WaitProgress),
+// then a rank that never comes.
+void TestSpinningRendezvous() {
+  const int n = 4;
+  Communicator comm({60, 61, 62, 63});
+  comm.SetSpin(std::chrono::microseconds(50));
+  comm.AddChannel(std::make_unique<ShmChannel>(n, "shm"));
+  const int64_t run = NextRunId();
+  auto st = OnThreads(n, [&](int d) {
+    for (int call = 0; call < 300; ++call) {
+      const size_t count = call % 5 == 0 ? 70001 : 1 + call;  // 280 KB: the direct path
+      std::vector<float> x(count, static_cast<float>(d + call)), y(count, -1.f);
+      CallDesc desc;
+      Part p;
+      p.in = x.data();
+      p.out = call % 7 == 0 ? x.data() : y.data();  // in place too
+      p.units = p.inner = count;
+      desc.AddPart(p);
+      Status s = comm.channel(0).RunAlone(*comm.Join(d, run, "spinning"), d, desc);
+      if (!s.ok()) return s;
+      const float want = static_cast<float>(6 + 4 * call);
+      for (float v : call % 7 == 0 ? x : y)
+        if (v != want) return Status::Internal("call " + std::to_string(call) + ": " + std::to_string(v));
+    }
+    return Status();
+  });
+  std::string why;
+  for (const Status& s : st)
+    if (!s.ok()) why = s.message();
+  Expect(why.empty(), "spinning ranks: 300 back-to-back calls of mixed sizes, in place too: " + why);
+
+  const double saved = TimeoutSeconds();
+  SetTimeoutSeconds(0.3);
+  const int64_t run2 = NextRunId();
+  std::vector<std::vector<float>> x(n, std::vector<float>(1000, 1.f)), y = x;
+  auto late = OnThreads(n, [&](int d) {
+    if (d == 2) return Status();
+    CallDesc desc;
+    Part p;
+    p.in = x[d].data();
+    p.out = y[d].data();
+    p.units = p.inner = x[d].size();
+    desc.AddPart(p);
+    return comm.channel(0).RunAlone(*comm.Join(d, run2, "spinning"), d, desc);
+  });
+  SetTimeoutSeconds(saved);
+  for (int d : {0, 1, 3})
+    Expect(late[d].code() == StatusCode::kDeadlineExceeded &&
+               late[d].message().find("waiting for rank 2 (device 62) to arrive") != std::string::npos,
+           "spinning ranks time out naming the missing rank: " + late[d].message());
+}
+
 // The staged path stages all parts of a small call together: the arrival is its only rendezvous
 // (no barrier at all), and the direct path has one barrier for all parts, not one per part.
 void TestMultiOperandRendezvous() {
@@ -1790,6 +1846,7 @@ int main(int argc, char** argv) {
   Timed("TestMultiOperandAllReduce", TestMultiOperandAllReduce);
   Timed("TestMultiOperandGatherScatter", TestMultiOperandGatherScatter);
   Timed("TestMultiOperandRendezvous", TestMultiOperandRendezvous);
+  Timed("TestSpinningRendezvous", TestSpinningRendezvous);
   Timed("TestMultiOperandMismatch", TestMultiOperandMismatch);
   Timed("TestPpermute", TestPpermute);
   Timed("TestAllToAll", TestAllToAll);

@@ -1686,6 +1686,33 @@ void TestShutdownWhileBusy() {
 }
 
 
+// Who spins at a call's host rendezvous (gpu::ArrivalSpin): by default only a group whose ranks
+// each find a hardware thread (a GPU server's XLA device threads); FLEXLINK_SPIN_US overrides it
+// either way. Then every collective through each link with spinning ranks (4 ranks on this 2-core
+// machine: most spins run out and the wait sleeps, which must not change any result).
+void TestArrivalSpin() {
+  using std::chrono::microseconds;
+  const int64_t saved = SpinMicros();
+  SetSpinMicros(kAutoSpin);
+  Expect(gpu::ArrivalSpin(8, 224) == gpu::kArrivalSpin && gpu::ArrivalSpin(8, 9) == gpu::kArrivalSpin,
+         "spin: a rank per hardware thread spins");
+  Expect(gpu::ArrivalSpin(8, 8).count() == 0 && gpu::ArrivalSpin(4, 2).count() == 0,
+         "spin: ranks that share the hardware threads sleep at once");
+  SetSpinMicros(0);
+  Expect(gpu::ArrivalSpin(8, 224).count() == 0, "spin: FLEXLINK_SPIN_US=0 never spins");
+  SetSpinMicros(20);
+  Expect(gpu::ArrivalSpin(4, 2) == microseconds(20), "spin: FLEXLINK_SPIN_US=20 spins 20 us on any machine");
+  SetSpinMicros(50);
+  for (const std::string links : {"nccl", "pcie@slot_mib=0.25", "nccl;pcie@slot_mib=0.25"}) {
+    Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+    Expect(s.engine->ConfigureLinks(links).ok(), "spin: configure " + links);
+    if (links.find(';') != std::string::npos) PinShares(*s.engine, kLargeCall, 4, {0.5, 0.5});
+    for (const Case& c : StandardCases(4, 20000)) CheckCase(*s.engine, s.h, c, "spinning ranks, " + links);
+    s.ExpectNoSimErrors("spin: " + links);
+  }
+  SetSpinMicros(saved);
+}
+
 sim::SimDevice::Live Minus(const sim::SimDevice::Live& a, const sim::SimDevice::Live& b) {
   return {a.streams - b.streams, a.events - b.events, a.device - b.device, a.pinned - b.pinned};
 }
@@ -1860,6 +1887,7 @@ int main(int argc, char** argv) {
   Timed("TestShutdown", TestShutdown);
   Timed("TestShutdownWhileBusy", TestShutdownWhileBusy);
   Timed("TestReleaseEarlierLinks", TestReleaseEarlierLinks);
+  Timed("TestArrivalSpin", TestArrivalSpin);
   Timed("TestStageOneCheck", TestStageOneCheck);
   Timed("TestCollectives", TestCollectives);
   return Summary();

@@ -4,6 +4,7 @@
 // in the same order (the token chain of the custom calls guarantees that).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -38,6 +39,12 @@ class Communicator {
   size_t num_channels() const { return channels_.size(); }
   Channel& channel(size_t i) const { return *channels_[i]; }
 
+  // How long a rank waiting in a call of this group spins before it sleeps (rendezvous.h): 0, the
+  // CPU engine's (its device threads outnumber the cores), unless the owner sets it before the
+  // communicator is shared (the GPU engine: gpu::ArrivalSpin).
+  std::chrono::nanoseconds spin() const { return spin_; }
+  void SetSpin(std::chrono::nanoseconds spin) { spin_ = spin; }
+
   // Who arrives last at this group's calls, and how late (core/stragglers.h).
   StragglerTracker& stragglers() { return stragglers_; }
 
@@ -55,6 +62,7 @@ class Communicator {
   const std::vector<int64_t> devices_;
   StragglerTracker stragglers_;
   std::vector<std::unique_ptr<Channel>> channels_;  // declared before open_: outlives the calls' scratch
+  std::chrono::nanoseconds spin_{0};
 
   std::mutex mu_;
   std::map<Key, std::shared_ptr<CallContext>> open_;  // calls not all ranks reached, incl. abandoned

@@ -1,11 +1,13 @@
 #include "xla_ffi/core/config.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -44,6 +46,21 @@ size_t SlotBytesFromEnv() {
   return static_cast<size_t>(bytes);
 }
 std::atomic<size_t> g_xproc_slot_bytes{SlotBytesFromEnv()};
+
+int64_t SpinFromEnv() {
+  const char* v = std::getenv("FLEXLINK_SPIN_US");
+  if (!v || std::string_view(v).find_first_not_of(" \t") == std::string_view::npos) return kAutoSpin;
+  char* end = nullptr;
+  const long long us = std::strtoll(v, &end, 10);
+  if (end != v && std::string_view(end).find_first_not_of(" \t") == std::string_view::npos && us >= 0 &&
+      us <= kMaxSpinMicros)
+    return static_cast<int64_t>(us);
+  std::lock_guard<std::mutex> lock(g_warnings_mu);
+  Warnings().push_back(std::string("FLEXLINK_SPIN_US='") + v + "': expected microseconds from 0 to " +
+                       std::to_string(kMaxSpinMicros) + " such as 50 (0: never spin); using the engine's choice");
+  return kAutoSpin;
+}
+std::atomic<int64_t> g_spin_micros{SpinFromEnv()};
 // Off: on the 2-core test machine (4 processes on 2 cores) the second barrier per step cost more
 // than the traffic it saves (docs/xproc.md, "Two-phase all_reduce").
 std::atomic<uint64_t> g_xproc_two_phase_bytes{UINT64_MAX};
@@ -53,6 +70,9 @@ std::string& CachePath() {
 }
 
 }  // namespace
+
+int64_t SpinMicros() { return g_spin_micros.load(); }
+void SetSpinMicros(int64_t micros) { g_spin_micros.store(micros < 0 ? kAutoSpin : std::min(micros, kMaxSpinMicros)); }
 
 bool ParseByteCount(std::string_view text, uint64_t* out) {
   const size_t b = text.find_first_not_of(" \t\r\n");

@@ -77,6 +77,15 @@ void SetXprocTwoPhaseBytes(uint64_t bytes);
 
 // Logging on stderr (FLEXLINK_DEBUG): 0 off, kDebugInfo logs stage-1 results and plan changes.
 inline constexpr int kDebugInfo = 1;
+// FLEXLINK_SPIN_US: how many microseconds a rank of a GPU group waiting for its peers at the host
+// rendezvous spins before it sleeps (0: never spins); kAutoSpin (unset) lets the GPU engine choose
+// per group (gpu::ArrivalSpin). Read once from the environment, a bad value warned about and
+// ignored; SetSpinMicros for tests and benches (groups made later use it).
+inline constexpr int64_t kAutoSpin = -1;
+inline constexpr int64_t kMaxSpinMicros = 10000;
+int64_t SpinMicros();
+void SetSpinMicros(int64_t micros);
+
 int DebugLevel();
 void SetDebugLevel(int level);
 // "flexlink: <msg>" on stderr at kDebugInfo and above.

@@ -16,6 +16,7 @@ CallContext::CallContext(Communicator* comm, int64_t run_id, uint64_t seq, std::
       seq_(seq),
       label_(std::move(label)),
       n_(comm->size()),
+      spin_(comm->spin()),
       present_(n_, 0),
       descs_(n_),
       lanes_(lanes),
@@ -30,6 +31,7 @@ CallContext::CallContext(Communicator* comm, int64_t run_id, uint64_t seq, std::
 }
 
 void CallContext::WakeAll() {
+  Bump();
   cv_.notify_all();
   for (Lane& lane : lanes_)
     for (auto& cv : lane.cv) cv.notify_all();
@@ -61,6 +63,38 @@ CallContext::TimePoint CallContext::Deadline() {
   return DeadlineAfter(TimeoutSeconds());
 }
 
+namespace {
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+template <class Ready>
+void CallContext::Spin(std::unique_lock<std::mutex>& lock, Ready ready) {
+  const TimePoint until = std::chrono::steady_clock::now() + spin_;
+  while (!ready()) {
+    // Read under mu_: a change not visible to ready() yet is made under mu_ later, then bumped.
+    const uint64_t seen = wakes_.load(std::memory_order_acquire);
+    lock.unlock();
+    bool in_time = true;
+    for (uint32_t i = 1; wakes_.load(std::memory_order_acquire) == seen; ++i) {
+      CpuRelax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) {
+        in_time = false;
+        break;
+      }
+    }
+    lock.lock();
+    if (!in_time) return;
+  }
+}
+
 // Waits for `done` up to `deadline`. On timeout the call is abandoned for everyone: waiting ranks
 // wake up with the same error, and ranks that come later fail at once. With a `lane` whose deadline
 // comes first, that deadline (or an abort of the lane) fails the lane alone.
@@ -71,6 +105,7 @@ Status CallContext::WaitAll(std::unique_lock<std::mutex>& lock, std::condition_v
   const double timeout = TimeoutSeconds();
   const TimePoint lane_deadline = lane ? LaneDeadline(*lane) : TimePoint::max();
   const bool lane_first = lane_deadline < deadline;
+  if (spin_.count() > 0) Spin(lock, [&] { return done() || abandoned_ || (lane && lane->aborted); });
   const bool ok = cv.wait_until(lock, lane_first ? lane_deadline : deadline,
                                 [&] { return done() || abandoned_ || (lane && lane->aborted); });
   if (abandoned_) return Abandoned();
@@ -189,6 +224,7 @@ Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link
     if (last) {
       arrived_at_ = std::chrono::steady_clock::now();
       lock.unlock();  // waiters wake straight into a free mutex
+      Bump();
       cv_.notify_all();
     } else {
       // While waiting, help fault in outputs that later ranks publish: otherwise the last rank to
@@ -253,6 +289,7 @@ void CallContext::PublishOutputs(int rank, const CallDesc& desc) {
 void CallContext::PublishOutputs(int rank, std::span<const OutputRegion> outputs) {
   if (faults_.Publish(rank, outputs)) {
     { std::lock_guard<std::mutex> lock(mu_); }  // a rank between its check and its wait sees it
+    Bump();
     cv_.notify_all();
   }
   faults_.Help(rank);
@@ -276,6 +313,7 @@ Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, st
     lane.count = 0;
     ++lane.generation;
     lock.unlock();
+    Bump();
     cv_.notify_all();
     return Status::Ok();
   }
@@ -303,6 +341,7 @@ void CallContext::Advance(int rank, int lane_index) {
   std::lock_guard<std::mutex> lock(mu_);
   Lane& lane = lanes_[lane_index];
   ++lane.progress[rank];
+  Bump();
   for (int w = 0; w < n_; ++w) {
     const Lane::Waiter& want = lane.waiting[w];
     bool waits_for_us = false, satisfied = true;

@@ -1,8 +1,11 @@
 // One collective call as all its ranks see it: the rendezvous where ranks publish their buffers, the
 // phase barriers links use inside the call, and the deadline/abandonment rules. Every wait blocks on
-// a condition variable (device threads outnumber cores; spinning would starve the ranks we wait for).
+// a condition variable (device threads outnumber cores; spinning would starve the ranks we wait for),
+// after a short spin only where the communicator says its ranks each have a core (Communicator::spin,
+// the GPU engine's groups: docs/cuda.md, "The host path of a call").
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -132,12 +135,19 @@ class CallContext {
                  std::string_view what, std::string_view link, TimePoint deadline, Lane* lane = nullptr);
   TimePoint LaneDeadline(const Lane& lane) const;  // under mu_; TimePoint::max() without a budget
   void WakeAll();  // every waiter of any kind (under mu_)
+  // Every change a waiter may wait for is followed by Bump; Spin (under mu_, which it drops while
+  // spinning) returns once `ready()` holds or spin_ has passed, and the wait then blocks as usual.
+  void Bump() { wakes_.fetch_add(1, std::memory_order_release); }
+  template <class Ready>
+  void Spin(std::unique_lock<std::mutex>& lock, Ready ready);
 
   Communicator* const comm_;
   const int64_t run_id_;
   const uint64_t seq_;
   const std::string label_;
   const int n_;
+  const std::chrono::nanoseconds spin_;  // Communicator::spin()
+  std::atomic<uint64_t> wakes_{0};       // Bump's count
 
   std::mutex mu_;
   std::condition_variable cv_;

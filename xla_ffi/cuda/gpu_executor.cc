@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <thread>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor_state.h"
@@ -23,6 +28,22 @@ std::vector<SplitRecord> SplitLog::Take() {
   return out;
 }
 
+unsigned UsableHardwareThreads() {
+#if defined(__linux__)
+  // The process's affinity, not the machine's count: a job bound to a few cores (Slurm, taskset)
+  // has only those to spin on.
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
+#endif
+  return std::thread::hardware_concurrency();
+}
+
+std::chrono::nanoseconds ArrivalSpin(int ranks, unsigned hardware_threads) {
+  const int64_t configured = SpinMicros();
+  if (configured != kAutoSpin) return std::chrono::microseconds(configured);
+  return hardware_threads > static_cast<unsigned>(ranks) ? kArrivalSpin : std::chrono::nanoseconds(0);
+}
+
 GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> links, plan::BalancerOptions options,
                          DeviceApi* api, SplitLog* splits)
     : group_(std::move(group)),
@@ -38,6 +59,7 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
       board_(group_.size()),
       absent_calls_(group_.size()),
       clean_rate_(names_.size(), 0.0) {
+  comm_.SetSpin(ArrivalSpin(group_.size(), UsableHardwareThreads()));
   for (const auto& link : links_->links)
     channels_.push_back(std::make_unique<FaultyGpuChannel>(link->Open(group_), group_.size()));
   // Health, as on CPU, is reported for groups with a link to fail over to; a one-link group keeps

@@ -33,6 +33,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -63,6 +64,17 @@
 namespace flexlink::gpu {
 
 class SplitLog;
+
+// How long a rank of an in-process group of `ranks` spins at a call's host rendezvous before it
+// sleeps (Communicator::spin): FLEXLINK_SPIN_US when set; else kArrivalSpin when the process may
+// run on more hardware threads than the group has ranks (a GPU server: XLA's device threads, one
+// per GPU, each find a core), since a futex sleep and wake-up per call costs more than a 4 KiB
+// call's whole budget (docs/cuda.md, "The host path of a call"); else none, as on CPU, where
+// spinning ranks would take the cores of the ranks they wait for.
+inline constexpr std::chrono::microseconds kArrivalSpin{50};
+std::chrono::nanoseconds ArrivalSpin(int ranks, unsigned hardware_threads);
+// The hardware threads this process may run on (its CPU affinity; else the machine's count).
+unsigned UsableHardwareThreads();
 
 class GpuExecutor {
  public:
