@@ -105,6 +105,11 @@ class GpuExecutor {
   // what is). Release: once drained, every link's communicators ended and everything the set-up
   // and stage 1 made released; PollAll and Watch do nothing afterwards.
   bool Drained(std::string* busy);
+  // Drained as far as the set-up's ledgers tell (every stream and event they made idle), which is
+  // safe while calls of the group run (the ledgers lock; stage 1's events, made on the call path,
+  // are left out, but their work runs on the profile stream, a ledger's): whether the group's
+  // devices are busy with its work, for GpuEngine::ReleaseEarlierLinks' shared-device rule.
+  bool Idle(std::string* busy);
   // `why` is what a call that still found the group would be told (none should: the engine refuses
   // calls after its shutdown, and calls of later link sets find their own groups).
   Status Release(double timeout_s, std::string_view why);

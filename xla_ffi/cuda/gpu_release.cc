@@ -64,6 +64,8 @@ bool GpuExecutor::Drained(std::string* busy) {
   return GroupDrained(ledger_, profile, channels_, busy);
 }
 
+bool GpuExecutor::Idle(std::string* busy) { return released() || GroupDrained(ledger_, true, channels_, busy); }
+
 Status GpuExecutor::Release(double timeout_s, std::string_view why) {
   std::lock_guard<std::mutex> held(release_mu_);
   if (released_all_.exchange(true, std::memory_order_acq_rel)) return Status::Ok();
@@ -93,6 +95,8 @@ bool GpuXprocGroup::Drained(std::string* busy) {
   if (released()) return true;
   return GroupDrained(ledger_, profiler_->EventsDrained(), channels_, busy);
 }
+
+bool GpuXprocGroup::Idle(std::string* busy) { return released() || GroupDrained(ledger_, true, channels_, busy); }
 
 Status GpuXprocGroup::Release(double timeout_s) {
   std::lock_guard<std::mutex> held(release_mu_);

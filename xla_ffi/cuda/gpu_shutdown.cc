@@ -228,17 +228,22 @@ ShutdownReport GpuEngine::ReleaseEarlierLinks(double timeout_s) {
                               std::string(kRetry));
     return report;
   }
+  // The other groups may be running calls meanwhile: only their ledgers are asked (Idle).
   std::vector<Held> earlier, others;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, ex] : groups_) {
       if (ex->released()) continue;
-      (key.first == current ? others : earlier)
-          .push_back(HeldOf(key.second, ex.get(), "its links were replaced (configure_links) and it was released"));
+      GpuExecutor* g = ex.get();
+      if (key.first == current)
+        others.push_back({"", [g](std::string* b) { return g->Idle(b); }, nullptr, [] { return false; },
+                          LocalDevices(g->group().devices)});
+      else
+        earlier.push_back(HeldOf(key.second, g, "its links were replaced (configure_links) and it was released"));
     }
   }
   for (GpuXprocGroup* g : GpuXprocGroupsOf(*this))
-    others.push_back({"", [g](std::string* b) { return g->Drained(b); }, nullptr, [g] { return g->released(); },
+    others.push_back({"", [g](std::string* b) { return g->Idle(b); }, nullptr, [] { return false; },
                       LocalDevices(g->group().devices)});
   (void)ReleaseDrained(earlier, others, deadline, timeout_s, kRetry, &report);
   return report;

@@ -129,6 +129,7 @@ class GpuXprocGroup {
   void Close();
   void CloseRank(int rank);
   bool Drained(std::string* busy);
+  bool Idle(std::string* busy);  // GpuExecutor::Idle's, for this process's part
   Status Release(double timeout_s);
   bool released() const { return released_all_.load(std::memory_order_acquire); }
 
