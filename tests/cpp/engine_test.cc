@@ -2,6 +2,7 @@
 // (flexlink::RunCollective). Results are checked against references computed here, independently of
 // the engine's kernels. Plain C++: prints "N passed, N failed" and exits non-zero on any failure.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <complex>
@@ -9,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <memory>
 #include <random>
 #include <string>
@@ -26,6 +28,7 @@
 #include "xla_ffi/core/link_set.h"
 #include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/reduce.h"
+#include "xla_ffi/core/spin.h"
 #include "xla_ffi/links/shm.h"
 #include "tests/cpp/check.h"
 #include "tests/cpp/reference.h"
@@ -1100,6 +1103,38 @@ void TestSpinningRendezvous() {
            "spinning ranks time out naming the missing rank: " + late[d].message());
 }
 
+// LockSpinning (core/spin.h): mutual exclusion whether the lock comes during the spin, after it (a
+// holder that keeps it 3 ms, past a 50 us spin, so the waiter blocks), or without one (spin 0).
+void TestLockSpinning() {
+  for (const auto spin : {std::chrono::nanoseconds(0), std::chrono::nanoseconds(50000)}) {
+    std::mutex mu;
+    int64_t counter = 0;  // plain: only mutual exclusion keeps the increments whole
+    const int threads = 4, rounds = 20000;
+    (void)OnThreads(threads, [&](int) {
+      for (int i = 0; i < rounds; ++i) {
+        const std::unique_lock<std::mutex> lock = LockSpinning(mu, spin);
+        counter = counter + 1;
+      }
+      return Status();
+    });
+    Expect(counter == int64_t{threads} * rounds, "LockSpinning with spin " + std::to_string(spin.count()) +
+                                                     " ns: " + std::to_string(counter) + " increments of " +
+                                                     std::to_string(threads * rounds));
+  }
+  std::mutex mu;
+  std::unique_lock<std::mutex> held(mu);
+  std::atomic<bool> got{false};
+  std::thread waiter([&] {
+    const std::unique_lock<std::mutex> lock = LockSpinning(mu, std::chrono::microseconds(50));
+    got = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  Expect(!got.load(), "LockSpinning does not take a lock another thread holds");
+  held.unlock();
+  waiter.join();
+  Expect(got.load(), "LockSpinning takes the lock once the holder released it, after its spin ran out");
+}
+
 // The staged path stages all parts of a small call together: the arrival is its only rendezvous
 // (no barrier at all), and the direct path has one barrier for all parts, not one per part.
 void TestMultiOperandRendezvous() {
@@ -1847,6 +1882,7 @@ int main(int argc, char** argv) {
   Timed("TestMultiOperandGatherScatter", TestMultiOperandGatherScatter);
   Timed("TestMultiOperandRendezvous", TestMultiOperandRendezvous);
   Timed("TestSpinningRendezvous", TestSpinningRendezvous);
+  Timed("TestLockSpinning", TestLockSpinning);
   Timed("TestMultiOperandMismatch", TestMultiOperandMismatch);
   Timed("TestPpermute", TestPpermute);
   Timed("TestAllToAll", TestAllToAll);

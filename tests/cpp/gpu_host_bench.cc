@@ -8,6 +8,8 @@
 // of the 4 KiB AllReduce budget of issue 12 (within 10 us of the native collective). docs/cuda.md,
 // "The host path of a call".
 //
+// It also counts the heap allocations (operator new, replaced in this program) per rank and call.
+//
 //   gpu_host_bench [--ranks 2,4] [--links 'nccl,pcie,nccl;pcie'] [--bytes 4096] [--calls 20000] [--reps 5]
 //
 // Not a test: it checks nothing but that every call returned OK. bazel run //tests/cpp:gpu_host_bench.
@@ -20,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -30,6 +33,21 @@
 #include "xla_ffi/cuda/comm_api.h"
 #include "xla_ffi/cuda/device_api.h"
 #include "xla_ffi/cuda/gpu_engine.h"
+
+// Every heap allocation of the program, to print allocations per call (the host path's malloc and
+// free were a fifth of its time: docs/cuda.md, "The host path of a call").
+static std::atomic<uint64_t> g_allocations{0};
+
+void* operator new(std::size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size ? size : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) { return ::operator new(size); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace flexlink::bench {
 namespace {
@@ -163,6 +181,7 @@ struct Result {
   double us_per_call = 0;            // median over the repetitions
   double us_min = 0, us_max = 0;     // the repetitions' extremes
   std::vector<double> ops_per_call;  // per rank and call, by Op
+  double allocations_per_call = 0;   // per rank and call (the threads' own start included, ~0)
   std::string error;
 };
 
@@ -208,6 +227,7 @@ Result Measure(int ranks, const std::string& links, size_t bytes, int calls, int
   };
   round(3);  // the group's set-up
   (void)counts.Take();
+  const uint64_t allocations_before = g_allocations.load();
   std::vector<double> us;
   std::vector<uint64_t> total(kOps, 0);
   for (int rep = 0; rep < reps; ++rep) {
@@ -217,6 +237,8 @@ Result Measure(int ranks, const std::string& links, size_t bytes, int calls, int
     std::vector<uint64_t> c = counts.Take();
     for (int o = 0; o < kOps; ++o) total[o] += c[o];
   }
+  result.allocations_per_call =
+      static_cast<double>(g_allocations.load() - allocations_before) / (static_cast<double>(ranks) * calls * reps);
   for (const Status& s : status)
     if (!s.ok()) {
       result.error = s.message();
@@ -276,11 +298,11 @@ int main(int argc, char** argv) {
   flexlink::SetTuneUseCache(false);
   std::printf("gpu_host_bench: all_reduce float32 %zu bytes per rank, %d calls x %d repetitions, %u hardware threads;\n"
               "the engine's host path over a device and NCCL that do nothing (us per call: wall / calls, every rank\n"
-              "calling concurrently; ops: what each rank enqueues per call)\n\n",
+              "calling concurrently; ops: what each rank enqueues per call; allocs: heap allocations per rank and call)\n\n",
               bytes, calls, reps, std::thread::hardware_concurrency());
   std::printf("%5s  %-10s %9s %9s %9s ", "ranks", "links", "us/call", "min", "max");
   for (const char* name : kOpNames) std::printf(" %7s", name);
-  std::printf("\n");
+  std::printf(" %7s\n", "allocs");
   int failed = 0;
   for (int n : ranks)
     for (const std::string& l : links) {
@@ -292,7 +314,7 @@ int main(int argc, char** argv) {
       }
       std::printf("%5d  %-10s %9.2f %9.2f %9.2f ", n, l.c_str(), r.us_per_call, r.us_min, r.us_max);
       for (double o : r.ops_per_call) std::printf(" %7.2f", o);
-      std::printf("\n");
+      std::printf(" %7.1f\n", r.allocations_per_call);
     }
   return failed ? 1 : 0;
 }

@@ -370,8 +370,15 @@ void TestLinkSpecs() {
   st = s.engine->ConfigureLinks("pcie@slot_mib=0");
   Expect(!st.ok() && st.message().find("out of range") != std::string::npos, "links: slot_mib range: " + st.message());
   Expect(s.engine->CurrentLinks()->spec == "nccl", "links: the default is nccl alone");
+  const gpu::GpuLinkSet& before = s.engine->Links();  // what a device thread read just before the change
   st = s.engine->ConfigureLinks(" nccl ; pcie@slot_mib=2 ");
   Expect(st.ok() && s.engine->CurrentLinks()->spec == "nccl;pcie@slot_mib=2", "links: canonical spec " + s.engine->CurrentLinks()->spec);
+  // The call path's lock-free read: the new set at once; the one it replaced still readable (kept
+  // for the engine's life; ASan would see it freed).
+  Expect(&s.engine->Links() == s.engine->CurrentLinks().get() && s.engine->Links().version > before.version,
+         "links: the call path reads the new set at once");
+  Expect(before.spec == "nccl" && before.links.size() == 1 && before.links[0]->name() == "nccl",
+         "links: the replaced set outlives the change: " + before.spec);
 }
 
 // Every case of StandardCases on one configuration.

@@ -181,16 +181,18 @@ bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   return a_bytes && b_bytes && x < y + b_bytes && y < x + a_bytes;
 }
 
-Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest& x, int n,
-                       const std::string& where, Part* part) {
+// `where()` and `shapes()` make their text only for an error: every call of every rank describes
+// itself here, on XLA's device thread (docs/cuda.md, "The host path of a call").
+template <class Where>
+Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest& x, int n, const Where& where,
+                       Part* part) {
   const size_t in_count = Product(x.in_dims), out_count = Product(x.out_dims);
-  const std::string shapes =
-      "input " + Shape(x.in_dtype, x.in_dims) + ", output " + Shape(x.out_dtype, x.out_dims);
+  auto shapes = [&] { return "input " + Shape(x.in_dtype, x.in_dims) + ", output " + Shape(x.out_dtype, x.out_dims); };
   if (x.in_dtype != x.out_dtype)
-    return Status::InvalidArgument(where + "input and output dtypes differ (" + shapes + ")");
+    return Status::InvalidArgument(where() + "input and output dtypes differ (" + shapes() + ")");
   if (Reduces(req.kind)) {
     Status s = CheckReduction(x.in_dtype, op);
-    if (!s.ok()) return Status::InvalidArgument(where + s.message());
+    if (!s.ok()) return Status::InvalidArgument(where() + s.message());
   }
   Part d;
   d.dtype = x.in_dtype;
@@ -201,43 +203,43 @@ Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest
     case Kind::kAllReduce:
     case Kind::kPpermute:
       if (in_count != out_count)
-        return Status::InvalidArgument(where + "output size differs from input size (" + shapes + ")");
+        return Status::InvalidArgument(where() + "output size differs from input size (" + shapes() + ")");
       d.units = in_count;
       d.inner = in_count;
       break;
     case Kind::kAllGather:
       if (req.axis < 0 || req.axis > rank)
-        return Status::InvalidArgument(where + "axis " + std::to_string(req.axis) +
-                                       " out of range for " + shapes);
+        return Status::InvalidArgument(where() + "axis " + std::to_string(req.axis) +
+                                       " out of range for " + shapes());
       if (out_count != in_count * n)
-        return Status::InvalidArgument(where + "output must hold " + std::to_string(n) +
+        return Status::InvalidArgument(where() + "output must hold " + std::to_string(n) +
                                        " x the input elements for a group of " + std::to_string(n) +
-                                       " (" + shapes + ")");
+                                       " (" + shapes() + ")");
       d.units = in_count;
       d.outer = Product(x.in_dims.first(req.axis));
       d.inner = d.outer ? in_count / d.outer : 0;
       break;
     case Kind::kReduceScatter:
       if (req.axis < 0 || req.axis >= rank)
-        return Status::InvalidArgument(where + "scatter axis " + std::to_string(req.axis) +
-                                       " out of range for " + shapes);
+        return Status::InvalidArgument(where() + "scatter axis " + std::to_string(req.axis) +
+                                       " out of range for " + shapes());
       if (x.in_dims[req.axis] % n != 0 || in_count != out_count * n)
-        return Status::InvalidArgument(where + "input dimension " + std::to_string(req.axis) +
+        return Status::InvalidArgument(where() + "input dimension " + std::to_string(req.axis) +
                                        " must be split evenly over the group of " + std::to_string(n) +
-                                       " with the output holding one block (" + shapes + ")");
+                                       " with the output holding one block (" + shapes() + ")");
       d.units = out_count;
       d.outer = Product(x.in_dims.first(req.axis));
       d.inner = d.outer ? out_count / d.outer : 0;
       break;
     case Kind::kAllToAll:
       if (req.axis < 0 || req.axis >= rank)
-        return Status::InvalidArgument(where + "axis " + std::to_string(req.axis) + " out of range for " + shapes);
+        return Status::InvalidArgument(where() + "axis " + std::to_string(req.axis) + " out of range for " + shapes());
       if (x.in_dims[req.axis] % n != 0)
-        return Status::InvalidArgument(where + "input dimension " + std::to_string(req.axis) + " (" +
+        return Status::InvalidArgument(where() + "input dimension " + std::to_string(req.axis) + " (" +
                                        std::to_string(x.in_dims[req.axis]) + ") must split evenly into " +
-                                       std::to_string(n) + " blocks, one per rank of the group (" + shapes + ")");
+                                       std::to_string(n) + " blocks, one per rank of the group (" + shapes() + ")");
       if (in_count != out_count)
-        return Status::InvalidArgument(where + "output size differs from input size (" + shapes + ")");
+        return Status::InvalidArgument(where() + "output size differs from input size (" + shapes() + ")");
       d.units = in_count / n;
       d.outer = Product(x.in_dims.first(req.axis));
       d.inner = d.outer ? d.units / d.outer : 0;
@@ -251,7 +253,7 @@ Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest
     const bool exchange = req.kind == Kind::kPpermute || req.kind == Kind::kAllToAll;
     if (Overlap(x.in, in_count * w, x.out, out_count * w) && !(exchange && x.in == x.out))
       return Status::InvalidArgument(
-          where + "the output overlaps the input (" + shapes + "); " +
+          where() + "the output overlaps the input (" + shapes() + "); " +
           (exchange ? std::string(Name(req.kind)) + " runs in place only with the output being the input " +
                           "buffer itself, else it needs a separate output buffer"
                     : "only all_reduce, ppermute and all_to_all run in place, " + std::string(Name(req.kind)) +
@@ -262,28 +264,30 @@ Status DescribeOperand(const CallRequest& req, ReduceOp op, const OperandRequest
 }
 
 // ppermute's (source, destination) pairs as a per-destination source table.
-Status DescribePairs(std::span<const int64_t> pairs, int n, const std::string& where, std::vector<int32_t>* sources) {
+template <class Where>
+Status DescribePairs(std::span<const int64_t> pairs, int n, const Where& where, std::vector<int32_t>* sources) {
   if (pairs.size() % 2 != 0)
-    return Status::InvalidArgument(where + "pairs must be (source, destination) ranks, flattened: got " +
+    return Status::InvalidArgument(where() + "pairs must be (source, destination) ranks, flattened: got " +
                                    std::to_string(pairs.size()) + " numbers " + FormatIds(pairs));
   sources->assign(static_cast<size_t>(n), -1);
   std::vector<char> is_source(static_cast<size_t>(n), 0);
   for (size_t i = 0; i < pairs.size(); i += 2) {
     const int64_t s = pairs[i], d = pairs[i + 1];
-    std::string pair = "(";  // appended: GCC 12 warns falsely on "literal" + std::string chains
-    pair += std::to_string(s);
-    pair += ", ";
-    pair += std::to_string(d);
-    pair += ")";
-    if (s < 0 || s >= n || d < 0 || d >= n)
-      return Status::InvalidArgument(where + "pair " + pair + " names a rank outside the group of " +
+    if (s < 0 || s >= n || d < 0 || d >= n) {
+      std::string pair = "(";  // appended: GCC 12 warns falsely on "literal" + std::string chains
+      pair += std::to_string(s);
+      pair += ", ";
+      pair += std::to_string(d);
+      pair += ")";
+      return Status::InvalidArgument(where() + "pair " + pair + " names a rank outside the group of " +
                                      std::to_string(n) + " (ranks are positions 0.." + std::to_string(n - 1) +
                                      " in the group)");
+    }
     if (is_source[s])
-      return Status::InvalidArgument(where + "rank " + std::to_string(s) + " is the source of more than one pair " +
+      return Status::InvalidArgument(where() + "rank " + std::to_string(s) + " is the source of more than one pair " +
                                      "(sources must be unique): " + FormatIds(pairs));
     if ((*sources)[d] >= 0)
-      return Status::InvalidArgument(where + "rank " + std::to_string(d) + " is the destination of more than one " +
+      return Status::InvalidArgument(where() + "rank " + std::to_string(d) + " is the destination of more than one " +
                                      "pair (destinations must be unique): " + FormatIds(pairs));
     is_source[s] = 1;
     (*sources)[d] = static_cast<int32_t>(s);
@@ -294,9 +298,9 @@ Status DescribePairs(std::span<const int64_t> pairs, int n, const std::string& w
 }  // namespace
 
 Status DescribeCall(const CallRequest& req, int n, std::string_view label, CallDesc* desc) {
-  const std::string where = ErrorPrefix(label) + std::string(Name(req.kind)) + ": ";
+  auto where = [&] { return ErrorPrefix(label) + std::string(Name(req.kind)) + ": "; };
   if (req.operands.empty())
-    return Status::InvalidArgument(where + "no operands (a call takes x_1, ..., x_k and the token, k >= 1)");
+    return Status::InvalidArgument(where() + "no operands (a call takes x_1, ..., x_k and the token, k >= 1)");
   desc->kind = req.kind;
   desc->op = ReduceOp::kSum;
   desc->parts.clear();
@@ -304,14 +308,14 @@ Status DescribeCall(const CallRequest& req, int n, std::string_view label, CallD
   if (Reduces(req.kind)) {
     auto op = ParseReduceOp(req.reduction);
     if (!op)
-      return Status::InvalidArgument(where + "unknown reduction '" + std::string(req.reduction) +
+      return Status::InvalidArgument(where() + "unknown reduction '" + std::string(req.reduction) +
                                      "' (expected sum, prod, max or min)");
     desc->op = *op;
   }
   if (req.kind == Kind::kPpermute) FLEXLINK_RETURN_IF_ERROR(DescribePairs(req.pairs, n, where, &desc->sources));
   const bool several = req.operands.size() > 1;
   for (size_t i = 0; i < req.operands.size(); ++i) {
-    const std::string at = several ? where + "operand " + std::to_string(i) + ": " : where;
+    auto at = [&] { return several ? where() + "operand " + std::to_string(i) + ": " : where(); };
     Part part;
     FLEXLINK_RETURN_IF_ERROR(DescribeOperand(req, desc->op, req.operands[i], n, at, &part));
     desc->AddPart(part);
@@ -322,16 +326,16 @@ Status DescribeCall(const CallRequest& req, int n, std::string_view label, CallD
 Status ResolveGroup(std::span<const int64_t> groups, std::span<const int64_t> group_sizes,
                     int64_t device, std::string_view label, std::span<const int64_t>* members,
                     int* rank) {
-  const std::string where = ErrorPrefix(label);
+  auto where = [&] { return ErrorPrefix(label); };  // for an error only: every call resolves its group
   size_t total = 0;
   for (int64_t s : group_sizes) {
     if (s <= 0)
-      return Status::InvalidArgument(where + "group sizes must be positive, got " +
+      return Status::InvalidArgument(where() + "group sizes must be positive, got " +
                                      FormatIds(group_sizes));
     total += static_cast<size_t>(s);
   }
   if (total != groups.size())
-    return Status::InvalidArgument(where + "group sizes " + FormatIds(group_sizes) + " add up to " +
+    return Status::InvalidArgument(where() + "group sizes " + FormatIds(group_sizes) + " add up to " +
                                    std::to_string(total) + " but " + std::to_string(groups.size()) +
                                    " device ids were given");
   size_t offset = 0;
@@ -347,11 +351,11 @@ Status ResolveGroup(std::span<const int64_t> groups, std::span<const int64_t> gr
     offset += static_cast<size_t>(s);
   }
   if (found == 0)
-    return Status::InvalidArgument(where + "device " + std::to_string(device) +
+    return Status::InvalidArgument(where() + "device " + std::to_string(device) +
                                    " is not in any group of " + FormatIds(groups) + " (sizes " +
                                    FormatIds(group_sizes) + ")");
   if (found > 1)
-    return Status::InvalidArgument(where + "device " + std::to_string(device) +
+    return Status::InvalidArgument(where() + "device " + std::to_string(device) +
                                    " appears more than once in the groups " + FormatIds(groups));
   return Status::Ok();
 }

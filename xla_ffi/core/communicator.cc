@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "xla_ffi/core/spin.h"
 #include "xla_ffi/links/link.h"
 
 namespace flexlink {
@@ -42,7 +43,7 @@ uint64_t Communicator::NextSeq(int rank, int64_t run_id) {
 }
 
 std::shared_ptr<CallContext> Communicator::Join(int rank, int64_t run_id, std::string_view label) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = LockSpinning(mu_, spin_);  // every rank, at once
   const Key key(run_id, NextSeq(rank, run_id));
   auto it = open_.find(key);
   if (it != open_.end()) return it->second;
@@ -54,7 +55,7 @@ std::shared_ptr<CallContext> Communicator::Join(int rank, int64_t run_id, std::s
 }
 
 void Communicator::Retire(int64_t run_id, uint64_t seq) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = LockSpinning(mu_, spin_);
   open_.erase(Key(run_id, seq));
 }
 

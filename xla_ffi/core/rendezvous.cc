@@ -7,6 +7,7 @@
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/deadline.h"
+#include "xla_ffi/core/spin.h"
 
 namespace flexlink {
 
@@ -62,18 +63,6 @@ std::string CallContext::RankList(const std::vector<int>& ranks) const {
 CallContext::TimePoint CallContext::Deadline() {
   return DeadlineAfter(TimeoutSeconds());
 }
-
-namespace {
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-}  // namespace
 
 template <class Ready>
 void CallContext::Spin(std::unique_lock<std::mutex>& lock, Ready ready) {
@@ -139,17 +128,17 @@ CallContext::TimePoint CallContext::LaneDeadline(const Lane& lane) const {
 }
 
 void CallContext::SetLaneBudget(int lane, double budget_s) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   if (!(lanes_[lane].budget_s > 0)) lanes_[lane].budget_s = budget_s;
 }
 
 void CallContext::StartLaneClock(int lane) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   if (lanes_[lane].started == TimePoint{}) lanes_[lane].started = std::chrono::steady_clock::now();
 }
 
 void CallContext::AbortLane(int lane, std::string why) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   if (lanes_[lane].aborted) return;
   lanes_[lane].aborted = true;
   lanes_[lane].error = std::move(why);
@@ -157,18 +146,18 @@ void CallContext::AbortLane(int lane, std::string why) {
 }
 
 CallContext::TimePoint CallContext::LaneDeadlineFor(int lane, double* budget_s) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   if (budget_s) *budget_s = lanes_[lane].budget_s;
   return LaneDeadline(lanes_[lane]);
 }
 
 bool CallContext::LaneAborted(int lane) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   return lanes_[lane].aborted;
 }
 
 Status CallContext::WaitLane(int rank, int lane_index, std::string_view link) {
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = Hold();
   Lane& lane = lanes_[lane_index];
   const TimePoint lane_deadline = LaneDeadline(lane);
   const TimePoint global = Deadline();
@@ -184,12 +173,12 @@ Status CallContext::WaitLane(int rank, int lane_index, std::string_view link) {
 }
 
 bool CallContext::HasArrived(int rank) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   return present_[rank] != 0;
 }
 
 void CallContext::Refuse(int rank, std::string_view reason, StatusCode code) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   if (abandoned_) return;
   abandoned_ = true;
   abandon_code_ = code;
@@ -198,7 +187,7 @@ void CallContext::Refuse(int rank, std::string_view reason, StatusCode code) {
 }
 
 Status CallContext::WaitAbandoned(int rank) {
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = Hold();
   const auto deadline = DeadlineAfter(1.5 * TimeoutSeconds());
   cv_.wait_until(lock, deadline, [&] { return abandoned_; });
   if (abandoned_) return Abandoned();
@@ -209,7 +198,7 @@ Status CallContext::WaitAbandoned(int rank) {
 Status CallContext::Arrive(int rank, const CallDesc& desc, std::string_view link) {
   bool last = false;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = Hold();
     if (abandoned_)
       return Status(abandon_code_, ErrorPrefix(label_) + "rank " + std::to_string(rank) + " (device " +
                                        std::to_string(comm_->devices()[rank]) +
@@ -288,7 +277,7 @@ void CallContext::PublishOutputs(int rank, const CallDesc& desc) {
 
 void CallContext::PublishOutputs(int rank, std::span<const OutputRegion> outputs) {
   if (faults_.Publish(rank, outputs)) {
-    { std::lock_guard<std::mutex> lock(mu_); }  // a rank between its check and its wait sees it
+    { const std::unique_lock<std::mutex> lock = Hold(); }  // a rank between its check and its wait sees it
     Bump();
     cv_.notify_all();
   }
@@ -298,12 +287,12 @@ void CallContext::PublishOutputs(int rank, std::span<const OutputRegion> outputs
 void CallContext::WithdrawOutputs(int rank) { faults_.Withdraw(rank); }
 
 uint64_t CallContext::barriers_passed(int lane) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   return lanes_[lane].generation;
 }
 
 Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, std::string_view link) {
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = Hold();
   if (abandoned_) return Abandoned();
   Lane& lane = lanes_[lane_index];
   if (lane.aborted) return Status::DeadlineExceeded(lane.error);
@@ -333,12 +322,12 @@ Status CallContext::Barrier(int rank, int lane_index, std::string_view phase, st
 namespace flexlink {
 
 uint64_t CallContext::progress(int rank, int lane) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   return lanes_[lane].progress[rank];
 }
 
 void CallContext::Advance(int rank, int lane_index) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = Hold();
   Lane& lane = lanes_[lane_index];
   ++lane.progress[rank];
   Bump();
@@ -355,7 +344,7 @@ void CallContext::Advance(int rank, int lane_index) {
 
 Status CallContext::WaitProgress(int rank, int lane_index, std::span<const int> peers, uint64_t value,
                                  std::string_view what, std::string_view link) {
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = Hold();
   if (abandoned_) return Abandoned();
   Lane& lane = lanes_[lane_index];
   if (lane.aborted) return Status::DeadlineExceeded(lane.error);

@@ -18,6 +18,7 @@
 
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/pages.h"
+#include "xla_ffi/core/spin.h"
 #include "xla_ffi/core/status.h"
 
 namespace flexlink {
@@ -110,7 +111,7 @@ class CallContext {
   // last rank drops the call — no extra synchronisation needed to know that all ranks are done.
   template <class T, class Make>
   T* Scratch(Make&& make) {
-    std::lock_guard<std::mutex> lock(mu_);
+    const std::unique_lock<std::mutex> lock = Hold();
     if (!scratch_) scratch_ = make();
     return static_cast<T*>(scratch_.get());
   }
@@ -118,7 +119,7 @@ class CallContext {
   // The same for the executor (its plan and per-link times for this call), apart from the links'.
   template <class T, class Make>
   T* ExecutorState(Make&& make) {
-    std::lock_guard<std::mutex> lock(mu_);
+    const std::unique_lock<std::mutex> lock = Hold();
     if (!executor_state_) executor_state_ = make();
     return static_cast<T*>(executor_state_.get());
   }
@@ -137,7 +138,13 @@ class CallContext {
   void WakeAll();  // every waiter of any kind (under mu_)
   // Every change a waiter may wait for is followed by Bump; Spin (under mu_, which it drops while
   // spinning) returns once `ready()` holds or spin_ has passed, and the wait then blocks as usual.
-  void Bump() { wakes_.fetch_add(1, std::memory_order_release); }
+  // Only where ranks spin: nothing reads the count otherwise, and the CPU engine's calls need not pay
+  // an atomic per notification.
+  void Bump() {
+    if (spin_.count() > 0) wakes_.fetch_add(1, std::memory_order_release);
+  }
+  // mu_, locked after a spin where the ranks spin (spin.h): they all take it within a microsecond.
+  std::unique_lock<std::mutex> Hold() { return LockSpinning(mu_, spin_); }
   template <class Ready>
   void Spin(std::unique_lock<std::mutex>& lock, Ready ready);
 

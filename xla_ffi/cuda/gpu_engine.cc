@@ -81,8 +81,14 @@ std::shared_ptr<const GpuLinkSet> GpuEngine::CurrentLinks() {
     Status s = MakeGpuLinkSet(kDefaultGpuLinks, next_version_++, &api_, &comm_, &links_);
     (void)s;  // cannot fail: the default always parses
     for (const std::string& name : links_->names()) MarkLinkHealth(name, true);
+    current_.store(links_.get(), std::memory_order_release);
   }
   return links_;
+}
+
+const GpuLinkSet& GpuEngine::Links() {
+  if (const GpuLinkSet* set = current_.load(std::memory_order_acquire)) return *set;
+  return *CurrentLinks();  // the default, made once; kept by links_ or retired_links_ from then on
 }
 
 Status GpuEngine::ConfigureLinks(std::string_view spec) {
@@ -92,7 +98,9 @@ Status GpuEngine::ConfigureLinks(std::string_view spec) {
   ++next_version_;
   for (const std::string& name : set->names()) MarkLinkHealth(name, true);
   DropHealthBefore(set->version);  // the old set's groups stay idle: their health is no longer reported
+  if (links_) retired_links_.push_back(std::move(links_));
   links_ = std::move(set);
+  current_.store(links_.get(), std::memory_order_release);
   overrides_.clear();
   seeds_.clear();
   return Status::Ok();
@@ -114,19 +122,26 @@ std::unique_ptr<GpuExecutor> GpuEngine::MakeGroup(std::shared_ptr<const GpuLinkS
   return ex;
 }
 
-Status GpuEngine::GetGroup(std::span<const int64_t> devices, std::string_view label, GpuExecutor** out) {
-  std::shared_ptr<const GpuLinkSet> links = CurrentLinks();
+Status GpuEngine::GetGroup(const GpuLinkSet& links, std::span<const int64_t> devices, std::string_view label,
+                           GpuExecutor** out) {
   // Keyed by the engine's serial, not its address: an engine made where a destroyed one was (tests)
   // must not find the old one's executors.
   thread_local std::vector<std::tuple<uint64_t, uint64_t, std::vector<int64_t>, GpuExecutor*>> cache;
   for (const auto& [engine, version, ids, ex] : cache)
-    if (engine == serial_ && version == links->version && std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
+    if (engine == serial_ && version == links.version && std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
       *out = ex;
       return Status::Ok();
     }
-  FLEXLINK_RETURN_IF_ERROR(FindOrMakeGroup(links, devices, label, out));
+  std::shared_ptr<const GpuLinkSet> held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held = links_.get() == &links ? links_ : nullptr;
+    for (const auto& set : retired_links_)
+      if (set.get() == &links) held = set;
+  }
+  FLEXLINK_RETURN_IF_ERROR(FindOrMakeGroup(held, devices, label, out));
   StartWatchdog();
-  cache.emplace_back(serial_, links->version, std::vector<int64_t>(devices.begin(), devices.end()), *out);
+  cache.emplace_back(serial_, links.version, std::vector<int64_t>(devices.begin(), devices.end()), *out);
   return Status::Ok();
 }
 
@@ -175,10 +190,11 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
     return Status::Ok();
   }
   // A group spanning processes, set up at lowering (gpu_xproc.h), runs there.
-  if (GpuXprocGroup* xgroup = FindGpuXprocGroup(*this, members, args.links_version, CurrentLinks().get()))
+  const GpuLinkSet& links = Links();
+  if (GpuXprocGroup* xgroup = FindGpuXprocGroup(*this, members, args.links_version, &links))
     return xgroup->Run(rank, desc, stream, args.label, args.run_id);
   GpuExecutor* group = nullptr;
-  FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
+  FLEXLINK_RETURN_IF_ERROR(GetGroup(links, members, args.label, &group));
   std::shared_ptr<CallContext> call = group->comm().Join(rank, args.run_id, args.label);
   return group->Run(*call, rank, desc, stream);
 }

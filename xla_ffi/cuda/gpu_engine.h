@@ -98,6 +98,11 @@ class GpuEngine {
   // Links (kinds nccl, pcie; rdma is refused): calls must not be running while they change.
   Status ConfigureLinks(std::string_view spec);
   std::shared_ptr<const GpuLinkSet> CurrentLinks();
+  // The same set, read on the call path without mu_ or a reference count: every XLA device thread
+  // reads it at every call, and when a group's ranks did so under mu_ they met there right after
+  // their previous call's rendezvous and slept on it (gpu_host_bench: docs/cuda.md, "The host path
+  // of a call"). Valid for the engine's life: a replaced set is kept (retired_links_).
+  const GpuLinkSet& Links();
 
   Status SetShares(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned);
   void ForgetModel(Kind kind);
@@ -132,7 +137,7 @@ class GpuEngine {
   Status RunOrThrow(const CollectiveArgs& args, Stream stream);
   // Polls until no call is inside Run; false at the deadline.
   bool WaitNoCallInside(std::chrono::steady_clock::time_point deadline);
-  Status GetGroup(std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
+  Status GetGroup(const GpuLinkSet& links, std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
   // GetGroup's lookup under mu_, making the group (host objects only; its set-up runs inside its
   // first call) when it does not exist; without the watchdog or the device thread's cache.
   Status FindOrMakeGroup(const std::shared_ptr<const GpuLinkSet>& links, std::span<const int64_t> devices,
@@ -154,6 +159,10 @@ class GpuEngine {
   SplitLog splits_;
   std::mutex mu_;
   std::shared_ptr<const GpuLinkSet> links_;
+  std::atomic<const GpuLinkSet*> current_{nullptr};  // links_.get(), for Links()
+  // Every set links_ held before: Links() may have handed one out just before it was replaced, and a
+  // group made for it later holds it (host objects only: names, options; no device resources).
+  std::vector<std::shared_ptr<const GpuLinkSet>> retired_links_;
   uint64_t next_version_ = 1;
   std::map<std::pair<Kind, uint64_t>, std::pair<std::vector<double>, bool>> overrides_;
   std::map<int, plan::CostModel> seeds_;  // by group size, for the current links

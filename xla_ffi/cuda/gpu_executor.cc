@@ -12,6 +12,7 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/core/failover.h"
+#include "xla_ffi/core/spin.h"
 #include "xla_ffi/core/stats.h"
 
 namespace flexlink::gpu {
@@ -51,15 +52,16 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
       names_(links_->names()),
       api_(*api),
       splits_(splits),
+      spin_(ArrivalSpin(group_.size(), UsableHardwareThreads())),
       comm_(group_.ids),
       balancer_(names_, options),
       ranks_(group_.size()),
-      timings_(group_.size()),
+      timings_(group_.size(), spin_),
       profiler_(this),
       board_(group_.size()),
       absent_calls_(group_.size()),
       clean_rate_(names_.size(), 0.0) {
-  comm_.SetSpin(ArrivalSpin(group_.size(), UsableHardwareThreads()));
+  comm_.SetSpin(spin_);
   for (const auto& link : links_->links)
     channels_.push_back(std::make_unique<FaultyGpuChannel>(link->Open(group_), group_.size()));
   // Health, as on CPU, is reported for groups with a link to fail over to; a one-link group keeps
@@ -73,7 +75,7 @@ using plan::RangeMessageBytes;
 double GpuExecutor::Predict(const CallState& state, size_t link, double message_bytes) {
   if (!state.fits.empty()) return state.fits[link].Predict(message_bytes);
   {
-    std::lock_guard<std::mutex> lock(rate_mu_);
+    const std::unique_lock<std::mutex> lock = LockSpinning(rate_mu_, spin_);
     if (clean_rate_[link] > 0) return clean_rate_[link] * message_bytes;
   }
   return plan::UnfittedSeconds(message_bytes);
@@ -318,9 +320,12 @@ Status GpuExecutor::Enqueue(CallContext& ctx, int rank, const CallDesc& desc, St
   std::vector<double> budget(work.size(), 0.0);
   std::vector<size_t> begun;  // links whose range was started (and whose stop event was recorded)
 
-  const std::string where = ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
-                            FormatIds(group_.ids) + ": ";
-  auto check = [&](const Status& s) { return Located(s, where); };
+  // The message's prefix is made for an error only (every call of every rank passes here).
+  auto check = [&](const Status& s) {
+    return s.ok() ? s
+                  : Located(s, ErrorPrefix(ctx.label()) + std::string(Name(desc.kind)) + " on group " +
+                                   FormatIds(group_.ids) + ": ");
+  };
   // Stage 1's profile, when this call runs it: before the call's own work on XLA's stream (its
   // timing starts after it), but after the slot's `before` event, from which the hang detector's
   // clock runs: the profile's NCCL operations wait on every peer's as the ranges do, so a hang in

@@ -227,6 +227,9 @@ class GpuExecutor {
   const std::vector<std::string> names_;
   DeviceApi& api_;
   SplitLog* const splits_;
+  // How long its device threads spin before they sleep (ArrivalSpin): at the rendezvous (comm_) and
+  // at the locks they all take at every call (core/spin.h).
+  const std::chrono::nanoseconds spin_;
   Communicator comm_;
   plan::Balancer balancer_;
   std::vector<std::unique_ptr<FaultyGpuChannel>> channels_;

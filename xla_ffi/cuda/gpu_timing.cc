@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "xla_ffi/core/spin.h"
+
 namespace flexlink::gpu {
 namespace {
 // Records of calls whose ranks never all came back (a rank failed before enqueuing) are dropped
@@ -12,7 +14,7 @@ constexpr size_t kMaxOpen = 1024;
 uint64_t TimingBook::Open(std::shared_ptr<const plan::Plan> plan, uint64_t message_bytes,
                           std::vector<uint64_t> link_bytes, uint64_t call,
                           std::vector<uint64_t> link_message_bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = LockSpinning(mu_, spin_);
   const uint64_t id = next_++;
   TimingRecord& r = records_[id];
   r.plan = std::move(plan);
@@ -36,7 +38,7 @@ std::optional<TimingRecord> TimingBook::Retire(std::map<uint64_t, TimingRecord>:
 }
 
 std::optional<TimingRecord> TimingBook::Add(uint64_t id, const std::vector<double>& link_seconds, double call_seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = LockSpinning(mu_, spin_);
   auto it = records_.find(id);
   if (it == records_.end()) return std::nullopt;
   TimingRecord& r = it->second;
@@ -47,13 +49,13 @@ std::optional<TimingRecord> TimingBook::Add(uint64_t id, const std::vector<doubl
 }
 
 void TimingBook::MarkSlowed(uint64_t id, size_t link) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = LockSpinning(mu_, spin_);
   auto it = records_.find(id);
   if (it != records_.end() && link < it->second.slowed.size()) it->second.slowed[link] = 1;
 }
 
 void TimingBook::Lose(uint64_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = LockSpinning(mu_, spin_);
   auto it = records_.find(id);
   if (it == records_.end()) return;
   it->second.lost = true;
@@ -61,7 +63,7 @@ void TimingBook::Lose(uint64_t id) {
 }
 
 size_t TimingBook::open_records() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> lock = LockSpinning(mu_, spin_);
   return records_.size();
 }
 

@@ -6,6 +6,7 @@
 // when the host runs far ahead of the device.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -32,7 +33,9 @@ struct TimingRecord {
 
 class TimingBook {
  public:
-  explicit TimingBook(int ranks) : n_(ranks) {}
+  // `spin`: how long a rank tries the lock before it sleeps (core/spin.h): a group's ranks read
+  // their times at the same moment of every call.
+  explicit TimingBook(int ranks, std::chrono::nanoseconds spin = {}) : n_(ranks), spin_(spin) {}
   // A new call's record (its first rank, while making the call's state).
   uint64_t Open(std::shared_ptr<const plan::Plan> plan, uint64_t message_bytes, std::vector<uint64_t> link_bytes,
                 uint64_t call = 0, std::vector<uint64_t> link_message_bytes = {});
@@ -47,6 +50,7 @@ class TimingBook {
  private:
   std::optional<TimingRecord> Retire(std::map<uint64_t, TimingRecord>::iterator it);
   const int n_;
+  const std::chrono::nanoseconds spin_;
   mutable std::mutex mu_;
   uint64_t next_ = 1;
   std::map<uint64_t, TimingRecord> records_;
