@@ -28,6 +28,7 @@
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/pcie_chunks.h"
+#include "xla_ffi/cuda/pcie_gate.h"
 
 namespace flexlink::testing {
 namespace {
@@ -1697,6 +1698,46 @@ void TestShutdownWhileBusy() {
 // each find a hardware thread (a GPU server's XLA device threads); FLEXLINK_SPIN_US overrides it
 // either way. Then every collective through each link with spinning ranks (4 ranks on this 2-core
 // machine: most spins run out and the wait sleeps, which must not change any result).
+// The pcie link's host gate (pcie_gate.h) with and without its spin: a record published during the
+// spin, one published after the waiter went to sleep (3 ms later), one never published (the
+// deadline, naming the rank), and an abort while a rank waits.
+void TestPcieGate() {
+  using std::chrono::milliseconds;
+  const double saved = TimeoutSeconds();
+  SetTimeoutSeconds(0.3 * kSanitizerSlowdown);
+  for (const auto spin : {std::chrono::nanoseconds(0), std::chrono::nanoseconds(gpu::kArrivalSpin)}) {
+    const std::string what = "pcie gate, spin " + std::to_string(spin.count()) + " ns: ";
+    gpu::PcieGate gate(3, spin);
+    std::thread soon([&] { gate.PublishRecorded(1, gpu::PcieGate::kPosted0, 0); });
+    Status s = gate.AwaitRecorded(1, gpu::PcieGate::kPosted0, 0);
+    soon.join();
+    Expect(s.ok(), what + "a record published at once: " + s.message());
+    std::thread later([&] {
+      std::this_thread::sleep_for(milliseconds(3));
+      gate.PublishRecorded(2, gpu::PcieGate::kPosted0, 0);
+      gate.PublishWaited(0, gpu::PcieGate::kConsumed1, 4);
+      gate.PublishWaited(1, gpu::PcieGate::kConsumed1, 4);
+      gate.PublishWaited(2, gpu::PcieGate::kConsumed1, 5);
+    });
+    s = gate.AwaitRecorded(2, gpu::PcieGate::kPosted0, 0);
+    Status all = gate.AwaitWaitedByAll(gpu::PcieGate::kConsumed1, 4);
+    later.join();
+    Expect(s.ok() && all.ok(), what + "records published after the waiter slept: " + s.message() + all.message());
+    s = gate.AwaitRecorded(2, gpu::PcieGate::kPosted0, 1);
+    Expect(s.code() == StatusCode::kDeadlineExceeded && s.message().find("rank 2 to issue its copies") != std::string::npos,
+           what + "a record never published: the deadline names the rank: " + s.message());
+    std::thread abort([&] {
+      std::this_thread::sleep_for(milliseconds(3));
+      gate.Abort("rank 0 (device 0) could not enqueue its copies");
+    });
+    s = gate.AwaitWaitedByAll(gpu::PcieGate::kPosted1, 0);
+    abort.join();
+    Expect(s.code() == StatusCode::kInternal && s.message().find("rank 0 (device 0) could not enqueue") != std::string::npos,
+           what + "an abort wakes a waiting rank with the failed one's name: " + s.message());
+  }
+  SetTimeoutSeconds(saved);
+}
+
 void TestArrivalSpin() {
   using std::chrono::microseconds;
   const int64_t saved = SpinMicros();
@@ -1895,6 +1936,7 @@ int main(int argc, char** argv) {
   Timed("TestShutdownWhileBusy", TestShutdownWhileBusy);
   Timed("TestReleaseEarlierLinks", TestReleaseEarlierLinks);
   Timed("TestArrivalSpin", TestArrivalSpin);
+  Timed("TestPcieGate", TestPcieGate);
   Timed("TestStageOneCheck", TestStageOneCheck);
   Timed("TestCollectives", TestCollectives);
   return Summary();

@@ -111,6 +111,7 @@ std::unique_ptr<GpuExecutor> GpuEngine::MakeGroup(std::shared_ptr<const GpuLinkS
   GroupInfo info;
   info.ids = ids;
   for (int64_t id : ids) info.devices.push_back(options_.device_of(id));
+  info.spin = ArrivalSpin(info.size(), UsableHardwareThreads());
   plan::BalancerOptions options;
   options.profile_from_bytes = AutotuneMinBytes();
   options.profile_max_bytes = TuneMaxBytes();

@@ -52,7 +52,7 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
       names_(links_->names()),
       api_(*api),
       splits_(splits),
-      spin_(ArrivalSpin(group_.size(), UsableHardwareThreads())),
+      spin_(group_.spin),
       comm_(group_.ids),
       balancer_(names_, options),
       ranks_(group_.size()),

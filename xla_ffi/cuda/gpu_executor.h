@@ -227,8 +227,8 @@ class GpuExecutor {
   const std::vector<std::string> names_;
   DeviceApi& api_;
   SplitLog* const splits_;
-  // How long its device threads spin before they sleep (ArrivalSpin): at the rendezvous (comm_) and
-  // at the locks they all take at every call (core/spin.h).
+  // How long its device threads spin before they sleep (GroupInfo::spin): at the rendezvous (comm_)
+  // and at the locks they all take at every call (core/spin.h).
   const std::chrono::nanoseconds spin_;
   Communicator comm_;
   plan::Balancer balancer_;

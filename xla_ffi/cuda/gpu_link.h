@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,10 @@ namespace flexlink::gpu {
 struct GroupInfo {
   std::vector<int64_t> ids;
   std::vector<int> devices;
+  // How long its ranks' host threads spin before they sleep when they wait for each other (at the
+  // rendezvous, the locks they all take, the pcie link's gate): gpu::ArrivalSpin for a group in one
+  // process; 0 across processes (they wait in their shared segment).
+  std::chrono::nanoseconds spin{0};
   int size() const { return static_cast<int>(ids.size()); }
 };
 

@@ -6,10 +6,12 @@
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/deadline.h"
+#include "xla_ffi/core/spin.h"
 
 namespace flexlink::gpu {
 
-PcieGate::PcieGate(int ranks) : n_(ranks), recorded_(ranks * kNumKinds), waited_(ranks * kNumKinds) {
+PcieGate::PcieGate(int ranks, std::chrono::nanoseconds spin)
+    : n_(ranks), spin_(spin), recorded_(ranks * kNumKinds), waited_(ranks * kNumKinds) {
   for (auto& v : recorded_) v.store(0);
   for (auto& v : waited_) v.store(0);
 }
@@ -35,13 +37,22 @@ void PcieGate::Abort(const std::string& who) {
   cv_.notify_all();
 }
 
-template <class Ready>
-Status PcieGate::Await(Ready ready, std::string_view where, std::string_view what) {
-  // The peers run the same loop a few microseconds apart: a short spin catches nearly every case
-  // without a sleep; then sleep on the condition variable until the deadline.
-  for (int i = 0; i < 64; ++i) {
+template <class Ready, class What>
+Status PcieGate::Await(Ready ready, What what) {
+  // The peers run the same loop a few microseconds apart: a spin catches nearly every case without
+  // a sleep (up to spin_ where each rank has a core, else a few polls); then sleep on the condition
+  // variable until the deadline.
+  std::chrono::steady_clock::time_point until{};
+  for (uint32_t i = 0;; ++i) {
     if (ready()) return Status::Ok();
     if (aborted_.load()) break;
+    if (i < 64) continue;
+    if (spin_.count() <= 0) break;
+    CpuRelax();
+    if (i % 64 != 0) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (until == std::chrono::steady_clock::time_point{}) until = now + spin_;
+    else if (now >= until) break;
   }
   const double timeout = TimeoutSeconds();
   const auto deadline = DeadlineAfter(timeout);
@@ -52,27 +63,25 @@ Status PcieGate::Await(Ready ready, std::string_view where, std::string_view wha
   sleepers_.fetch_sub(1);
   if (ok && ready()) return Status::Ok();
   if (aborted_.load())
-    return Status::Internal(std::string(where) + "a peer rank failed while the ranks were enqueuing their copies (" +
-                            who_ + ")");
-  return Status::DeadlineExceeded(std::string(where) + "timed out after " + std::to_string(timeout) +
-                                  " s waiting for " + std::string(what) +
+    return Status::Internal("a peer rank failed while the ranks were enqueuing their copies (" + who_ + ")");
+  return Status::DeadlineExceeded("timed out after " + std::to_string(timeout) + " s waiting for " + what() +
                                   " (a rank that stopped issuing this call; the deadline is FLEXLINK_TIMEOUT_S)");
 }
 
-Status PcieGate::AwaitRecorded(int peer, Kind kind, uint64_t seq, std::string_view where) {
+Status PcieGate::AwaitRecorded(int peer, Kind kind, uint64_t seq) {
   const auto& v = recorded_[peer * kNumKinds + kind];
-  return Await([&] { return v.load(std::memory_order_acquire) > seq; }, where,
-               "rank " + std::to_string(peer) + " to issue its copies");
+  return Await([&] { return v.load(std::memory_order_acquire) > seq; },
+               [&] { return "rank " + std::to_string(peer) + " to issue its copies"; });
 }
 
-Status PcieGate::AwaitWaitedByAll(Kind kind, uint64_t seq, std::string_view where) {
+Status PcieGate::AwaitWaitedByAll(Kind kind, uint64_t seq) {
   return Await(
       [&] {
         for (int r = 0; r < n_; ++r)
           if (waited_[r * kNumKinds + kind].load(std::memory_order_acquire) <= seq) return false;
         return true;
       },
-      where, "every rank to issue its waits");
+      [] { return std::string("every rank to issue its waits"); });
 }
 
 }  // namespace flexlink::gpu

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -36,14 +37,17 @@ class PcieGate {
   static Kind Posted(int round) { return round ? kPosted1 : kPosted0; }
   static Kind Consumed(int round) { return round ? kConsumed1 : kConsumed0; }
 
-  explicit PcieGate(int ranks);
+  // `spin`: how long a waiting rank polls before it sleeps (the group's ArrivalSpin); with 0 (ranks
+  // that share cores) a few polls only.
+  explicit PcieGate(int ranks, std::chrono::nanoseconds spin = {});
 
   void PublishRecorded(int rank, Kind kind, uint64_t seq) { Publish(&recorded_, rank, kind, seq); }
   void PublishWaited(int rank, Kind kind, uint64_t seq) { Publish(&waited_, rank, kind, seq); }
-  // Until `peer` has issued its record of (kind, seq).
-  Status AwaitRecorded(int peer, Kind kind, uint64_t seq, std::string_view where);
+  // Until `peer` has issued its record of (kind, seq). Errors say what was awaited, not where: the
+  // caller puts its link's prefix in front (it is made for an error only).
+  Status AwaitRecorded(int peer, Kind kind, uint64_t seq);
   // Until every rank has issued its waits of (kind, seq) (or passed seq without waiting).
-  Status AwaitWaitedByAll(Kind kind, uint64_t seq, std::string_view where);
+  Status AwaitWaitedByAll(Kind kind, uint64_t seq);
   // Wakes every waiter with an error (a rank failed; its peers must not wait for it). `who`: the
   // rank that failed, or why the link was given up, for the waiters' errors (the first one kept).
   void Abort(const std::string& who);
@@ -51,10 +55,11 @@ class PcieGate {
  private:
   using Table = std::vector<std::atomic<uint64_t>>;  // [rank * kNumKinds + kind] = seq + 1, 0: none
   void Publish(Table* t, int rank, Kind kind, uint64_t seq);
-  template <class Ready>
-  Status Await(Ready ready, std::string_view where, std::string_view what);
+  template <class Ready, class What>
+  Status Await(Ready ready, What what);
 
   const int n_;
+  const std::chrono::nanoseconds spin_;
   Table recorded_, waited_;
   std::atomic<bool> aborted_{false};
   std::string who_;  // under mu_

@@ -20,7 +20,7 @@ std::unique_ptr<GpuChannel> PcieLink::Open(const GroupInfo& group) {
 
 PcieChannel::PcieChannel(std::string name, DeviceApi* api, GroupInfo group, PcieOptions options)
     : name_(std::move(name)), api_(*api), group_(std::move(group)), options_(options),
-      ranks_(group_.size()), gate_(group_.size()) {}
+      ranks_(group_.size()), gate_(group_.size(), group_.spin) {}
 
 Status PcieChannel::Setup() {
   const int n = group_.size();
@@ -63,15 +63,15 @@ std::vector<int> PcieChannel::Others(int r) const {
 
 Status PcieChannel::Enqueue(const GpuWork& work) {
   FLEXLINK_RETURN_IF_ERROR(breaker_.Check(name_));
-  Call c{&work, &ranks_[work.rank], work.rank, group_.size(),
-         LinkWhere(work.label, work.desc->kind, group_.ids, name_), {}};
+  Call c{&work, &ranks_[work.rank], work.rank, group_.size(), {}};
   c.chunks = PcieChunks(*work.desc, c.n, options_.slot_bytes, work.pieces);
   Status s = EnqueueOrFail(c);
   if (!s.ok()) {
     gate_.Abort("rank " + std::to_string(work.rank) + " (device " + std::to_string(group_.devices[work.rank]) +
                 ") could not enqueue its copies");
     const bool prefixed = s.message().rfind("flexlink:", 0) == 0;
-    return breaker_.Break(prefixed ? s : Status(s.code(), c.where + s.message()));
+    return breaker_.Break(
+        prefixed ? s : Status(s.code(), LinkWhere(work.label, work.desc->kind, group_.ids, name_) + s.message()));
   }
   return s;
 }
@@ -132,7 +132,7 @@ Status PcieChannel::ProduceBegin(Call& c, int round, uint64_t s) {
   const PcieGate::Kind consumed = PcieGate::Consumed(round);
   if (s >= 2) {
     for (int q = 0; q < c.n; ++q) {
-      FLEXLINK_RETURN_IF_ERROR(gate_.AwaitRecorded(q, consumed, s - 2, c.where));
+      FLEXLINK_RETURN_IF_ERROR(gate_.AwaitRecorded(q, consumed, s - 2));
       FLEXLINK_RETURN_IF_ERROR(api_.Wait(k.d2h, ranks_[q].ring[consumed][(s - 2) % kRing]));
     }
     gate_.PublishWaited(c.r, consumed, s - 2);
@@ -143,7 +143,7 @@ Status PcieChannel::ProduceBegin(Call& c, int round, uint64_t s) {
 Status PcieChannel::ProduceEnd(Call& c, int round, uint64_t s) {
   const PcieGate::Kind posted = PcieGate::Posted(round);
   // The ring slot's previous record (s - kRing) must have been waited on by everyone who needed it.
-  if (s >= kRing) FLEXLINK_RETURN_IF_ERROR(gate_.AwaitWaitedByAll(posted, s - kRing, c.where));
+  if (s >= kRing) FLEXLINK_RETURN_IF_ERROR(gate_.AwaitWaitedByAll(posted, s - kRing));
   FLEXLINK_RETURN_IF_ERROR(api_.Record(c.rank->ring[posted][s % kRing], c.rank->d2h));
   gate_.PublishRecorded(c.r, posted, s);
   return Status::Ok();
@@ -152,7 +152,7 @@ Status PcieChannel::ProduceEnd(Call& c, int round, uint64_t s) {
 Status PcieChannel::ConsumeBegin(Call& c, int round, uint64_t s, const std::vector<int>& producers, bool after_own) {
   const PcieGate::Kind posted = PcieGate::Posted(round);
   for (int p : producers) {
-    FLEXLINK_RETURN_IF_ERROR(gate_.AwaitRecorded(p, posted, s, c.where));
+    FLEXLINK_RETURN_IF_ERROR(gate_.AwaitRecorded(p, posted, s));
     FLEXLINK_RETURN_IF_ERROR(api_.Wait(c.rank->h2d, ranks_[p].ring[posted][s % kRing]));
   }
   // This rank's own copy out of chunk s, recorded by this thread just before: in place, the copies
@@ -164,7 +164,7 @@ Status PcieChannel::ConsumeBegin(Call& c, int round, uint64_t s, const std::vect
 
 Status PcieChannel::ConsumeEnd(Call& c, int round, uint64_t s) {
   const PcieGate::Kind consumed = PcieGate::Consumed(round);
-  if (s >= kRing) FLEXLINK_RETURN_IF_ERROR(gate_.AwaitWaitedByAll(consumed, s - kRing, c.where));
+  if (s >= kRing) FLEXLINK_RETURN_IF_ERROR(gate_.AwaitWaitedByAll(consumed, s - kRing));
   FLEXLINK_RETURN_IF_ERROR(api_.Record(c.rank->ring[consumed][s % kRing], c.rank->h2d));
   gate_.PublishRecorded(c.r, consumed, s);
   return Status::Ok();

@@ -86,7 +86,6 @@ class PcieChannel : public GpuChannel {
     const GpuWork* work;
     Rank* rank;
     int r, n;
-    std::string where;
     std::vector<PcieChunk> chunks;
   };
 
