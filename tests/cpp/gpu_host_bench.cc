@@ -217,7 +217,7 @@ Result Measure(int ranks, const std::string& links, size_t bytes, int calls, int
         a.group_sizes = sizes;
         a.device = r;
         a.run_id = run;
-        a.label = "gpu_host_bench";
+        a.label = "psum over axes ('i',)";  // as jax_flexlink.psum labels its calls (longer than SSO)
         a.request.kind = Kind::kAllReduce;
         a.request.reduction = "sum";
         a.request.operands = {&op, 1};

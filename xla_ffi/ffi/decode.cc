@@ -51,28 +51,29 @@ ffi::Error ToFfi(const Status& s) {
 
 ffi::Error DecodeOperands(Kind kind, std::string_view label, const ffi::RemainingArgs& args,
                           const ffi::RemainingRets& rets, std::span<const OperandRequest>* operands) {
-  const std::string where = ErrorPrefix(label) + std::string(Name(kind)) + ": ";
+  // Error texts are made for an error only: every call of every device passes here.
+  auto where = [&] { return ErrorPrefix(label) + std::string(Name(kind)) + ": "; };
   const size_t nargs = args.size(), nrets = rets.size();
   if (nargs < 2 || nrets != nargs)
     return ffi::Error::InvalidArgument(
-        where + "expected operands (x_1, ..., x_k, token) and results (y_1, ..., y_k, token) with k >= 1, got " +
+        where() + "expected operands (x_1, ..., x_k, token) and results (y_1, ..., y_k, token) with k >= 1, got " +
         std::to_string(nargs) + " operands and " + std::to_string(nrets) + " results");
   const size_t k = nargs - 1;
   auto token = args.get<ffi::AnyBuffer>(k);
   auto token_out = rets.get<ffi::AnyBuffer>(k);
   if (!token || token->element_type() != ffi::DataType::TOKEN || !token_out ||
       (*token_out)->element_type() != ffi::DataType::TOKEN)
-    return ffi::Error::InvalidArgument(where + "the last operand and the last result must be the ordering token");
+    return ffi::Error::InvalidArgument(where() + "the last operand and the last result must be the ordering token");
   thread_local std::vector<OperandRequest> storage;
   storage.resize(k);
   for (size_t i = 0; i < k; ++i) {
-    const std::string at = k > 1 ? where + "operand " + std::to_string(i) + ": " : where;
+    auto at = [&] { return k > 1 ? where() + "operand " + std::to_string(i) + ": " : where(); };
     auto x = args.get<ffi::AnyBuffer>(i);
     auto y = rets.get<ffi::AnyBuffer>(i);
-    if (!x || !y) return ffi::Error::InvalidArgument(at + "operand and result must be buffers");
+    if (!x || !y) return ffi::Error::InvalidArgument(at() + "operand and result must be buffers");
     const auto in_type = FromFfi(x->element_type()), out_type = FromFfi((*y)->element_type());
-    if (!in_type) return ffi::Error::InvalidArgument(Unsupported(at, x->element_type()));
-    if (!out_type) return ffi::Error::InvalidArgument(Unsupported(at, (*y)->element_type()));
+    if (!in_type) return ffi::Error::InvalidArgument(Unsupported(at(), x->element_type()));
+    if (!out_type) return ffi::Error::InvalidArgument(Unsupported(at(), (*y)->element_type()));
     OperandRequest& op = storage[i];
     op.in_dtype = *in_type;
     op.out_dtype = *out_type;
