@@ -11,6 +11,9 @@
 # 4. pytest: the gpu-marked tests (tests/test_gpu.py: every collective against lax through each link);
 # 5. cpp: every CUDA C++ test and bench binary cpp-build made (build/gpu-check-tests/cuda_*_test,
 #    cuda_*_bench; their absence is a clear SKIP line, not a failure);
+#    gpu_host_bench: the GPU engine's host path per call on this machine's cores, over a device that
+#    does nothing (no GPU needed; ranks 2 and 8, the machine's own spin rule): beside cuda_pcie_bench's
+#    4 KiB overhead, it tells FlexLink's host logic from the CUDA and NCCL calls;
 # 6. bench: with 2+ GPUs, python -m jax_flexlink.bench --scenario gpu --links 'nccl;pcie', FlexLink
 #    split over NVLink and PCIe by its balancer (stage 1, then stage 2 during the warm-up calls) vs
 #    native (nccl-tests layout, OUTDIR/bench.txt and bench.json); with one GPU skipped;
@@ -149,7 +152,7 @@ else
   GENERATOR=()
   command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
   # Only the CUDA programs: the CPU tests are CI's, and their build would eat the time box.
-  if run cpp-build 150 cpp_build.log sh -c 'cmake -S . -B "$0" "$@" && cmake --build "$0" --target cuda_ranks_test cuda_pcie_bench' "$TESTS_DIR" \
+  if run cpp-build 150 cpp_build.log sh -c 'cmake -S . -B "$0" "$@" && cmake --build "$0" --target cuda_ranks_test cuda_pcie_bench gpu_host_bench' "$TESTS_DIR" \
         "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release "-DPython_EXECUTABLE=$PY_EXE" \
         -DFLEXLINK_CUDA=ON -DFLEXLINK_BUILD_TESTS=ON; then
     (( DRY )) || record cpp-build PASS "$LAST_SECONDS" 0 cpp_build.log "C++ tests with FLEXLINK_CUDA=ON ($TESTS_DIR)"
@@ -230,6 +233,17 @@ else
       record "$name" FAIL "$LAST_SECONDS" "$LAST_RC" "cpp_$name.log" "$b: exit $LAST_RC: $(last_line "cpp_$name.log")"
     fi
   done
+fi
+
+# --- the engine's host path on this machine's cores (no GPU needed) ------------------------------
+HOST_BENCH="$TESTS_DIR/gpu_host_bench"
+if ! (( DRY )) && [ ! -x "$HOST_BENCH" ]; then
+  record gpu_host_bench SKIP 0 "" "" "no $HOST_BENCH (cpp-build makes it)"
+elif run gpu_host_bench 60 cpp_gpu_host_bench.log "$HOST_BENCH" --ranks 2,8 --calls 20000 --reps 3; then
+  (( DRY )) || record gpu_host_bench PASS "$LAST_SECONDS" 0 cpp_gpu_host_bench.log \
+    "2 ranks, 4 KiB, us per call: $(awk '$1 == 2 { printf "%s%s %s", sep, $2, $3; sep = ", " }' "$OUT/cpp_gpu_host_bench.log")"
+elif (( LAST_RC != 124 )); then
+  record gpu_host_bench FAIL "$LAST_SECONDS" "$LAST_RC" cpp_gpu_host_bench.log "exit $LAST_RC: $(last_line cpp_gpu_host_bench.log)"
 fi
 
 # --- the nccl-tests-style bench across the GPUs ---------------------------------------------------

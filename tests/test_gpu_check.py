@@ -118,15 +118,16 @@ def test_dry_run_creates_outdir_and_runs_nothing(tmp_path):
     res = _run([str(out), "--dry-run"])
     assert res.returncode == 0, res.stdout + res.stderr
     steps = _steps(out)
-    assert list(steps) == ["environment", "build", "cpp-build", "topology", "gpus", "pytest", "cpp", "bench",
-                           "dry-run"]
+    assert list(steps) == ["environment", "build", "cpp-build", "topology", "gpus", "pytest", "cpp",
+                           "gpu_host_bench", "bench", "dry-run"]
     assert all(s["result"] == "DRY" for name, s in steps.items() if name != "dry-run")
     assert "cmake.define.FLEXLINK_CUDA=ON" in steps["build"]["note"] and "--no-build-isolation" in steps["build"]["note"]
     assert "-m jax_flexlink.topology" in steps["topology"]["note"]
     assert "-m pytest -q -m gpu" in steps["pytest"]["note"]
     # The bench splits over both GPU links (the balancer's claim), not nccl alone (the GPU default).
     assert "jax_flexlink.bench --scenario gpu --links nccl;pcie" in steps["bench"]["note"], steps["bench"]
-    assert "--target cuda_ranks_test cuda_pcie_bench" in steps["cpp-build"]["note"], steps["cpp-build"]
+    assert "--target cuda_ranks_test cuda_pcie_bench gpu_host_bench" in steps["cpp-build"]["note"], steps["cpp-build"]
+    assert "gpu_host_bench --ranks 2,8 --calls 20000 --reps 3" in steps["gpu_host_bench"]["note"]
     assert (out / "summary.md").read_text().startswith("# gpu_check summary")
     assert not (out / "topology.json").exists()
 
@@ -148,6 +149,7 @@ def test_no_gpu_on_this_machine(tmp_path):
     assert steps["gpus"]["result"] == "FAIL" and steps["gpus"]["note"].startswith("jax sees no GPU: ")
     assert steps["pytest"] == {"result": "SKIP", "rc": "", "log": "", "note": "no GPU visible to jax (see gpus)"}
     assert steps["cpp"]["result"] == "SKIP" and "no CUDA C++ test binary" in steps["cpp"]["note"]
+    assert steps["gpu_host_bench"]["result"] == "SKIP" and "cpp-build makes it" in steps["gpu_host_bench"]["note"]
     assert steps["bench"]["result"] == "SKIP"
     doc = json.loads((out / "topology.json").read_text())
     assert doc["format"] == "jax_flexlink.topology" and doc["gpus"] == []
@@ -161,13 +163,21 @@ def test_faked_gpu_machine_passes(tmp_path, machine):
     env, tests_dir = machine
     _executable(tests_dir / "cuda_ranks_test", "#!/bin/sh\necho 'cuda_ranks_test: 96 checks, all passed'\n")
     _executable(tests_dir / "cuda_pcie_bench", "#!/bin/sh\necho 'd2h 52.1 GB/s (pinned memcpy 55.0)'\n")
+    # gpu_host_bench's layout (tests/cpp/gpu_host_bench.cc), and its arguments echoed.
+    _executable(tests_dir / "gpu_host_bench",
+                "#!/bin/sh\necho \"args: $*\"\necho 'ranks  links        us/call       min       max'\n"
+                "echo '    2  nccl            2.90      2.85      3.04'\necho '    2  pcie            5.68      5.20      6.75'\n"
+                "echo '    8  nccl            4.10      4.00      4.50'\n")
     out = tmp_path / "out"
     res = _run([str(out)], env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     steps = _steps(out)
     assert {k: v["result"] for k, v in steps.items()} == {
         "environment": "PASS", "build": "PASS", "cpp-build": "PASS", "topology": "PASS", "gpus": "PASS",
-        "pytest": "PASS", "cuda_ranks_test": "PASS", "cuda_pcie_bench": "PASS", "bench": "PASS"}
+        "pytest": "PASS", "cuda_ranks_test": "PASS", "cuda_pcie_bench": "PASS", "gpu_host_bench": "PASS",
+        "bench": "PASS"}
+    assert steps["gpu_host_bench"]["note"] == "2 ranks, 4 KiB, us per call: nccl 2.90, pcie 5.68", steps["gpu_host_bench"]
+    assert "args: --ranks 2,8 --calls 20000 --reps 3" in (out / "cpp_gpu_host_bench.log").read_text()
     assert "fake pip -m pip install --no-build-isolation --no-deps -v -e . -C cmake.define.FLEXLINK_CUDA=ON" in \
         (out / "build.log").read_text()
     assert "-DFLEXLINK_CUDA=ON -DFLEXLINK_BUILD_TESTS=ON" in (out / "cpp_build.log").read_text()
@@ -179,6 +189,7 @@ def test_faked_gpu_machine_passes(tmp_path, machine):
     assert "| nccl | 450.0 | 10.18 |" in summary
     assert "3 passed, 0 failed, 1 skipped." in summary and "- skipped 1: this build has the CUDA module" in summary
     assert "d2h 52.1 GB/s (pinned memcpy 55.0)" in summary
+    assert "`gpu_host_bench`: PASS" in summary and "    8  nccl            4.10" in summary
     assert "| 268435456 | 1100.0 | 1300.0 | 427.00 | 361.30 | 1.18 | 0 | nccl:88% pcie:12% |" in summary
     assert "- 4 KiB AllReduce: FlexLink 30.0 us, native 25.0 us: +5.0 us, within the 10 us target." in summary
     assert "Lowest speedup (native time / FlexLink time): 0.83x at all_reduce 4096 B (misses" in summary
