@@ -39,9 +39,10 @@ class Communicator {
   size_t num_channels() const { return channels_.size(); }
   Channel& channel(size_t i) const { return *channels_[i]; }
 
-  // How long a rank waiting in a call of this group spins before it sleeps (rendezvous.h): 0, the
-  // CPU engine's (its device threads outnumber the cores), unless the owner sets it before the
-  // communicator is shared (the GPU engine: gpu::ArrivalSpin).
+  // How long a rank waiting in a call of this group spins before it sleeps (rendezvous.h), at the
+  // call's waits and at the locks every rank takes (spin.h): 0, the CPU engine's (its device threads
+  // outnumber the cores), unless the owner sets it before the communicator is shared (the GPU
+  // engine: gpu::ArrivalSpin).
   std::chrono::nanoseconds spin() const { return spin_; }
   void SetSpin(std::chrono::nanoseconds spin) { spin_ = spin; }
 
