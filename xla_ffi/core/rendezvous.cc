@@ -79,7 +79,9 @@ void CallContext::Spin(std::unique_lock<std::mutex>& lock, Ready ready) {
         break;
       }
     }
-    lock.lock();
+    // Every spinning rank sees the same bump at once: re-locking after a spin too keeps the others
+    // from sleeping on mu_ while the first re-checks.
+    RelockSpinning(lock, spin_);
     if (!in_time) return;
   }
 }

@@ -19,13 +19,14 @@ inline void CpuRelax() {
 #endif
 }
 
-// Locks `mu`, trying without blocking for up to `spin` first; with spin 0 (the CPU engine, whose
-// device threads outnumber the cores) it is a plain lock. Never fails: after the spin it blocks.
-inline std::unique_lock<std::mutex> LockSpinning(std::mutex& mu, std::chrono::nanoseconds spin) {
+// Locks `lock`'s mutex (not held), trying without blocking for up to `spin` first; with spin 0 (the
+// CPU engine, whose device threads outnumber the cores) it is a plain lock. Never fails: after the
+// spin it blocks.
+inline void RelockSpinning(std::unique_lock<std::mutex>& lock, std::chrono::nanoseconds spin) {
   if (spin.count() > 0) {
     std::chrono::steady_clock::time_point until{};  // read only if the first tries fail
     for (uint32_t i = 0;; ++i) {
-      if (mu.try_lock()) return std::unique_lock<std::mutex>(mu, std::adopt_lock);
+      if (lock.try_lock()) return;
       CpuRelax();
       if (i % 64 != 63) continue;
       const auto now = std::chrono::steady_clock::now();
@@ -33,7 +34,14 @@ inline std::unique_lock<std::mutex> LockSpinning(std::mutex& mu, std::chrono::na
       else if (now >= until) break;
     }
   }
-  return std::unique_lock<std::mutex>(mu);
+  lock.lock();
+}
+
+// The same for a mutex not yet in a lock.
+inline std::unique_lock<std::mutex> LockSpinning(std::mutex& mu, std::chrono::nanoseconds spin) {
+  std::unique_lock<std::mutex> lock(mu, std::defer_lock);
+  RelockSpinning(lock, spin);
+  return lock;
 }
 
 }  // namespace flexlink
