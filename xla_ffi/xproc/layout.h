@@ -23,8 +23,9 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // 6: GPU groups' stage 1 (the profile fields of the plan slot, ProfileTimes); 7: the plan slot's
 // measured and profiled bytes; 8: the rank blocks' device_reached (GPU groups' hang detector);
 // 9: GPU groups' stage-1 agreement (TimesSlot::failed[1] and a barrier in every profiling call);
-// 10: the rank blocks' `closed` (a GPU engine's shutdown, seen by the other processes' waits)
-inline constexpr uint32_t kLayoutVersion = 10;
+// 10: the rank blocks' `closed` (a GPU engine's shutdown, seen by the other processes' waits);
+// 11: the rank blocks' `sleepers` (a barrier wakes only when someone sleeps)
+inline constexpr uint32_t kLayoutVersion = 11;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -140,6 +141,10 @@ struct alignas(64) RankBlock {
   // GPU groups (cuda/start_board.h): the latest of the group's calls this rank's device has
   // reached, which starts its peers' hang-detector clocks; written by the rank's process only.
   std::atomic<uint64_t> device_reached;
+  // Ranks (of any process) asleep on this block's `arrived` futex: a rank that arrives issues the
+  // futex wake, a system call, only when someone sleeps (a seq_cst fence on both sides, as in
+  // ProcessGroup::Barrier and WaitArrived).
+  std::atomic<uint32_t> sleepers;
 };
 static_assert(sizeof(RankBlock) == 64);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);

@@ -364,7 +364,12 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
             " of the call (a device that never issues the matching collective, or issues collectives in a "
             "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)");
       }
+      // Counted as a sleeper before the futex re-checks the counter: either the arriving rank sees
+      // the count and wakes it, or the futex sees the new value and does not sleep (Barrier).
+      ranks_[j].sleepers.fetch_add(1, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
       FutexWait(&ranks_[j].arrived, seen, std::min<Clock::duration>(kSlice, deadline - now));
+      ranks_[j].sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
   }
   return Status::Ok();
@@ -395,7 +400,10 @@ Status ProcessGroup::Barrier(int rank, uint32_t* step, const Where& where, int s
                                   std::memory_order_relaxed);
   // Release: peers that see the new count see what this rank wrote for the barrier.
   mine.arrived.store(++*step, std::memory_order_release);
-  FutexWakeAll(&mine.arrived);
+  // The wake is a system call: only when a peer sleeps on the counter (WaitArrived's fence pairs
+  // with this one, so a sleeper that counted itself after this load sees the new value instead).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (mine.sleepers.load(std::memory_order_relaxed) > 0) FutexWakeAll(&mine.arrived);
   if (fault_outputs) FaultInOutputs(desc, size());
   Status s = WaitArrived(rank, *step, where, step_of_call);
   if (s.ok() && fault_outputs && rank == 0) RecordArrivalOrder(parity);
