@@ -15,6 +15,9 @@ struct SimDevice::SimStream {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::function<void()>> ops;
+  std::deque<std::function<bool()>> settled;  // per op in `ops` (Enqueue)
+  std::function<bool()> running_settled;      // the op being run's; `running` while one is
+  bool running = false;
   uint64_t enqueued = 0, done = 0;
   bool stop = false;
   std::atomic<int> delay_us{0};
@@ -78,11 +81,16 @@ Status SimDevice::CreateStream(int device, gpu::Stream* stream) {
       if (raw->ops.empty()) return;
       std::function<void()> op = std::move(raw->ops.front());
       raw->ops.pop_front();
+      raw->running_settled = std::move(raw->settled.front());
+      raw->settled.pop_front();
+      raw->running = true;
       lock.unlock();
       const int delay = raw->delay_us.load() + (jitter > 0 ? static_cast<int>(rng() % jitter) : 0);
       if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
       op();
       lock.lock();
+      raw->running = false;
+      raw->running_settled = nullptr;
       ++raw->done;
       raw->cv.notify_all();
     }
@@ -176,8 +184,16 @@ Status SimDevice::Free(void* ptr, bool pinned) {
   if (!pinned)
     for (const auto& s : streams_) {
       if (s->device != it->second.device) continue;
-      std::lock_guard<std::mutex> sl(s->mu);
-      if (s->enqueued != s->done) {
+      std::vector<std::function<bool()>> pending;
+      {
+        std::lock_guard<std::mutex> sl(s->mu);
+        if (s->enqueued == s->done) continue;
+        if (s->running) pending.push_back(s->running_settled);
+        pending.insert(pending.end(), s->settled.begin(), s->settled.end());
+      }
+      // Only waits on events that have completed: nothing left for the device to do there.
+      const bool busy = std::any_of(pending.begin(), pending.end(), [](const auto& settled) { return !settled || !settled(); });
+      if (busy) {
         errors_.push_back("sim: device memory of device " + std::to_string(s->device) +
                           " freed while a stream of the device has work pending (cudaFree would wait for it)");
         break;
@@ -217,12 +233,13 @@ Status SimDevice::PreloadKernels(int) {
   return Status::Ok();
 }
 
-void SimDevice::Enqueue(gpu::Stream stream, std::function<void()> f) {
+void SimDevice::Enqueue(gpu::Stream stream, std::function<void()> f, std::function<bool()> settled) {
   SimStream* s = S(stream);
   if (s->destroyed.load()) Error("sim: work enqueued on a destroyed stream of device " + std::to_string(s->device));
   {
     std::lock_guard<std::mutex> lock(s->mu);
     s->ops.push_back(std::move(f));
+    s->settled.push_back(std::move(settled));
     ++s->enqueued;
   }
   s->cv.notify_all();
@@ -261,12 +278,24 @@ Status SimDevice::Wait(gpu::Stream stream, gpu::Event event) {
   }
   if (target == 0) return Status::Ok();
   const double timeout = options_.wait_timeout_s;
-  Enqueue(stream, [this, e, target, timeout] {
-    std::unique_lock<std::mutex> lock(e->mu);
-    auto reached = [&] { return e->done.count(target) || (!e->done.empty() && e->done.begin()->first > target); };
-    if (!e->cv.wait_for(lock, std::chrono::duration<double>(timeout), reached))
-      Error("sim: a stream waited more than " + std::to_string(timeout) + " s for an event (deadlock?)");
-  });
+  auto reached = [e, target] { return e->done.count(target) || (!e->done.empty() && e->done.begin()->first > target); };
+  Enqueue(
+      stream,
+      [this, e, reached, timeout] {
+        bool ok;
+        {
+          std::unique_lock<std::mutex> lock(e->mu);
+          ok = e->cv.wait_for(lock, std::chrono::duration<double>(timeout), reached);
+        }
+        // Not under the event's lock: Free holds the device's lock while it asks the event (settled).
+        if (!ok) Error("sim: a stream waited more than " + std::to_string(timeout) + " s for an event (deadlock?)");
+      },
+      // Done work a stream is only still to see (a join on a completed event; its worker not yet
+      // scheduled on a loaded machine): cudaFree would not wait on the device for it.
+      [e, reached] {
+        std::lock_guard<std::mutex> lock(e->mu);
+        return reached();
+      });
   return Status::Ok();
 }
 
