@@ -1746,8 +1746,15 @@ void TestArrivalSpin() {
          "spin: a rank per hardware thread spins");
   Expect(gpu::ArrivalSpin(8, 8).count() == 0 && gpu::ArrivalSpin(4, 2).count() == 0,
          "spin: ranks that share the hardware threads sleep at once");
+  // Across processes (the segment's barriers): the process needs a thread per local rank, the
+  // machine one per rank of the group.
+  Expect(gpu::XprocSpin(8, 1, 2, 224) == gpu::kArrivalSpin && gpu::XprocSpin(8, 4, 28, 224) == gpu::kArrivalSpin,
+         "spin: a group across processes spins with a thread per rank, each process bound to its own cores");
+  Expect(gpu::XprocSpin(2, 1, 2, 2).count() == 0 && gpu::XprocSpin(4, 2, 2, 8).count() == 0,
+         "spin: across processes, ranks that share hardware threads sleep at once");
   SetSpinMicros(0);
-  Expect(gpu::ArrivalSpin(8, 224).count() == 0, "spin: FLEXLINK_SPIN_US=0 never spins");
+  Expect(gpu::ArrivalSpin(8, 224).count() == 0 && gpu::XprocSpin(8, 1, 2, 224).count() == 0,
+         "spin: FLEXLINK_SPIN_US=0 never spins");
   SetSpinMicros(20);
   Expect(gpu::ArrivalSpin(4, 2) == microseconds(20), "spin: FLEXLINK_SPIN_US=20 spins 20 us on any machine");
   SetSpinMicros(50);

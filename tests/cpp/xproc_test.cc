@@ -1282,10 +1282,16 @@ void AttachChecks() {
 // ---- benchmark --------------------------------------------------------------------------------
 
 // fresh: every call gets a newly mapped output (as XLA hands out), faulted in by the call.
+// --bench's smallest size and the segment's barrier spin (spin=US: ProcessGroup::SetSpin, which only
+// the GPU engine sets on its own; the CPU engine's groups never spin).
+size_t g_bench_from = 64 << 10;
+int64_t g_bench_spin_us = 0;
+
 void BenchBody(Proc& p, bool fresh) {
   const int rank = p.ranks[0], n = p.n();
+  bool spin_set = false;
   for (Kind kind : {Kind::kAllReduce, Kind::kAllGather})
-    for (size_t bytes = 64 << 10; bytes <= (64u << 20); bytes *= 4) {
+    for (size_t bytes = g_bench_from; bytes <= (64u << 20); bytes *= 4) {
       const int64_t count = static_cast<int64_t>(bytes / 4);
       Case c{kind, ReduceOp::kSum, {{DType::kF32, {count}}}, 0, {}, false, 1};
       std::vector<std::vector<uint8_t>> in = {std::vector<uint8_t>(bytes, 1)};
@@ -1299,6 +1305,11 @@ void BenchBody(Proc& p, bool fresh) {
         void* fresh_out = fresh ? mmap(nullptr, out_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
                                 : out[0].data();
         if (fresh_out == MAP_FAILED) return;
+        if (!spin_set && it == 1) {  // the group exists from the first call on; nothing waits between calls
+          spin_set = true;
+          if (xproc::ProcessGroup* g = xproc::FindProcessGroup(p.devices))
+            g->SetSpin(std::chrono::microseconds(g_bench_spin_us));
+        }
         const auto t0 = Clock::now();
         Status s = CallOn(p, rank, c, {in[0].data()}, {fresh_out});
         const double secs = Since(t0);
@@ -1337,11 +1348,13 @@ int main(int argc, char** argv) {
   const bool bench = argc > 1 && std::strcmp(argv[1], "--bench") == 0;
   const auto before = ShmEntries();
   if (bench) {
-    // --bench [fresh|reused] [P...] [two_phase=BYTES]
+    // --bench [fresh|reused] [P...] [two_phase=BYTES] [spin=US] [from=BYTES]
     const bool fresh = argc > 2 && std::strcmp(argv[2], "fresh") == 0;
     std::vector<int> procs;
     for (int i = 3; i < argc; ++i) {
       if (std::strncmp(argv[i], "two_phase=", 10) == 0) SetXprocTwoPhaseBytes(std::strtoull(argv[i] + 10, nullptr, 10));
+      else if (std::strncmp(argv[i], "spin=", 5) == 0) g_bench_spin_us = std::atoll(argv[i] + 5);
+      else if (std::strncmp(argv[i], "from=", 5) == 0) g_bench_from = std::strtoull(argv[i] + 5, nullptr, 10);
       else procs.push_back(std::atoi(argv[i]));
     }
     if (procs.empty()) procs = {2, 4};

@@ -45,6 +45,14 @@ std::chrono::nanoseconds ArrivalSpin(int ranks, unsigned hardware_threads) {
   return hardware_threads > static_cast<unsigned>(ranks) ? kArrivalSpin : std::chrono::nanoseconds(0);
 }
 
+std::chrono::nanoseconds XprocSpin(int ranks, int local_ranks, unsigned usable_threads, unsigned machine_threads) {
+  const int64_t configured = SpinMicros();
+  if (configured != kAutoSpin) return std::chrono::microseconds(configured);
+  return usable_threads > static_cast<unsigned>(local_ranks) && machine_threads > static_cast<unsigned>(ranks)
+             ? kArrivalSpin
+             : std::chrono::nanoseconds(0);
+}
+
 GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> links, plan::BalancerOptions options,
                          DeviceApi* api, SplitLog* splits)
     : group_(std::move(group)),

@@ -75,6 +75,12 @@ inline constexpr std::chrono::microseconds kArrivalSpin{50};
 std::chrono::nanoseconds ArrivalSpin(int ranks, unsigned hardware_threads);
 // The hardware threads this process may run on (its CPU affinity; else the machine's count).
 unsigned UsableHardwareThreads();
+// The same for a group across processes (its segment's barriers, xproc::ProcessGroup::SetSpin): all
+// its `ranks` run on this host, `local_ranks` of them in this process. It spins when this process
+// may run on more hardware threads than it has ranks and the machine has more than the group has
+// (processes are often bound to cores of their own, so the machine's count, not this process's
+// affinity, bounds the others').
+std::chrono::nanoseconds XprocSpin(int ranks, int local_ranks, unsigned usable_threads, unsigned machine_threads);
 
 class GpuExecutor {
  public:

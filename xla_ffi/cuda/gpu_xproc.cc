@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <map>
 #include <set>
+#include <thread>
 #include <tuple>
 
 #include "xla_ffi/core/config.h"
@@ -906,6 +907,8 @@ Status Register(GpuEngine& engine, std::unique_ptr<xproc::ProcessGroup> segment,
       return Status::InvalidArgument("flexlink: GPU group " + FormatIds(devices) + " across processes: device " +
                                      std::to_string(devices[r]) + " is not a CUDA device of this process (" +
                                      std::to_string(count) + " visible" + (why.empty() ? "" : ": " + why) + ")");
+  segment->SetSpin(XprocSpin(segment->size(), static_cast<int>(segment->local_devices().size()),
+                             UsableHardwareThreads(), std::thread::hardware_concurrency()));
   plan::BalancerOptions options;
   // Stage 1 from the same size as in one process (gpu_xproc_profile.h).
   options.profile_from_bytes = AutotuneMinBytes();

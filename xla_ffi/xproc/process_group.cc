@@ -14,6 +14,7 @@
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/deadline.h"
 #include "xla_ffi/core/pages.h"
+#include "xla_ffi/core/spin.h"
 #include "xla_ffi/xproc/fingerprint.h"
 #include "xla_ffi/xproc/futex.h"
 #include "xla_ffi/xproc/steps.h"
@@ -24,7 +25,8 @@ namespace {
 constexpr size_t kMinSlotBytes = size_t{64} << 10;
 constexpr size_t kMaxDataBytes = size_t{256} << 20;
 // A waiter yields a few times before it sleeps (a peer in the middle of a copy is usually done within
-// microseconds), then sleeps on the futex in slices so that it notices an abort or a dead peer.
+// microseconds), or polls for the group's spin where its ranks have cores (SetSpin), then sleeps on
+// the futex in slices so that it notices an abort or a dead peer.
 constexpr int kYields = 8;
 constexpr auto kSlice = std::chrono::milliseconds(20);
 
@@ -318,12 +320,19 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
     for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + RankName(ranks[i]);
     return s;
   };
+  Clock::time_point spin_until{};  // the whole wait's spin, over all the ranks it waits for
   for (int k = 1; k <= n; ++k) {
     const int j = (rank + k) % n;  // own rank last: it has arrived already
     for (int spins = 0;; ++spins) {
       const uint32_t seen = ranks_[j].arrived.load(std::memory_order_acquire);
       if (static_cast<int32_t>(seen - target) >= 0) break;
-      if (spins < kYields) {
+      if (spin_.count() > 0) {
+        if (spin_until == Clock::time_point{}) spin_until = Clock::now() + spin_;
+        if (spins % 64 != 63 || Clock::now() < spin_until) {
+          CpuRelax();
+          continue;
+        }
+      } else if (spins < kYields) {
         sched_yield();
         continue;
       }

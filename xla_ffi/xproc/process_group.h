@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -113,6 +114,11 @@ class ProcessGroup {
   void Close();
   void Close(int rank);
   std::optional<std::string> broken() const;
+  // How long a rank waiting at a barrier polls its peers' counters before it sleeps on the futex: 0
+  // (a few yields, then sleep) unless the owner sets it before the group's first call (the GPU
+  // engine: gpu::XprocSpin, where each rank has a core).
+  void SetSpin(std::chrono::nanoseconds spin) { spin_ = spin; }
+  std::chrono::nanoseconds spin() const { return spin_; }
 
  private:
   using Where = std::function<std::string()>;  // the call as messages name it
@@ -163,6 +169,7 @@ class ProcessGroup {
   std::atomic<bool> is_broken_{false};
   mutable std::mutex mu_;
   std::string broken_;
+  std::chrono::nanoseconds spin_{0};
 };
 
 }  // namespace flexlink::xproc
