@@ -104,8 +104,9 @@ class SimDevice : public gpu::DeviceApi {
   // Makes a stream's worker sleep before each operation (a slow link).
   void SetStreamDelay(gpu::Stream stream, int delay_us);
   // Adds an operation that runs `f` on the stream (the simulated NCCL's collectives).
-  // `settled`: for an operation that does no work of its own (a wait on an event), whether it would
-  // pass at once now; Free does not count such operations as work pending (null: real work).
+  // `settled`: for an operation that does no work of its own (an event's record, a wait on an
+  // event), whether it would pass at once now; Free does not count such operations as work pending
+  // (null: real work: copies, kernels, collectives, delays, flag waits).
   void Enqueue(gpu::Stream stream, std::function<void()> f, std::function<bool()> settled = nullptr);
   void Error(std::string message);
   double wait_timeout_s() const { return options_.wait_timeout_s; }
