@@ -1135,6 +1135,39 @@ void TestLockSpinning() {
   Expect(got.load(), "LockSpinning takes the lock once the holder released it, after its spin ran out");
 }
 
+// SpinBudget, the spin every waiter runs: ready at once reads no clock and succeeds; never ready
+// fails no sooner than the budget; a zero or spent budget checks once; the budget is shared by the
+// Untils of one object.
+void TestSpinBudget() {
+  int polls = 0;
+  Expect(SpinBudget(std::chrono::microseconds(50)).Until([&] { return ++polls == 3; }) && polls == 3,
+         "SpinBudget: ready on the 3rd poll succeeds there (polls " + std::to_string(polls) + ")");
+  polls = 0;
+  Expect(!SpinBudget(std::chrono::nanoseconds(0)).Until([&] { return ++polls > 1; }) && polls == 1,
+         "SpinBudget: a zero budget checks once (polls " + std::to_string(polls) + ")");
+  const auto spin = std::chrono::milliseconds(2);
+  SpinBudget budget(spin);
+  const auto start = std::chrono::steady_clock::now();
+  polls = 0;
+  Expect(!budget.Until([&] { return ++polls < 0; }), "SpinBudget: never ready fails");
+  const auto took = std::chrono::steady_clock::now() - start;
+  Expect(took >= spin && polls > 64, "SpinBudget: a failed spin lasts its budget (" +
+                                         std::to_string(std::chrono::duration<double, std::micro>(took).count()) +
+                                         " us, " + std::to_string(polls) + " polls)");
+  polls = 0;
+  Expect(!budget.Until([&] { return ++polls < 0; }) && polls == 1,
+         "SpinBudget: a spent budget checks once (polls " + std::to_string(polls) + ")");
+  SpinBudget shared(std::chrono::seconds(10));  // ends when the flag is seen, 200 us in
+  std::atomic<bool> flag{false};
+  std::thread setter([&] {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    flag = true;
+  });
+  const bool seen = shared.Until([&] { return flag.load(); });
+  setter.join();
+  Expect(seen, "SpinBudget: a flag another thread sets is seen");
+}
+
 // The staged path stages all parts of a small call together: the arrival is its only rendezvous
 // (no barrier at all), and the direct path has one barrier for all parts, not one per part.
 void TestMultiOperandRendezvous() {
@@ -1883,6 +1916,7 @@ int main(int argc, char** argv) {
   Timed("TestMultiOperandRendezvous", TestMultiOperandRendezvous);
   Timed("TestSpinningRendezvous", TestSpinningRendezvous);
   Timed("TestLockSpinning", TestLockSpinning);
+  Timed("TestSpinBudget", TestSpinBudget);
   Timed("TestMultiOperandMismatch", TestMultiOperandMismatch);
   Timed("TestPpermute", TestPpermute);
   Timed("TestAllToAll", TestAllToAll);

@@ -29,6 +29,7 @@
 #include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/pcie_chunks.h"
 #include "xla_ffi/cuda/pcie_gate.h"
+#include "xla_ffi/cuda/spin_rule.h"
 
 namespace flexlink::testing {
 namespace {

@@ -66,19 +66,12 @@ CallContext::TimePoint CallContext::Deadline() {
 
 template <class Ready>
 void CallContext::Spin(std::unique_lock<std::mutex>& lock, Ready ready) {
-  const TimePoint until = std::chrono::steady_clock::now() + spin_;
+  SpinBudget budget(spin_);
   while (!ready()) {
     // Read under mu_: a change not visible to ready() yet is made under mu_ later, then bumped.
     const uint64_t seen = wakes_.load(std::memory_order_acquire);
     lock.unlock();
-    bool in_time = true;
-    for (uint32_t i = 1; wakes_.load(std::memory_order_acquire) == seen; ++i) {
-      CpuRelax();
-      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) {
-        in_time = false;
-        break;
-      }
-    }
+    const bool in_time = budget.Until([&] { return wakes_.load(std::memory_order_acquire) != seen; });
     // Every spinning rank sees the same bump at once: re-locking after a spin too keeps the others
     // from sleeping on mu_ while the first re-checks.
     RelockSpinning(lock, spin_);

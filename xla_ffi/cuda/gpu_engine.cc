@@ -13,6 +13,7 @@
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/stats.h"
 #include "xla_ffi/cuda/gpu_xproc.h"
+#include "xla_ffi/cuda/spin_rule.h"
 #include "xla_ffi/plan/shares.h"
 
 namespace flexlink::gpu {

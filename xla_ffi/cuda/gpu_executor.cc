@@ -3,11 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <thread>
-
-#if defined(__linux__)
-#include <sched.h>
-#endif
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/executor_state.h"
@@ -27,30 +22,6 @@ std::vector<SplitRecord> SplitLog::Take() {
   std::vector<SplitRecord> out;
   out.swap(records_);
   return out;
-}
-
-unsigned UsableHardwareThreads() {
-#if defined(__linux__)
-  // The process's affinity, not the machine's count: a job bound to a few cores (Slurm, taskset)
-  // has only those to spin on.
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
-#endif
-  return std::thread::hardware_concurrency();
-}
-
-std::chrono::nanoseconds ArrivalSpin(int ranks, unsigned hardware_threads) {
-  const int64_t configured = SpinMicros();
-  if (configured != kAutoSpin) return std::chrono::microseconds(configured);
-  return hardware_threads > static_cast<unsigned>(ranks) ? kArrivalSpin : std::chrono::nanoseconds(0);
-}
-
-std::chrono::nanoseconds XprocSpin(int ranks, int local_ranks, unsigned usable_threads, unsigned machine_threads) {
-  const int64_t configured = SpinMicros();
-  if (configured != kAutoSpin) return std::chrono::microseconds(configured);
-  return usable_threads > static_cast<unsigned>(local_ranks) && machine_threads > static_cast<unsigned>(ranks)
-             ? kArrivalSpin
-             : std::chrono::nanoseconds(0);
 }
 
 GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> links, plan::BalancerOptions options,

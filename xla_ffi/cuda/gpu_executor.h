@@ -65,23 +65,6 @@ namespace flexlink::gpu {
 
 class SplitLog;
 
-// How long a rank of an in-process group of `ranks` spins at a call's host rendezvous before it
-// sleeps (Communicator::spin): FLEXLINK_SPIN_US when set; else kArrivalSpin when the process may
-// run on more hardware threads than the group has ranks (a GPU server: XLA's device threads, one
-// per GPU, each find a core), since a futex sleep and wake-up per call costs more than a 4 KiB
-// call's whole budget (docs/cuda.md, "The host path of a call"); else none, as on CPU, where
-// spinning ranks would take the cores of the ranks they wait for.
-inline constexpr std::chrono::microseconds kArrivalSpin{50};
-std::chrono::nanoseconds ArrivalSpin(int ranks, unsigned hardware_threads);
-// The hardware threads this process may run on (its CPU affinity; else the machine's count).
-unsigned UsableHardwareThreads();
-// The same for a group across processes (its segment's barriers, xproc::ProcessGroup::SetSpin): all
-// its `ranks` run on this host, `local_ranks` of them in this process. It spins when this process
-// may run on more hardware threads than it has ranks and the machine has more than the group has
-// (processes are often bound to cores of their own, so the machine's count, not this process's
-// affinity, bounds the others').
-std::chrono::nanoseconds XprocSpin(int ranks, int local_ranks, unsigned usable_threads, unsigned machine_threads);
-
 class GpuExecutor {
  public:
   GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> links, plan::BalancerOptions options,

@@ -22,6 +22,7 @@
 #include "xla_ffi/cuda/nccl_link.h"
 #include "xla_ffi/cuda/pcie_link.h"
 #include "xla_ffi/cuda/pcie_xproc.h"
+#include "xla_ffi/cuda/spin_rule.h"
 #include "xla_ffi/plan/link_spec.h"
 #include "xla_ffi/plan/ranges.h"
 #include "xla_ffi/xproc/layout.h"

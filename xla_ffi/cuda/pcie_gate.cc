@@ -42,24 +42,16 @@ Status PcieGate::Await(Ready ready, What what) {
   // The peers run the same loop a few microseconds apart: a spin catches nearly every case without
   // a sleep (up to spin_ where each rank has a core, else a few polls); then sleep on the condition
   // variable until the deadline.
-  std::chrono::steady_clock::time_point until{};
-  for (uint32_t i = 0;; ++i) {
-    if (ready()) return Status::Ok();
-    if (aborted_.load()) break;
-    if (i < 64) continue;
-    if (spin_.count() <= 0) break;
-    CpuRelax();
-    if (i % 64 != 0) continue;
-    const auto now = std::chrono::steady_clock::now();
-    if (until == std::chrono::steady_clock::time_point{}) until = now + spin_;
-    else if (now >= until) break;
-  }
+  auto settled = [&] { return ready() || aborted_.load(); };
+  bool done = false;
+  for (int i = 0; i < 64 && !done; ++i) done = settled();  // with spin 0, these polls are all
+  if ((done || SpinBudget(spin_).Until(settled)) && ready()) return Status::Ok();
   const double timeout = TimeoutSeconds();
   const auto deadline = DeadlineAfter(timeout);
   std::unique_lock<std::mutex> lock(mu_);
   sleepers_.fetch_add(1);
   std::atomic_thread_fence(std::memory_order_seq_cst);  // Publish's fence pairs with this one
-  const bool ok = cv_.wait_until(lock, deadline, [&] { return ready() || aborted_.load(); });
+  const bool ok = cv_.wait_until(lock, deadline, settled);
   sleepers_.fetch_sub(1);
   if (ok && ready()) return Status::Ok();
   if (aborted_.load())

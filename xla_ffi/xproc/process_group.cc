@@ -320,19 +320,14 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
     for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + RankName(ranks[i]);
     return s;
   };
-  Clock::time_point spin_until{};  // the whole wait's spin, over all the ranks it waits for
+  SpinBudget spin(spin_);  // the whole wait's spin, over all the ranks it waits for
   for (int k = 1; k <= n; ++k) {
     const int j = (rank + k) % n;  // own rank last: it has arrived already
-    for (int spins = 0;; ++spins) {
+    if (spin.Until([&] { return arrived(j); })) continue;
+    for (int yields = 0;; ++yields) {
       const uint32_t seen = ranks_[j].arrived.load(std::memory_order_acquire);
       if (static_cast<int32_t>(seen - target) >= 0) break;
-      if (spin_.count() > 0) {
-        if (spin_until == Clock::time_point{}) spin_until = Clock::now() + spin_;
-        if (spins % 64 != 63 || Clock::now() < spin_until) {
-          CpuRelax();
-          continue;
-        }
-      } else if (spins < kYields) {
+      if (spin_.count() <= 0 && yields < kYields) {
         sched_yield();
         continue;
       }
