@@ -42,6 +42,7 @@ class Config:
     platform: str = "cpu"      # "cpu" (host devices) or "gpu" (jax.devices("gpu")), from the scenario
     mp_configs: list = dataclasses.field(default_factory=list)  # --scenario multiprocess: its launches
     mp_timeout: float | None = None   # --scenario multiprocess: the launcher's deadline per configuration
+    runs: int = 1              # timed calls of one side in a row (timing.time_interleaved)
 
 
 def _size_arg(text: str) -> int:
@@ -49,6 +50,13 @@ def _size_arg(text: str) -> int:
         return sizes.parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _pos_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text}")
+    return v
 
 
 def _nonneg_int(text: str) -> int:
@@ -117,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"rank, clamped to [{timing.AUTO_MIN_ITERS}, {timing.AUTO_MAX_ITERS}] (default 0)")
     g.add_argument("-w", "--warmup_iters", type=_nonneg_int, default=None,
                    help="untimed iterations first (the first also compiles) (default 2)")
+    g.add_argument("--runs", type=_pos_int, default=1, metavar="R",
+                   help="1 (default): FlexLink and native alternate call by call; R > 1: in turns of one "
+                        "untimed call and R timed calls of one side in a row, so that each side is timed "
+                        "in a steady state of its own (what the other side leaves behind falls on the "
+                        "untimed call); see docs/bench.md")
     g.add_argument("--stat", choices=list(timing.STATS), default="median",
                    help="time per row: median (default; robust to single stalled calls on a shared "
                         "machine) or mean (nccl-tests' average); the table shows the speedup by the other "
@@ -178,14 +191,14 @@ def parse(argv: list[str] | None = None) -> Config:
     modes = {"inplace": [True], "outofplace": [False]}.get(a.mode or d.get("mode") or "both", [False, True])
     links = a.links if a.links is not None else scen.links
     settings = {"minbytes": minb, "maxbytes": maxb, "stepfactor": stepf, "stepbytes": stepb,
-                "iters": a.iters or "auto", "stat": a.stat, "warmup": pick("warmup_iters"), "check": a.check, "seed": a.seed,
+                "iters": a.iters or "auto", "runs": a.runs, "stat": a.stat, "warmup": pick("warmup_iters"), "check": a.check, "seed": a.seed,
                 "collectives": colls, "ops": ops, "dtypes": dtypes,
                 "modes": ["inplace" if m else "outofplace" for m in modes]}
     return Config(sizes=sweep, collectives=colls, ops=ops, dtypes=dtypes, iters=a.iters or None,
                   warmup=pick("warmup_iters"), check=bool(a.check), devices=devices, links=links, modes=modes,
                   baseline=a.baseline, json_path=a.json, plot_path=a.plot, scenario=scen.name,
                   seed=a.seed, impl=a.impl, argv=argv, settings=settings, stat=a.stat,
-                  platform=scen.platform, mp_configs=mp_configs, mp_timeout=mp_timeout)
+                  platform=scen.platform, mp_configs=mp_configs, mp_timeout=mp_timeout, runs=a.runs)
 
 
 def _multiprocess_flags(p: argparse.ArgumentParser, a: argparse.Namespace, scen) -> tuple[list, float | None]:

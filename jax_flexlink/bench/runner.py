@@ -33,6 +33,10 @@ def _wrong(out, expected: np.ndarray, mesh_devices: list) -> int:
     return total
 
 
+def _interleaving(runs: int) -> str:
+    return "call by call" if runs == 1 else f"in turns of 1 untimed + {runs} timed calls"
+
+
 def _one_line(e: BaseException) -> str:
     """An exception's message on one line: its first line, and its last one where they differ (an
     error that carries a traceback, such as XLA's for a failed host callback, names the cause last)."""
@@ -123,8 +127,8 @@ class Runner:
                  f"jax {jax.__version__}, jax_flexlink {self.flex.version()}")
         self.say(f"# reference: single-thread memcpy {self.copy_gbps:.1f} GB/s (read+write) on this machine")
         other = table.other_stat(cfg.stat)
-        self.say(f"# time = {cfg.stat} over iterations (FlexLink and native interleaved call by call, order "
-                 f"alternating; min/median/mean/max in --json); algbw = bytes/time; busbw = algbw x "
+        self.say(f"# time = {cfg.stat} over iterations (FlexLink and native interleaved "
+                 f"{_interleaving(cfg.runs)}, order alternating; min/median/mean/max in --json); algbw = bytes/time; busbw = algbw x "
                  f"{collectives.busbw_legend(cfg.collectives)}; speedup = native time / "
                  f"FlexLink time; '{other}' = the same ratio of {other} times")
         if self.flex.selftest:
@@ -219,7 +223,7 @@ class Runner:
                 return x
         before = self.flex.link_bytes()
         ts, outs, probed = timing.time_interleaved(impls, make_arg, cfg.warmup, iters,
-                                                   [_pointers if inplace else None])
+                                                   [_pointers if inplace else None], runs=cfg.runs)
         ts = self.job_timings(ts)
         res = {"shares": _shares(before, self.flex.link_bytes()),
                "aliased": (bool(probed[0]) and _pointers(outs[0]) == probed[0]) if inplace else None}

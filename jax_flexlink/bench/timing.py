@@ -87,39 +87,58 @@ def time_calls(fn: Callable[[Any], Any], make_arg: Callable[[], Any], warmup: in
 
 
 def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any], warmup: int, iters: int,
-                     probes: list | None = None) -> tuple[list[Timing], list[Any], list[Any]]:
-    """Times several implementations of one collective, alternating them call by call and reversing the
-    order every other round (A B, B A, A B, ...), so that load from other processes on a shared machine,
-    and what each call leaves behind for the next, fall on all of them alike.
+                     probes: list | None = None, runs: int = 1) -> tuple[list[Timing], list[Any], list[Any]]:
+    """Times several implementations of one collective, alternating them and reversing the order every
+    other round (A B, B A, A B, ...), so that load from other processes on a shared machine, and what
+    each call leaves behind for the next, fall on all of them alike.
+
+    runs = 1: call by call. runs = R > 1: after the warm-up, each turn is one untimed call and then R
+    timed calls of one implementation in a row. The untimed call meets what the other implementation
+    left behind (its cache lines, the allocator's free lists, XLA's worker threads still spinning,
+    and across processes the other collective's exit skew between the processes); the timed ones
+    measure the implementation in a steady state of its own, as a loop of one collective does
+    (nccl-tests' back-to-back iterations).
 
     Each call gets its own make_arg() (made and completed before the clock starts). probes[k](arg) runs
     untimed before fns[k]'s last timed call. Returns per fn: Timing, last output, probe result.
     """
     if iters < 1:
         raise ValueError("iters must be >= 1")
+    if runs < 1:
+        raise ValueError("runs must be >= 1")
     probes = list(probes or []) + [None] * (len(fns) - len(probes or []))
     outs: list[Any] = [None] * len(fns)
     samples: list[list[float]] = [[] for _ in fns]
     probed: list[Any] = [None] * len(fns)
-    for i in range(max(0, warmup) + iters):
-        timed = i >= max(0, warmup)
-        last = i == max(0, warmup) + iters - 1
-        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
-        for k in order:
-            fn = fns[k]
-            arg = _block(make_arg())
-            if last and probes[k] is not None:
-                probed[k] = probes[k](arg)
-            outs[k] = None  # drop the previous output before the next call, as a training loop would
-            t0 = time.perf_counter()
-            out = fn(arg)
-            _block(out)
-            dt = time.perf_counter() - t0
-            outs[k] = out
-            del arg, out
-            if timed:
-                samples[k].append(dt)
-    return [Timing(s, max(0, warmup)) for s in samples], outs, probed
+
+    def call(k: int, timed: bool):
+        arg = _block(make_arg())
+        if timed and len(samples[k]) == iters - 1 and probes[k] is not None:
+            probed[k] = probes[k](arg)
+        outs[k] = None  # drop the previous output before the next call, as a training loop would
+        t0 = time.perf_counter()
+        out = fns[k](arg)
+        _block(out)
+        dt = time.perf_counter() - t0
+        outs[k] = out
+        del arg, out
+        if timed:
+            samples[k].append(dt)
+
+    def order(i: int):
+        return range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+
+    warm = max(0, warmup)
+    for i in range(warm):
+        for k in order(i):
+            call(k, False)
+    for i in range(warm, warm + (iters + runs - 1) // runs):
+        for k in order(i):
+            if runs > 1:
+                call(k, False)
+            for _ in range(min(runs, iters - len(samples[k]))):
+                call(k, True)
+    return [Timing(s, warm) for s in samples], outs, probed
 
 
 def bandwidths(nbytes: int, seconds: float, busbw_factor: float) -> tuple[float, float]:

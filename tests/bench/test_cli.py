@@ -42,6 +42,12 @@ def test_scenario_defaults_and_overrides():
     assert cli.parse(["--scenario", "emulated-h800", "-b", "1M", "-e", "1M"]).sizes == [1 << 20]
 
 
+def test_runs():
+    assert cli.parse([]).runs == 1 and cli.parse([]).settings["runs"] == 1  # call by call by default
+    c = cli.parse(["--runs", "8"])
+    assert c.runs == 8 and c.settings["runs"] == 8
+
+
 def test_gpu_scenario():
     c = cli.parse(["--scenario", "gpu"])
     assert (c.platform, c.devices, c.links) == ("gpu", 0, None)  # 0: every GPU jax sees
@@ -52,7 +58,8 @@ def test_gpu_scenario():
 
 @pytest.mark.parametrize("argv", [["-b", "4X"], ["-b", "1M", "-e", "1K"], ["-o", "avg"], ["-d", "fp8"],
                                   ["-C", "bcast"], ["--scenario", "nope"], ["--inplace", "--outofplace"],
-                                  ["--baseline", "nccl"], ["-c", "2"], ["--devices", "0"], ["-n", "-1"]])
+                                  ["--baseline", "nccl"], ["-c", "2"], ["--devices", "0"], ["-n", "-1"],
+                                  ["--runs", "0"]])
 def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse(argv)
@@ -77,7 +84,7 @@ def test_help_mentions_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--minbytes", "--maxbytes", "--stepfactor", "--stepbytes", "--op", "--datatype", "--iters",
                  "--warmup_iters", "--check", "--collective", "--devices", "--links", "--inplace",
-                 "--outofplace", "--both", "--baseline", "--json", "--plot", "--scenario", "emulated-h800"):
+                 "--outofplace", "--both", "--baseline", "--json", "--plot", "--scenario", "emulated-h800", "--runs"):
         assert flag in out
     assert "--_impl" not in out
     assert "ppermute" in out and "all_to_all" in out and "SendRecv" in out

@@ -69,3 +69,24 @@ def test_interleaved_alternates_and_separates():
     assert [n for n, _ in log] == ["a", "b", "b", "a", "a", "b"]
     assert [x for _, x in log] == list(range(6))  # a fresh argument for every call
     assert [t.iters for t in ts] == [2, 2] and outs == [("a", 4), ("b", 5)] and probed == [4, None]
+
+
+def test_interleaved_in_runs():
+    log = []
+
+    def make(name):
+        def f(x):
+            log.append((name, x))
+            return (name, x)
+        return f
+
+    counter = iter(range(100))
+    ts, outs, probed = timing.time_interleaved([make("a"), make("b")], lambda: next(counter), warmup=1, iters=3,
+                                               probes=[None, lambda a: a], runs=2)
+    # warm-up call by call; then turns of one untimed call and up to 2 timed ones, the order reversed
+    # every other turn, until each side has its 3 samples
+    assert [n for n, _ in log] == ["a", "b"] + ["b"] * 3 + ["a"] * 3 + ["a"] * 2 + ["b"] * 2
+    assert [t.iters for t in ts] == [3, 3]
+    assert outs == [("a", 9), ("b", 11)] and probed == [None, 11]
+    with pytest.raises(ValueError, match="runs must be >= 1"):
+        timing.time_interleaved([make("a")], lambda: 0, warmup=0, iters=1, runs=0)
