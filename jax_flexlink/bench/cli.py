@@ -52,18 +52,18 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _pos_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text}")
-    return v
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}: {text}")
+        return v
+    parse.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
-    return v
+_nonneg_int = _int_at_least(0)
+_pos_int = _int_at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
