@@ -265,10 +265,11 @@ def test_gpu_lowering_with_the_cuda_module():
                 text = make(lax).trace(x).lower(lowering_platforms=(platform,)).as_text()
             assert targets(text) == ["flexlink_all_reduce", "flexlink_ppermute", "flexlink_reduce_scatter"], (platform, text)
             assert "stablehlo.all_reduce" not in text and "FLEXLINK_CUDA=ON" not in text
-            # CUDA calls carry the GPU engine's link set at lowering (it picks a GPU group across
-            # processes set up then); the CPU handlers take no such attribute.
+            # Every call carries its engine's link set at lowering: the GPU engine's on CUDA (it picks
+            # a GPU group across processes set up then), the CPU engine's on CPU (all ranks run on it).
             versions = set(re.findall(r"links_version = (\\d+) : i64", text))
-            assert versions == ({{str(module.links_version())}} if platform == "cuda" else set()), (platform, versions)
+            engine = module if platform == "cuda" else flx._native.cpu_module()
+            assert versions == {{str(engine.links_version())}}, (platform, versions)
         np.testing.assert_array_equal(np.asarray(make(flx)(x)[0]), np.asarray(make(lax)(x)[0]))  # CPU runs
         if importlib.util.find_spec("nvidia") and importlib.util.find_spec("nvidia.nccl"):
             # NCCL by dlopen, no driver needed: the wheel's, whose path jax_flexlink passed

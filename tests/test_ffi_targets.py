@@ -66,7 +66,8 @@ def per_rank(body, k):
 
 
 def call(target, xs_local, out_shapes, aliases=(), token_last=True, **attrs):
-    attrs = dict(groups=IDS, group_sizes=(N,), label=f"contract {target}", **attrs)
+    # links_version 0: the link set current when each rank arrives (the lowering says its own).
+    attrs = dict(groups=IDS, group_sizes=(N,), links_version=0, label=f"contract {target}", **attrs)
     return _prim.bind(*xs_local, target=target, out_shapes=tuple(out_shapes),
                       attrs=tuple(sorted(attrs.items())), aliases=tuple(aliases), token_last=token_last)
 

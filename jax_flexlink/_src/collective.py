@@ -74,13 +74,16 @@ def lowering_for(platform: str):
   return _forcing("platform", platform)
 
 
-def _cuda_attributes() -> dict:
-  """What a CUDA call carries beyond the CPU one's: `links_version`, the CUDA engine's link set
-  when the program was lowered, which picks the GPU group across processes set up for it then
-  (xla_ffi/cuda/gpu_xproc.h: links configured later get a group of their own at the next lowering,
-  and a program lowered before keeps its group in every process, whenever its calls execute)."""
+def _links_attributes(platform: str | None) -> dict:
+  """`links_version`: the running engine's link set when the program was lowered. CPU: every rank
+  of the call runs on that set (xla_ffi/core/link_set.h), so a configure(links=...) while calls are
+  still queued (jax dispatches asynchronously) cannot give a call's ranks different links; jit and
+  pmap lower again for new links (runtime.links_generation is part of their cache key). CUDA: it
+  picks the GPU group across processes set up for it (xla_ffi/cuda/gpu_xproc.h: links configured
+  later get a group of their own at the next lowering, and a program lowered before keeps its group
+  in every process, whenever its calls execute)."""
   from jax_flexlink._src import native  # noqa: PLC0415
-  module = native.cuda_module()
+  module = native.cuda_module() if platform == "cuda" else native.cpu_module()
   return {"links_version": np.int64(module.links_version() if module is not None else 0)}
 
 
@@ -255,8 +258,7 @@ def emit_custom_call(ctx, target: str, operands, *, aliases=(), avals_in=None, a
   runtime.ensure_cached_model()
   if "groups" in attrs:  # groups spanning processes get their shared segment first
     processes.prepare(attrs["groups"], attrs["group_sizes"], ctx.module_context.platforms)
-  if getattr(_forced, "platform", None) == "cuda":
-    attrs = {**attrs, **_cuda_attributes()}
+  attrs = {**attrs, **_links_attributes(getattr(_forced, "platform", None))}
   ordering, = (e for e in ctx.tokens_in.effects() if isinstance(e, FlexLinkOrdering))
   token = ctx.tokens_in.get(ordering)
   call_ctx = ctx.replace(avals_in=[*(avals_in or ctx.avals_in), compat.abstract_token],

@@ -226,6 +226,13 @@ def bool_config_state(name: str, default: bool, help: str, validator=None):
                                include_in_trace_context=True, validator=validator)
 
 
+def int_config_state(name: str, default: int, help: str):
+  """A JAX config option holding an int, part of the jit cache key and of the trace context (so
+  jit's, pmap's and the lowering caches all miss when it changes)."""
+  return jax_config.int_state(name, default, help, include_in_jit_key=True,
+                              include_in_trace_context=True)
+
+
 def replica_groups(axis_context, axis_names, axis_index_groups):
   """lax's groups: lists of partition indices into `mesh.devices.flat`, in lax's rank order."""
   return lax_parallel._replica_groups(axis_context, axis_names, axis_index_groups)

@@ -213,3 +213,15 @@ replace_collectives_option = compat.bool_config_state(
           "to FlexLink's custom calls instead of XLA's native collectives."),
     validator=lambda value: check_bool(value, "jax_flexlink_replace_collectives"),
 )
+
+
+# Set by configure(links=...) to the CPU engine's new link-set version (0 before any): every FlexLink
+# call carries the version it was lowered with and runs on that link set (xla_ffi/core/link_set.h),
+# and since this option is part of the jit cache key, jitted and pmapped programs are lowered again
+# (and so run on the new links) at their next call. Not for setting by hand.
+links_generation_option = compat.int_config_state(
+    "jax_flexlink_links_generation",
+    0,
+    help=("The CPU link set FlexLink's collectives are lowered for; set by "
+          "jax_flexlink.configure(links=...), not by hand."),
+)

@@ -69,6 +69,11 @@ GPU_LINK_KINDS = ("nccl", "pcie", "rdma")
 _registered = False
 
 
+def cpu_module():
+  """The CPU engine's module (jax_flexlink._flexlink, or FLEXLINK_MODULE's)."""
+  return _flexlink
+
+
 def cuda_module():
   """jax_flexlink._flexlink_cuda, or None in a build without it."""
   return _flexlink_cuda

@@ -3,16 +3,25 @@ from __future__ import annotations
 
 import warnings
 
+import jax
+
 from jax_flexlink import _flexlink
 from jax_flexlink._src import gpu_seed
 from jax_flexlink._src import native
-from jax_flexlink._src.config import ENV, check_timeout, parse_bytes, parse_profile_bytes
+from jax_flexlink._src.config import ENV, check_timeout, links_generation_option, parse_bytes, parse_profile_bytes
 
 
 def configure(*, links: str | None = None, timeout_s: float | None = None,
               autotune_min_bytes: int | str | None = None, tune_max_bytes: int | str | None = None,
               link_timeout_s: float | None = None, faults: str | None = None) -> None:
-  """Sets engine options for the collectives that run from now on (not while any is running).
+  """Sets engine options for the collectives that run from now on.
+
+  Safe between steps without waiting for them: jax dispatches asynchronously, so calls of the
+  previous step may still be queued or running when this returns. Every FlexLink call runs on the
+  CPU links its program was lowered with (all of its ranks alike), and new CPU links make jit and
+  pmap lower programs again at their next call (the link set is part of their cache key, so each
+  jitted function compiles once more); an executable compiled ahead of time (`.lower().compile()`)
+  keeps the links it was lowered with. The other options apply to calls that start from now on.
 
   links: which links carry the collectives, in FLEXLINK_LINKS syntax: `kind[:name][@key=value,...]`
     separated by `;`, the first being the primary, e.g. "shm;tcp" or
@@ -59,6 +68,8 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
     native.set_health_option("link_timeout_s", link_seconds)
   if target is not None:
     if target is _flexlink:
+      # Programs lowered from now on carry the new set; jit and pmap lower again at their next call.
+      jax.config.update(links_generation_option.name, int(_flexlink.links_version()))
       load_cached_model()
     else:
       global _gpu_links_chosen

@@ -18,6 +18,7 @@
 #include <vector>
 
 #if defined(__linux__)
+#include <dirent.h>
 #include <sys/mman.h>
 #endif
 
@@ -29,6 +30,7 @@
 #include "xla_ffi/core/pages.h"
 #include "xla_ffi/core/reduce.h"
 #include "xla_ffi/core/spin.h"
+#include "xla_ffi/core/stats.h"
 #include "xla_ffi/links/shm.h"
 #include "tests/cpp/check.h"
 #include "tests/cpp/reference.h"
@@ -206,7 +208,7 @@ std::vector<Status> OnThreads(int n, const std::function<Status(int)>& f) {
 }
 
 Status AllReduceF32(std::span<const int64_t> group, int64_t device, int64_t run, std::vector<float>& x,
-                    std::vector<float>& y, std::string_view label = "engine_test") {
+                    std::vector<float>& y, std::string_view label = "engine_test", uint64_t links_version = 0) {
   const std::vector<int64_t> sizes = {static_cast<int64_t>(group.size())};
   const std::vector<int64_t> dims = {static_cast<int64_t>(x.size())};
   const std::vector<int64_t> odims = {static_cast<int64_t>(y.size())};
@@ -223,7 +225,15 @@ Status AllReduceF32(std::span<const int64_t> group, int64_t device, int64_t run,
   op.in = x.data();
   op.out = y.data();
   a.request.operands = {&op, 1};
+  a.links_version = links_version;
   return RunCollective(a);
+}
+
+// Bytes the link `name` has moved so far (0 before its first call).
+uint64_t LinkBytes(std::string_view name) {
+  for (const LinkStatsSnapshot& s : SnapshotLinkStats())
+    if (s.name == name) return s.bytes;
+  return 0;
 }
 
 }  // namespace
@@ -1168,6 +1178,92 @@ void TestSpinBudget() {
   Expect(seen, "SpinBudget: a flag another thread sets is seen");
 }
 
+// A call runs on the link set its program was lowered with (CollectiveArgs::links_version), not on
+// whatever is current when each rank arrives: jax may still run calls of a program lowered before
+// configure(links=...) returned.
+void TestLinksVersion() {
+  const std::vector<int64_t> group = {0, 1, 2, 3};
+  const int n = 4;
+  const size_t count = 1 << 16;  // 256 KiB per rank, split in halves by pinned shares
+  auto run = [&](uint64_t version, int64_t run_id, const std::string& what, bool switch_links = true) {
+    std::vector<std::vector<float>> xs(n), ys(n);
+    for (int r = 0; r < n; ++r) {
+      xs[r].assign(count, static_cast<float>(r + 1));
+      ys[r].assign(count, -1.0f);
+    }
+    std::vector<Status> st = OnThreads(n, [&](int r) {
+      // Half the ranks switch the current set while the others may already be in the call.
+      if (switch_links && r % 2 == 1) (void)ConfigureLinks(r == 1 ? "shm;tcp:t" : "shm");
+      return AllReduceF32(group, r, run_id, xs[r], ys[r], "engine_test", version);
+    });
+    bool ok = true;
+    for (int r = 0; r < n; ++r) {
+      ok = ok && st[r].ok();
+      if (!st[r].ok()) std::printf("  rank %d: %s\n", r, st[r].message().c_str());
+      for (size_t i = 0; ok && i < count; ++i) ok = ys[r][i] == 10.0f;
+    }
+    Expect(ok, what);
+  };
+  Expect(ConfigureLinks("shm;tcp:t").ok(), "configure shm;tcp:t");
+  const uint64_t with_tcp = CurrentLinkSet()->version;
+  Expect(SetShares(Kind::kAllReduce, count * sizeof(float), {0.5, 0.5}, true).ok(), "pin shares 0.5/0.5");
+  run(with_tcp, 900, "a call on the current set (makes its group, with the pinned shares)", false);
+  Expect(ConfigureLinks("shm").ok(), "configure shm");
+  const uint64_t alone = CurrentLinkSet()->version;
+  Expect(alone > with_tcp, "a new link set has a newer version");
+  const uint64_t tcp_before = LinkBytes("t");
+  run(with_tcp, 901, "a call on an earlier link set while the current one changes");
+  Expect(LinkBytes("t") > tcp_before, "the earlier set's second link carried part of the call");
+  const uint64_t tcp_after = LinkBytes("t");
+  run(alone, 902, "a call on the later set (shm alone) while the current one changes");
+  Expect(LinkBytes("t") == tcp_after, "shm alone: nothing more on t");
+  std::vector<float> x(8, 1.0f), y(8);
+  const int64_t one[] = {0, 1};
+  Status unknown = AllReduceF32(one, 0, 903, x, y, "engine_test", 1u << 30);
+  Expect(unknown.code() == StatusCode::kInvalidArgument &&
+             unknown.message().find("never configured") != std::string::npos,
+         "an unknown link set is an error naming it: " + unknown.message());
+  Expect(ConfigureLinks("shm").ok(), "configure shm");
+}
+
+// Groups of earlier link sets are released once idle (their workers and tcp sockets), and a call that
+// still comes for such a set gets a new group.
+void TestReleaseEarlierGroups() {
+  const std::vector<int64_t> group = {0, 1, 2};
+  const int n = 3;
+  auto run = [&](uint64_t version, int64_t run_id, const std::string& what) {
+    std::vector<std::vector<float>> xs(n, std::vector<float>(4096, 2.0f)), ys(n, std::vector<float>(4096));
+    std::vector<Status> st =
+        OnThreads(n, [&](int r) { return AllReduceF32(group, r, run_id, xs[r], ys[r], "engine_test", version); });
+    bool ok = true;
+    for (int r = 0; r < n; ++r) ok = ok && st[r].ok() && ys[r][0] == 6.0f && ys[r][4095] == 6.0f;
+    Expect(ok, what);
+  };
+  auto threads = [] {
+    int count = 0;
+    if (DIR* d = opendir("/proc/self/task")) {
+      while (dirent* e = readdir(d)) count += e->d_name[0] != '.';
+      closedir(d);
+    }
+    return count;
+  };
+  Expect(ConfigureLinks("shm;tcp:t").ok(), "configure shm;tcp:t");
+  const uint64_t first = CurrentLinkSet()->version;
+  run(first, 911, "a call on shm;tcp:t");
+  const int with_group = threads();
+  Expect(ConfigureLinks("shm").ok(), "configure shm");
+  const ReleasedGroups r = ReleaseEarlierGroups();
+  Expect(r.released >= 1 && r.kept == 0, "the idle group of the earlier set is released (" +
+                                              std::to_string(r.released) + " released, " + std::to_string(r.kept) +
+                                              " kept)");
+  Expect(threads() <= with_group - (n - 1), "its " + std::to_string(n - 1) + " workers are gone (threads " +
+                                                std::to_string(with_group) + " -> " + std::to_string(threads()) + ")");
+  run(first, 912, "a later call lowered for the released set runs on a new group");
+  run(first, 913, "and again");
+  Expect(ReleaseEarlierGroups().released == 1, "that group is released in turn");
+  Expect(ReleaseEarlierGroups().released == 0, "nothing left to release");
+}
+
 // The staged path stages all parts of a small call together: the arrival is its only rendezvous
 // (no barrier at all), and the direct path has one barrier for all parts, not one per part.
 void TestMultiOperandRendezvous() {
@@ -1929,5 +2025,7 @@ int main(int argc, char** argv) {
   Timed("TestOutOfMemoryIsAnError", TestOutOfMemoryIsAnError);
   Timed("TestMultiOperandAcrossLinks", TestMultiOperandAcrossLinks);
   Timed("TestInPlaceEmulated", TestInPlaceEmulated);
+  Timed("TestLinksVersion", TestLinksVersion);
+  Timed("TestReleaseEarlierGroups", TestReleaseEarlierGroups);
   return Summary();
 }

@@ -1,6 +1,7 @@
 #include "xla_ffi/core/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -38,13 +39,20 @@ struct Group {
   std::unique_ptr<plan::Balancer> balancer;
   std::unique_ptr<FaultCounter> calls;  // per rank: the group's calls, for rank:absent (core/faults.h)
   std::unique_ptr<Executor> executor;  // declared last: its workers go before what they use
+  // Ranks inside a call of the group, and kRetired once released (ReleaseEarlierGroups): a rank
+  // enters only while the bit is clear, so a group is released only when no rank is inside it.
+  std::atomic<uint64_t> state{0};
 };
+
+constexpr uint64_t kRetired = uint64_t{1} << 63;
 
 struct GroupRegistry {
   std::mutex mu;
-  // Never erased: device threads cache raw pointers. Reconfiguring links makes new groups; the old
-  // ones stay idle (configuration is rare).
+  // Device threads cache raw pointers, so a Group is never freed: a released one keeps its shell in
+  // `released` (its channels, workers and balancer are gone) and a call that still comes for its
+  // link set (a program lowered before, CollectiveArgs::links_version) gets a new group.
   std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<Group>> groups;
+  std::vector<std::unique_ptr<Group>> released;
 };
 
 GroupRegistry& Registry() {
@@ -63,42 +71,130 @@ std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std
   options.profile_from_bytes = AutotuneMinBytes();
   options.profile_max_bytes = TuneMaxBytes();
   g->balancer = std::make_unique<plan::Balancer>(links->names(), options);
-  if (auto model = CurrentModel()) (void)g->balancer->SetModel(*model);
-  for (const auto& [key, shares] : CurrentShareOverrides())
-    (void)g->balancer->SetShares(key.first, key.second, shares.shares, shares.pinned);
+  // Stage-1 fits, hand-set shares and health are the current set's; a group made for an earlier
+  // set (a call lowered before the links changed) plans from equal shares and is not reported.
+  const bool current = links->version == CurrentLinkSet()->version;
+  if (current) {
+    if (auto model = CurrentModel()) (void)g->balancer->SetModel(*model);
+    for (const auto& [key, shares] : CurrentShareOverrides())
+      (void)g->balancer->SetShares(key.first, key.second, shares.shares, shares.pinned);
+  }
   if (links->links.size() > 1) {
     g->executor = std::make_unique<Executor>(g->comm.get(), links->names(), links->spec, g->balancer.get());
-    RegisterGroupHealth(g->executor->health(), links->version);
+    if (current) RegisterGroupHealth(g->executor->health(), links->version);
   }
   g->links = std::move(links);
   return g;
 }
 
-// Each device thread caches its lookups to avoid the global lock per call.
-Status GetGroup(std::span<const int64_t> devices, std::string_view label, Group** out) {
-  std::shared_ptr<const LinkSet> links = CurrentLinkSet();
+// Enters `g` for one call; false once it was released.
+bool Enter(Group* g) {
+  uint64_t s = g->state.load(std::memory_order_acquire);
+  do {
+    if (s & kRetired) return false;
+  } while (!g->state.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel));
+  return true;
+}
+
+// Holds a group entered for the duration of a call.
+class Entered {
+ public:
+  explicit Entered(Group* g) : g_(g) {}
+  Entered(const Entered&) = delete;
+  Entered& operator=(const Entered&) = delete;
+  ~Entered() { g_->state.fetch_sub(1, std::memory_order_acq_rel); }
+
+ private:
+  Group* g_;
+};
+
+// The group of `devices` on link set `version` (0: the current one), entered for one call (the
+// caller leaves it with an Entered). Each device thread caches its lookups to avoid the global
+// locks per call.
+Status GetGroup(std::span<const int64_t> devices, uint64_t version, std::string_view label, Group** out) {
   thread_local std::vector<std::tuple<uint64_t, std::vector<int64_t>, Group*>> cache;
-  for (const auto& [version, ids, group] : cache)
-    if (version == links->version && std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
+  std::shared_ptr<const LinkSet> links;
+  if (version == 0) {
+    links = CurrentLinkSet();
+    version = links->version;
+  }
+  for (auto it = cache.begin(); it != cache.end(); ++it) {
+    const auto& [v, ids, group] = *it;
+    if (v != version || !std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) continue;
+    if (Enter(group)) {
       *out = group;
       return Status::Ok();
     }
+    cache.erase(it);  // released: the registry has (or makes) its successor
+    break;
+  }
+  if (!links)
+    if (Status s = LinkSetAt(version, &links); !s.ok()) return Status::InvalidArgument(ErrorPrefix(label) + s.message());
   GroupRegistry& reg = Registry();
   std::vector<int64_t> key(devices.begin(), devices.end());
   {
     std::lock_guard<std::mutex> lock(reg.mu);
-    auto it = reg.groups.find({links->version, key});
+    auto it = reg.groups.find({version, key});
     if (it == reg.groups.end()) {
       FLEXLINK_RETURN_IF_ERROR(CheckDistinct(devices, label));
-      it = reg.groups.emplace(std::make_pair(links->version, key), MakeGroup(links, key)).first;
+      it = reg.groups.emplace(std::make_pair(version, key), MakeGroup(links, key)).first;
     }
     *out = it->second.get();
+    // Under the registry's lock nothing is released, and a group in the map is never retired.
+    (*out)->state.fetch_add(1, std::memory_order_acq_rel);
   }
-  cache.emplace_back(links->version, std::move(key), *out);
+  cache.emplace_back(version, std::move(key), *out);
   return Status::Ok();
 }
 
 }  // namespace
+
+ReleasedGroups ReleaseEarlierGroups() {
+  const uint64_t current = CurrentLinkSet()->version;
+  ReleasedGroups out;
+  // A released group's parts, destroyed after the lock in reverse order: the workers first, the
+  // links last (as in Group).
+  struct Parts {
+    std::shared_ptr<const LinkSet> links;
+    std::unique_ptr<Communicator> comm;
+    std::unique_ptr<plan::Balancer> balancer;
+    std::unique_ptr<FaultCounter> calls;
+    std::unique_ptr<Executor> executor;
+  };
+  std::vector<Parts> gone;
+  GroupRegistry& reg = Registry();
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    for (auto it = reg.groups.begin(); it != reg.groups.end();) {
+      Group* g = it->second.get();
+      uint64_t idle = 0;
+      if (it->first.first >= current) {
+        ++it;
+        continue;
+      }
+      if (!g->state.compare_exchange_strong(idle, kRetired, std::memory_order_acq_rel)) {
+        ++out.kept;  // a rank is inside a call of it
+        ++it;
+        continue;
+      }
+      // No rank is inside a call now and none can enter; a worker may still run a range some call
+      // gave up on (until its link's deadline): then the group stays, to be released next time.
+      if (g->executor && !g->executor->Idle()) {
+        g->state.store(0, std::memory_order_release);
+        ++out.kept;
+        ++it;
+        continue;
+      }
+      gone.push_back(Parts{std::move(g->links), std::move(g->comm), std::move(g->balancer), std::move(g->calls),
+                           std::move(g->executor)});
+      reg.released.push_back(std::move(it->second));
+      it = reg.groups.erase(it);
+      ++out.released;
+    }
+  }
+  gone.clear();  // joins the idle workers, closes the channels
+  return out;
+}
 
 void EnsureLinks() { CurrentLinkSet(); }
 
@@ -222,9 +318,10 @@ Status RunCollectiveOrThrow(const CollectiveArgs& args) {
   // With several links that span processes (the segment and cross-process tcp rings) the call is
   // split by the leader's plan (xproc/xproc_executor.h); with one, the segment runs it alone.
   if (xproc::ProcessGroup* cross = xproc::FindProcessGroup(members))
-    return xproc::RunXprocCall(cross, rank, desc, args.label, args.run_id);
+    return xproc::RunXprocCall(cross, rank, desc, args.label, args.run_id, args.links_version);
   Group* group = nullptr;
-  FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.label, &group));
+  FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.links_version, args.label, &group));
+  const Entered entered(group);
   Communicator* comm = group->comm.get();
   std::shared_ptr<CallContext> call = comm->Join(rank, args.run_id, args.label);
   if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {

@@ -23,8 +23,9 @@ struct CollectiveArgs {
   int64_t run_id = 0;                    // identical on all devices of one launch
   std::string_view label;                // names the collective in errors
   CallRequest request;                   // buffers, shapes, dtypes, reduction, axis
-  // CUDA only: the GPU engine's link set when the call was lowered (0: not said), which picks the
-  // GPU group across processes set up for it (cuda/gpu_xproc.h, FindGpuXprocGroup).
+  // The running engine's link set when the call was lowered (0: not said; then the current one).
+  // CPU: the set every rank of the call runs on (core/link_set.h). CUDA: picks the GPU group across
+  // processes set up for it (cuda/gpu_xproc.h, FindGpuXprocGroup).
   uint64_t links_version = 0;
 };
 
@@ -33,6 +34,16 @@ Status RunCollective(const CollectiveArgs& args);
 
 // Makes sure the configured links exist (so stats list them before the first call).
 void EnsureLinks();
+
+// Releases the in-process groups of earlier link sets that no rank is inside and whose workers are
+// idle: their channels (tcp sockets), worker threads and balancers. A call that still comes for such
+// a set (its program was lowered before) gets a new group. configure(links=...) calls it, so that
+// reconfiguring again and again does not pile up threads and sockets.
+struct ReleasedGroups {
+  int released = 0;
+  int kept = 0;  // busy now: tried again at the next release
+};
+ReleasedGroups ReleaseEarlierGroups();
 
 // Sets a (collective, size bucket)'s link shares on every group of the current link set, present and
 // future (pinned: kept as given; else a starting point for stage 2).

@@ -59,6 +59,18 @@ Status LinkWorker::Wait(double timeout_s) {
   return result_;
 }
 
+bool LinkWorker::Idle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !has_task_ && !running_;
+}
+
+bool Executor::Idle() {
+  for (auto& per_rank : workers_)
+    for (auto& worker : per_rank)
+      if (worker && !worker->Idle()) return false;
+  return true;
+}
+
 void LinkWorker::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -66,6 +78,7 @@ void LinkWorker::Loop() {
     if (stop_) return;
     std::function<Status()> task = std::move(task_);
     has_task_ = false;
+    running_ = true;
     lock.unlock();
     Status s;
     try {  // a worker thread must not take the process down with an exception
@@ -75,6 +88,7 @@ void LinkWorker::Loop() {
     }
     lock.lock();
     result_ = std::move(s);
+    running_ = false;
     done_ = true;
     cv_.notify_all();
   }

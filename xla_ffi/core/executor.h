@@ -49,13 +49,15 @@ class LinkWorker {
   void Post(std::function<Status()> task);
   // Waits for the posted task; an error if it is not done within `timeout_s`.
   Status Wait(double timeout_s);
+  // No task posted or running (a range a call gave up on may still run until its link's deadline).
+  bool Idle();
 
  private:
   void Loop();
   std::mutex mu_;
   std::condition_variable cv_;
   std::function<Status()> task_;
-  bool has_task_ = false, done_ = false, stop_ = false;
+  bool has_task_ = false, running_ = false, done_ = false, stop_ = false;
   Status result_;
   std::thread thread_;
 };
@@ -70,6 +72,8 @@ class Executor {
   Executor& operator=(const Executor&) = delete;
 
   Status Run(CallContext& ctx, int rank, const CallDesc& desc);
+  // Every worker idle (LinkWorker::Idle): destroying the executor would not wait for a range.
+  bool Idle();
 
   const std::shared_ptr<GroupHealth>& health() const { return health_; }
 

@@ -101,7 +101,7 @@ class GroupHealth {
 };
 
 // Every group's health registers here with its link set's version; reconfiguring the links drops
-// the older sets' (their groups stay idle forever).
+// the older sets' (their groups run only calls of programs lowered before, which stats leave out).
 void RegisterGroupHealth(std::shared_ptr<GroupHealth> health, uint64_t link_set_version);
 void DropHealthBefore(uint64_t link_set_version);
 std::vector<LinkHealthSnapshot> SnapshotHealth();

@@ -25,6 +25,9 @@ Status MakeLink(const plan::LinkSpec& spec, std::unique_ptr<Link>* out) {
 struct Registry {
   std::mutex mu;
   std::shared_ptr<const LinkSet> current;
+  // Every set that was current, by version: a call runs on the set its program was lowered with
+  // (LinkSetAt), which may have been replaced since (a call dispatched before configure(links=...)).
+  std::map<uint64_t, std::shared_ptr<const LinkSet>> made;
   std::map<std::pair<Kind, uint64_t>, PinnedShares> overrides;
   std::shared_ptr<const plan::CostModel> model;
   uint64_t next_version = 1;
@@ -74,6 +77,7 @@ Status ConfigureLinks(std::string_view spec) {
   ++reg.next_version;
   for (const std::string& name : set->names()) MarkLinkHealth(name, true);
   DropHealthBefore(set->version);
+  reg.made[set->version] = set;
   reg.current = std::move(set);
   reg.overrides.clear();
   reg.model.reset();
@@ -88,9 +92,27 @@ std::shared_ptr<const LinkSet> CurrentLinkSet() {
     Status s = Build("shm", reg.next_version++, &set);
     if (!s.ok()) return nullptr;  // cannot happen: "shm" always parses
     for (const std::string& name : set->names()) MarkLinkHealth(name, true);
+    reg.made[set->version] = set;
     reg.current = std::move(set);
   }
   return reg.current;
+}
+
+Status LinkSetAt(uint64_t version, std::shared_ptr<const LinkSet>* out) {
+  if (version == 0) {
+    *out = CurrentLinkSet();
+    return Status::Ok();
+  }
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.made.find(version);
+  if (it == reg.made.end())
+    return Status::InvalidArgument("the program was lowered for link set " + std::to_string(version) +
+                                   ", which this process never configured (it has made " +
+                                   std::to_string(reg.next_version - 1) +
+                                   "); a compiled program runs only in the process that lowered it");
+  *out = it->second;
+  return Status::Ok();
 }
 
 Status SetSharesEverywhere(Kind kind, uint64_t bucket_bytes, std::vector<double> shares, bool pinned) {

@@ -1,8 +1,9 @@
 // The configured links: what FLEXLINK_LINKS / jax_flexlink.configure(links=...) selected, built into
 // Link objects. A configuration is immutable once made; configuring again makes a new one with a new
-// version, and communicators are per (version, group), so a call never mixes two link sets. Calls
-// must not be running while the links are reconfigured (configure between steps, as with NCCL
-// environment settings): ranks of one call could otherwise pick different versions.
+// version, and communicators are per (version, group), so a call never mixes two link sets. A call
+// runs on the version its program was lowered with (the FFI attribute `links_version`), never on
+// whatever is current when each rank arrives: with jax's asynchronous dispatch a call may still be
+// queued or running when configure(links=...) returns, and its ranks must all pick the same set.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +38,9 @@ struct LinkSet {
 // set stays. The default, before any call to ConfigureLinks, is "shm".
 Status ConfigureLinks(std::string_view spec);
 std::shared_ptr<const LinkSet> CurrentLinkSet();
+// The set that had `version` (0: the current one), kept for the process's life; InvalidArgument for a
+// version this process never made.
+Status LinkSetAt(uint64_t version, std::shared_ptr<const LinkSet>* out);
 
 // Shares set by hand for a (collective, size bucket): every communicator's balancer, present and
 // future, of the current link set applies them. Cleared when the links are reconfigured.

@@ -105,8 +105,29 @@ nb::dict CacheIdentity() {
 }  // namespace
 
 void DefineControl(nb::module_& m) {
-  m.def("configure_links", [](const std::string& spec) { Check(ConfigureLinks(spec)); }, nb::arg("spec"),
-        "Selects the links (FLEXLINK_LINKS syntax); calls must not be running.");
+  m.def(
+      "configure_links",
+      [](const std::string& spec) {
+        Check(ConfigureLinks(spec));
+        (void)ReleaseEarlierGroups();
+      },
+      nb::arg("spec"),
+      "Selects the links (FLEXLINK_LINKS syntax) for programs lowered from now on; calls already "
+      "lowered keep the set they were lowered with. Releases the idle groups of earlier sets.");
+  m.def(
+      "release_earlier_groups",
+      [] {
+        const ReleasedGroups r = ReleaseEarlierGroups();
+        nb::dict out;
+        out["released"] = r.released;
+        out["kept"] = r.kept;
+        return out;
+      },
+      "Releases the idle in-process groups of earlier link sets (configure_links does it too): "
+      "{'released': n, 'kept': busy ones}.");
+  m.def("links_version", [] { return CurrentLinkSet()->version; },
+        "The current link set's version (each configure_links makes a new one): every call carries the "
+        "version it was lowered with (attribute links_version), and all of its ranks run on that set.");
   m.def("links", [] { return CurrentLinkSet()->names(); }, "Names of the current links, primary first.");
   m.def("links_spec", [] { return CurrentLinkSet()->spec; }, "The current link spec, canonical form.");
   m.def("plans", &Plans, "Every plan of the current link set: collective, bucket, shares, mode, group.");

@@ -675,11 +675,23 @@ Registry& Reg() {
   return *r;
 }
 
-Entry* EntryFor(ProcessGroup* group) {
-  std::shared_ptr<const LinkSet> set = CurrentLinkSet();
+// The group's entry for link set `version` (0: the current one), cached per device thread.
+Status EntryFor(ProcessGroup* group, uint64_t version, std::string_view label, Entry** out) {
   thread_local std::vector<std::tuple<ProcessGroup*, uint64_t, Entry*>> cache;
-  for (const auto& [g, v, e] : cache)
-    if (g == group && v == set->version) return e;
+  if (version != 0)
+    for (const auto& [g, v, e] : cache)
+      if (g == group && v == version) {
+        *out = e;
+        return Status::Ok();
+      }
+  std::shared_ptr<const LinkSet> set;
+  if (Status s = LinkSetAt(version, &set); !s.ok()) return Status::InvalidArgument(ErrorPrefix(label) + s.message());
+  if (version == 0)
+    for (const auto& [g, v, e] : cache)
+      if (g == group && v == set->version) {
+        *out = e;
+        return Status::Ok();
+      }
   Registry& reg = Reg();
   Entry* e = nullptr;
   {
@@ -700,7 +712,8 @@ Entry* EntryFor(ProcessGroup* group) {
     e = slot.get();
   }
   cache.emplace_back(group, set->version, e);
-  return e;
+  *out = e;
+  return Status::Ok();
 }
 
 }  // namespace
@@ -727,8 +740,10 @@ Status StayAway(ProcessGroup* group, int rank, uint64_t call, std::string_view l
                                   " (injected rank:absent)" + (broken ? ": " + *broken : std::string()));
 }
 
-Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {
-  Entry* e = EntryFor(group);
+Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
+                    uint64_t links_version) {
+  Entry* e = nullptr;
+  FLEXLINK_RETURN_IF_ERROR(EntryFor(group, links_version, label, &e));
   if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
     const uint64_t c = e->calls->Next(rank, *faults);
     if (faults->AbsentAt(rank, c)) return StayAway(group, rank, c, label);

@@ -47,8 +47,11 @@ struct XprocLinks {
 XprocLinks XprocLinksOf(ProcessGroup* group);
 
 // Runs one call of `group` for local rank `rank`: split across its links by the leader's plan, or,
-// with one usable link, on the segment alone.
-Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id);
+// with one usable link, on the segment alone. `links_version`: the link set the call's program was
+// lowered with (0: the current one; core/link_set.h), so that a configure(links=...) while calls are
+// queued cannot give two processes' ranks of one call different links.
+Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
+                    uint64_t links_version = 0);
 
 // Injected rank:absent across processes (core/faults.h): local rank `rank` never arrives at the
 // group's call `call`. The other ranks' deadline fails the group, their report naming it; this rank
