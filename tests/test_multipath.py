@@ -159,7 +159,7 @@ def test_reconfiguring_links_again_and_again_keeps_no_old_groups(mesh1d):
     assert _flexlink.release_earlier_groups() == {"released": 0, "kept": 0}
 
 
-def test_programs_lower_again_for_new_links(mesh1d):
+def test_programs_lower_again_for_new_links(mesh1d, capfd):
     per_device = 20011
     x = sharded(mesh1d, make_data("float32", (N * per_device,), seed=12))
     f = collective_fn(mesh1d, flx, "all_reduce")
@@ -173,10 +173,19 @@ def test_programs_lower_again_for_new_links(mesh1d):
     assert np.asarray(f(x)).tobytes() == want.tobytes()
     assert flx.stats()["links"]["e"]["bytes"] > 0
     assert f"links_version = {_flexlink.links_version()} : i64" in f.lower(x).as_text()
-    # A program compiled before keeps the links it was lowered with: nothing more moves on e.
+    # A program compiled before keeps the links it was lowered with: nothing more moves on e. Its
+    # group (released when the links changed) is made again, which FLEXLINK_DEBUG=INFO tells.
     moved = flx.stats()["links"]["e"]["bytes"]
-    assert np.asarray(compiled_before(x)).tobytes() == want.tobytes()
+    _flexlink.set_debug_level(1)
+    try:
+        capfd.readouterr()
+        assert np.asarray(compiled_before(x)).tobytes() == want.tobytes()
+        err = capfd.readouterr().err
+    finally:
+        from jax_flexlink._src.config import ENV
+        _flexlink.set_debug_level(ENV.debug_level)
     assert flx.stats()["links"]["e"]["bytes"] == moved
+    assert "runs calls lowered for link set" in err and "(shm) while" in err, err
 
 
 def converge(f, x, kind, nbytes, expected, calls):

@@ -73,7 +73,12 @@ std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std
   g->balancer = std::make_unique<plan::Balancer>(links->names(), options);
   // Stage-1 fits, hand-set shares and health are the current set's; a group made for an earlier
   // set (a call lowered before the links changed) plans from equal shares and is not reported.
-  const bool current = links->version == CurrentLinkSet()->version;
+  const std::shared_ptr<const LinkSet> now = CurrentLinkSet();
+  const bool current = links->version == now->version;
+  if (!current)
+    LogInfo("group " + FormatIds(devices) + " runs calls lowered for link set " + std::to_string(links->version) +
+            " (" + links->spec + ") while " + std::to_string(now->version) + " (" + now->spec +
+            ") is current: an executable compiled before configure(links=...), or a call queued then");
   if (current) {
     if (auto model = CurrentModel()) (void)g->balancer->SetModel(*model);
     for (const auto& [key, shares] : CurrentShareOverrides())
