@@ -276,8 +276,13 @@ def test_gpu_lowering_with_the_cuda_module():
             assert module.nccl_version() >= 21800, module.nccl_version()
             assert module.nccl_library().endswith("libnccl.so.2"), module.nccl_library()
         assert set(flx.stats()["links"]) == {{"shm"}}, flx.stats()  # GPU links not chosen, never ran
+        generation = jax.config.jax_flexlink_links_generation
         flx.configure(links="nccl;pcie")
         assert module.links() == ["nccl", "pcie"] and flx._flexlink.links() == ["shm"], flx._flexlink.links()
+        # New GPU links step the jit key (jitted programs lower again, onto the new set's version).
+        assert jax.config.jax_flexlink_links_generation == generation + 1
+        text = make(flx).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        assert set(re.findall(r"links_version = (\\d+) : i64", text)) == {{str(module.links_version())}}, text
         assert set(flx.stats()["links"]) == {{"shm", "nccl", "pcie"}}, flx.stats()
         # Nominal fits (jax_flexlink.topology's) reach the GPU engine as its seed; bad ones are refused.
         module.seed_model(2, {{"all_reduce": [(2e-5, 1 / 300e9), (1e-5, 1 / 30e9)]}})

@@ -167,7 +167,11 @@ def test_programs_lower_again_for_new_links(mesh1d, capfd):
     assert f"links_version = {_flexlink.links_version()} : i64" in lowered_before.as_text()
     compiled_before = lowered_before.compile()
     want = np.asarray(f(x))
+    generation = jax.config.jax_flexlink_links_generation
     flx.configure(links="shm;emulated:e@gbps=50")
+    assert jax.config.jax_flexlink_links_generation == generation + 1
+    flx.configure(timeout_s=_flexlink.timeout())  # other options leave the jit key alone
+    assert jax.config.jax_flexlink_links_generation == generation + 1
     _flexlink.set_shares("all_reduce", bucket(per_device * 4), [0.5, 0.5], pinned=True)
     # The jitted function lowers again (the link set is part of jit's cache key) and splits.
     assert np.asarray(f(x)).tobytes() == want.tobytes()

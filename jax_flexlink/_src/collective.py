@@ -77,9 +77,9 @@ def lowering_for(platform: str):
 def _links_attributes(platform: str | None) -> dict:
   """`links_version`: the running engine's link set when the program was lowered. CPU: every rank
   of the call runs on that set (xla_ffi/core/link_set.h), so a configure(links=...) while calls are
-  still queued (jax dispatches asynchronously) cannot give a call's ranks different links; jit and
-  pmap lower again for new links (the JAX option jax_flexlink_links_generation, which configure
-  sets, is part of their cache keys). CUDA: it picks the GPU group across processes set up for it
+  still queued (jax dispatches asynchronously) cannot give a call's ranks different links. Jit and
+  pmap lower again for new links of either engine (the JAX option jax_flexlink_links_generation,
+  which configure sets, is part of their cache keys). CUDA: it picks the GPU group across processes set up for it
   (xla_ffi/cuda/gpu_xproc.h: links configured later get a group of their own at the next lowering,
   and a program lowered before keeps its group in every process, whenever its calls execute)."""
   from jax_flexlink._src import native  # noqa: PLC0415

@@ -215,13 +215,14 @@ replace_collectives_option = compat.bool_config_state(
 )
 
 
-# Set by configure(links=...) to the CPU engine's new link-set version (0 before any): every FlexLink
-# call carries the version it was lowered with and runs on that link set (xla_ffi/core/link_set.h),
-# and since this option is part of the jit cache key, jitted and pmapped programs are lowered again
-# (and so run on the new links) at their next call. Not for setting by hand.
+# Counts configure(links=...) calls that changed an engine's links (0 before any). Every FlexLink
+# call carries its engine's link-set version from its lowering (on CPU it runs on that set,
+# xla_ffi/core/link_set.h; on GPU it picks the group across processes set up for it), and since this
+# option is part of the jit cache key, jitted and pmapped programs are lowered again (and so run on
+# the new links) at their next call. Not for setting by hand.
 links_generation_option = compat.int_config_state(
     "jax_flexlink_links_generation",
     0,
-    help=("The CPU link set FlexLink's collectives are lowered for; set by "
-          "jax_flexlink.configure(links=...), not by hand."),
+    help=("How many times jax_flexlink.configure(links=...) changed the links FlexLink's "
+          "collectives are lowered for; set by it, not by hand."),
 )

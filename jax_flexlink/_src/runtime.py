@@ -17,11 +17,12 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
   """Sets engine options for the collectives that run from now on.
 
   Safe between steps without waiting for them: jax dispatches asynchronously, so calls of the
-  previous step may still be queued or running when this returns. Every FlexLink call runs on the
-  CPU links its program was lowered with (all of its ranks alike), and new CPU links make jit and
-  pmap lower programs again at their next call (the link set is part of their cache key, so each
-  jitted function compiles once more); an executable compiled ahead of time (`.lower().compile()`)
-  keeps the links it was lowered with. The other options apply to calls that start from now on.
+  previous step may still be queued or running when this returns. Every FlexLink call on CPU runs
+  on the links its program was lowered with (all of its ranks alike), and new links (CPU or GPU)
+  make jit and pmap lower programs again at their next call (a counter of link changes is part of
+  their cache key, so each jitted function compiles once more); an executable compiled ahead of
+  time (`.lower().compile()`) keeps the links it was lowered with. The other options apply to calls
+  that start from now on.
 
   links: which links carry the collectives, in FLEXLINK_LINKS syntax: `kind[:name][@key=value,...]`
     separated by `;`, the first being the primary, e.g. "shm;tcp" or
@@ -67,9 +68,10 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
   if link_seconds is not None:
     native.set_health_option("link_timeout_s", link_seconds)
   if target is not None:
+    # Programs lowered from now on carry the new set (links_version); the generation is part of jit's
+    # and pmap's cache keys, so a jitted program lowers again for it at its next call.
+    jax.config.update(links_generation_option.name, links_generation_option.value + 1)
     if target is _flexlink:
-      # Programs lowered from now on carry the new set; jit and pmap lower again at their next call.
-      jax.config.update(links_generation_option.name, int(_flexlink.links_version()))
       load_cached_model()
     else:
       global _gpu_links_chosen
