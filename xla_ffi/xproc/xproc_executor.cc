@@ -678,20 +678,18 @@ Registry& Reg() {
 // The group's entry for link set `version` (0: the current one), cached per device thread.
 Status EntryFor(ProcessGroup* group, uint64_t version, std::string_view label, Entry** out) {
   thread_local std::vector<std::tuple<ProcessGroup*, uint64_t, Entry*>> cache;
-  if (version != 0)
-    for (const auto& [g, v, e] : cache)
-      if (g == group && v == version) {
-        *out = e;
-        return Status::Ok();
-      }
   std::shared_ptr<const LinkSet> set;
-  if (Status s = LinkSetAt(version, &set); !s.ok()) return Status::InvalidArgument(ErrorPrefix(label) + s.message());
-  if (version == 0)
-    for (const auto& [g, v, e] : cache)
-      if (g == group && v == set->version) {
-        *out = e;
-        return Status::Ok();
-      }
+  if (version == 0) {
+    set = CurrentLinkSet();
+    version = set->version;
+  }
+  for (const auto& [g, v, e] : cache)
+    if (g == group && v == version) {
+      *out = e;
+      return Status::Ok();
+    }
+  if (!set)
+    if (Status s = LinkSetAt(version, &set); !s.ok()) return Status::InvalidArgument(ErrorPrefix(label) + s.message());
   Registry& reg = Reg();
   Entry* e = nullptr;
   {
