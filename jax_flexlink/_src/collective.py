@@ -79,9 +79,11 @@ def _links_attributes(platform: str | None) -> dict:
   of the call runs on that set (xla_ffi/core/link_set.h), so a configure(links=...) while calls are
   still queued (jax dispatches asynchronously) cannot give a call's ranks different links. Jit and
   pmap lower again for new links of either engine (the JAX option jax_flexlink_links_generation,
-  which configure sets, is part of their cache keys). CUDA: it picks the GPU group across processes set up for it
-  (xla_ffi/cuda/gpu_xproc.h: links configured later get a group of their own at the next lowering,
-  and a program lowered before keeps its group in every process, whenever its calls execute)."""
+  which configure sets, is part of their cache keys). CUDA: likewise every rank of an in-process
+  group runs on the GPU link set of the lowering (GpuEngine::GetGroup), and it picks the GPU group
+  across processes set up for it (xla_ffi/cuda/gpu_xproc.h: links configured later get a group of
+  their own at the next lowering, and a program lowered before keeps its group in every process,
+  whenever its calls execute)."""
   from jax_flexlink._src import native  # noqa: PLC0415
   module = native.cuda_module() if platform == "cuda" else native.cpu_module()
   return {"links_version": np.int64(module.links_version() if module is not None else 0)}

@@ -54,6 +54,7 @@ struct Case {
   int64_t axis = 0;
   std::vector<std::pair<int64_t, int64_t>> pairs;  // ppermute
   bool in_place = false;                     // all_reduce, ppermute, all_to_all: the output is the input
+  uint64_t links_version = 0;                // the link set the call was lowered with (0: the current)
   std::string Name() const {
     std::string s(flexlink::Name(kind));
     if (Reduces(kind)) s += "(" + std::string(flexlink::Name(op)) + ")";
@@ -181,6 +182,7 @@ inline CollectiveArgs RankArgs(const Case& c, std::span<const int64_t> groups, s
   a.request.axis = c.axis;
   a.request.pairs = pairs;
   a.request.operands = *ops;
+  a.links_version = c.links_version;
   return a;
 }
 

@@ -1897,7 +1897,7 @@ void TestReleaseEarlierLinks() {
     Expect(s.engine->ConfigureLinks("nccl;pcie").ok(), what + ": configure while ranks wait");
     gpu::ShutdownReport report = s.engine->ReleaseEarlierLinks(0.2);
     Expect(report.released.empty() && report.kept.size() == 1 &&
-               report.kept[0].find("3 call(s) still inside FlexLink on the host after 0.2 s") != std::string::npos &&
+               report.kept[0].find("3 rank(s) still inside a call of it on the host after 0.2 s") != std::string::npos &&
                s.comm.destroys() == 0,
            what + ": kept while ranks wait inside a call: " + Names(report.kept));
     waiting.join();
@@ -1909,6 +1909,83 @@ void TestReleaseEarlierLinks() {
     s.ExpectNoSimErrors(what + " (host)");
     SetTimeoutSeconds(saved);
   }
+}
+
+// A call runs on the GPU links it was lowered with (CollectiveArgs::links_version), so the ranks of
+// one call queued across configure(links=...) meet in one group: here ranks 2 and 3 arrive only
+// after the change and the release of the earlier groups (which keeps the group ranks 0 and 1 are
+// inside). A call of the earlier set that comes after its group was released gets a new group of
+// that set, released by the next release in its turn; an unknown version is refused.
+void TestQueuedCallsAcrossLinkChange() {
+  SetAutotuneMinBytes(0);
+  const std::string what = "queued calls across a link change";
+  Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
+  Expect(s.engine->ConfigureLinks("nccl").ok(), what + ": configure nccl");
+  const uint64_t v1 = s.engine->CurrentLinks()->version;
+  Case c = kLargeCall;
+  c.links_version = v1;
+  CheckCase(*s.engine, s.h, c, what + ": a call on nccl");
+  std::mutex mu;
+  std::condition_variable cv;
+  bool changed = false;
+  gpu::ShutdownReport during;
+  std::thread changer([&] {
+    const auto t0 = Clock::now();
+    while (s.engine->CallsInside() < 2 && Seconds(t0) < 10 * kSanitizerSlowdown)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    Expect(s.engine->ConfigureLinks("nccl;pcie@slot_mib=0.25").ok(), what + ": configure nccl;pcie");
+    during = s.engine->ReleaseEarlierLinks(0.1);
+    std::lock_guard<std::mutex> lock(mu);
+    changed = true;
+    cv.notify_all();
+  });
+  const int destroyed = s.comm.destroys();
+  std::vector<std::vector<std::vector<uint8_t>>> out;
+  const std::vector<Status> st = RunRanks(*s.engine, s.h, c, &out, -1, nullptr, [&](int r) {
+    if (r < 2) return;
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return changed; });
+  });
+  changer.join();
+  for (int r = 0; r < 4; ++r) Expect(st[r].ok(), what + ": rank " + std::to_string(r) + ": " + st[r].message());
+  const auto xs = Inputs(c, 0, 4);
+  for (int r = 0; r < 4; ++r)
+    Expect(CountFar(DType::kF32, out[r][0], Expected(c, 0, 4, r, xs)) == 0,
+           what + ": rank " + std::to_string(r) + "'s sum, half its ranks arriving after the change");
+  Expect(during.released.empty() && during.kept.size() == 1 &&
+             during.kept[0].find("GPU group [0, 1, 2, 3] (links nccl): not released: 2 rank(s) still inside") == 0 &&
+             s.comm.destroys() == destroyed,
+         what + ": the group ranks 0 and 1 were inside kept (" + Names(during.kept) + ")");
+  CheckCase(*s.engine, s.h, kLargeCall, what + ": a call on the new links");
+  gpu::ShutdownReport report = s.engine->ReleaseEarlierLinks(5);
+  Expect(report.released.size() == 1 && report.released[0] == "GPU group [0, 1, 2, 3] (links nccl)" &&
+             report.kept.empty() && s.comm.destroys() == destroyed + 4,
+         what + ": released once its ranks left (" + Names(report.released) + "; kept: " + Names(report.kept) + ")");
+  // Every rank late: a new group of the earlier set, set up at its call (its communicators made).
+  const int made = s.comm.inits();
+  CheckCase(*s.engine, s.h, c, what + ": a later call of the earlier links");
+  Expect(s.comm.inits() == made + 1, what + ": a new group of the earlier links set up (" +
+                                         std::to_string(s.comm.inits() - made) + " communicator sets made)");
+  CheckCase(*s.engine, s.h, c, what + ": and again, on that group");
+  Expect(s.comm.inits() == made + 1, what + ": the new group kept for the next call of its set");
+  report = s.engine->ReleaseEarlierLinks(5);
+  Expect(report.released.size() == 1 && report.released[0] == "GPU group [0, 1, 2, 3] (links nccl)" &&
+             s.comm.destroys() == destroyed + 8,
+         what + ": the new group released by the next release (" + Names(report.released) + ")");
+  Case unknown = kLargeCall;
+  unknown.links_version = 99;
+  const std::vector<Status> bad = RunRanks(*s.engine, s.h, unknown, &out);
+  for (int r = 0; r < 4; ++r)
+    Expect(bad[r].code() == StatusCode::kInvalidArgument &&
+               bad[r].message().find("lowered for GPU link set 99, which this process never configured") !=
+                   std::string::npos,
+           what + ": an unknown version refused: " + bad[r].message());
+  CheckCase(*s.engine, s.h, kLargeCall, what + ": the current links still right");
+  report = s.engine->Shutdown(5);
+  Expect(report.kept.empty() && report.errors.empty() && s.comm.live() == 0,
+         what + ": everything released at the shutdown (kept: " + Names(report.kept) + ")");
+  s.ExpectScratchFreed(what);
+  s.ExpectNoSimErrors(what);
 }
 }  // namespace
 }  // namespace flexlink::testing
@@ -1945,6 +2022,7 @@ int main(int argc, char** argv) {
   Timed("TestShutdown", TestShutdown);
   Timed("TestShutdownWhileBusy", TestShutdownWhileBusy);
   Timed("TestReleaseEarlierLinks", TestReleaseEarlierLinks);
+  Timed("TestQueuedCallsAcrossLinkChange", TestQueuedCallsAcrossLinkChange);
   Timed("TestArrivalSpin", TestArrivalSpin);
   Timed("TestPcieGate", TestPcieGate);
   Timed("TestStageOneCheck", TestStageOneCheck);

@@ -59,16 +59,21 @@ void GpuEngine::WatchLoop() {
   std::unique_lock<std::mutex> lock(watch_mu_);
   while (!watch_cv_.wait_for(lock, std::chrono::duration<double>(kWatchTick), [&] { return watch_stop_; })) {
     lock.unlock();
-    std::vector<GpuExecutor*> groups;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      for (auto& [key, ex] : groups_) groups.push_back(ex.get());  // never erased while the engine lives
-    }
-    // Old link sets' groups too: a hang there still needs its streams released.
-    for (GpuExecutor* ex : groups) ex->Watch();
+    // Old link sets' groups too, retired ones kept included: a hang there still needs its streams
+    // released.
+    for (GpuExecutor* ex : LiveGroups()) ex->Watch();
     WatchGpuXprocGroups(*this);
     lock.lock();
   }
+}
+
+std::vector<GpuExecutor*> GpuEngine::LiveGroups() {
+  std::vector<GpuExecutor*> out;
+  std::lock_guard<std::mutex> lock(mu_);  // groups never freed while the engine lives
+  for (auto& [key, ex] : groups_) out.push_back(ex.get());
+  for (auto& [ids, ex] : retired_)
+    if (!ex->released()) out.push_back(ex.get());
+  return out;
 }
 
 uint64_t GpuEngine::NextSerial() {
@@ -116,39 +121,71 @@ std::unique_ptr<GpuExecutor> GpuEngine::MakeGroup(std::shared_ptr<const GpuLinkS
   plan::BalancerOptions options;
   options.profile_from_bytes = AutotuneMinBytes();
   options.profile_max_bytes = TuneMaxBytes();
+  // Hand-set shares, seeds and health are the current set's: a group made for an earlier set (a
+  // call lowered before the links changed) plans from the nominal start and is not reported.
+  const bool current = links_ && links->version == links_->version;
+  if (!current)
+    LogInfo("GPU group " + FormatIds(ids) + " runs calls lowered for link set " + std::to_string(links->version) +
+            " (" + links->spec + ") while " + std::to_string(links_->version) + " (" + links_->spec +
+            ") is current: an executable compiled before configure(links=...), or a call queued then");
   auto ex = std::make_unique<GpuExecutor>(std::move(info), std::move(links), options, &api_, &splits_);
+  if (!current) return ex;
   for (const auto& [key, shares] : overrides_)
     (void)ex->balancer().SetShares(key.first, key.second, shares.first, shares.second);
   if (auto it = seeds_.find(static_cast<int>(ids.size())); it != seeds_.end())
     (void)ex->balancer().SetSeed(it->second);  // links checked by SetSeed (GpuEngine::SetSeed)
+  if (ex->link_names().size() > 1) RegisterGroupHealth(ex->health_record(), links_->version);
   return ex;
 }
 
-Status GpuEngine::GetGroup(const GpuLinkSet& links, std::span<const int64_t> devices, std::string_view label,
+Status GpuEngine::LinksAt(uint64_t version, std::string_view label, std::shared_ptr<const GpuLinkSet>* out) {
+  if (version == 0) {
+    *out = CurrentLinks();
+    return Status::Ok();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (links_ && links_->version == version) {
+    *out = links_;
+    return Status::Ok();
+  }
+  for (const auto& set : retired_links_)
+    if (set->version == version) {
+      *out = set;
+      return Status::Ok();
+    }
+  return Status::InvalidArgument(ErrorPrefix(label) + "the program was lowered for GPU link set " + std::to_string(version) +
+                                 ", which this process never configured (it has made " +
+                                 std::to_string(next_version_ - 1) +
+                                 "); a compiled program runs only in the process that lowered it");
+}
+
+Status GpuEngine::GetGroup(uint64_t version, std::span<const int64_t> devices, std::string_view label,
                            GpuExecutor** out) {
   // Keyed by the engine's serial, not its address: an engine made where a destroyed one was (tests)
   // must not find the old one's executors.
   thread_local std::vector<std::tuple<uint64_t, uint64_t, std::vector<int64_t>, GpuExecutor*>> cache;
-  for (const auto& [engine, version, ids, ex] : cache)
-    if (engine == serial_ && version == links.version && std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) {
+  if (version == 0) version = Links().version;
+  for (auto it = cache.begin(); it != cache.end(); ++it) {
+    const auto& [engine, v, ids, ex] = *it;
+    if (engine != serial_ || v != version || !std::equal(ids.begin(), ids.end(), devices.begin(), devices.end()))
+      continue;
+    if (ex->Enter()) {
       *out = ex;
       return Status::Ok();
     }
-  std::shared_ptr<const GpuLinkSet> held;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    held = links_.get() == &links ? links_ : nullptr;
-    for (const auto& set : retired_links_)
-      if (set.get() == &links) held = set;
+    cache.erase(it);  // retired: the engine has (or makes) its successor
+    break;
   }
-  FLEXLINK_RETURN_IF_ERROR(FindOrMakeGroup(held, devices, label, out));
+  std::shared_ptr<const GpuLinkSet> links;
+  FLEXLINK_RETURN_IF_ERROR(LinksAt(version, label, &links));
+  FLEXLINK_RETURN_IF_ERROR(FindOrMakeGroup(links, devices, label, /*enter=*/true, out));
   StartWatchdog();
-  cache.emplace_back(serial_, links.version, std::vector<int64_t>(devices.begin(), devices.end()), *out);
+  cache.emplace_back(serial_, version, std::vector<int64_t>(devices.begin(), devices.end()), *out);
   return Status::Ok();
 }
 
 Status GpuEngine::FindOrMakeGroup(const std::shared_ptr<const GpuLinkSet>& links, std::span<const int64_t> devices,
-                                  std::string_view label, GpuExecutor** out) {
+                                  std::string_view label, bool enter, GpuExecutor** out) {
   std::vector<int64_t> key(devices.begin(), devices.end());
   std::lock_guard<std::mutex> lock(mu_);
   auto it = groups_.find({links->version, key});
@@ -167,6 +204,9 @@ Status GpuEngine::FindOrMakeGroup(const std::shared_ptr<const GpuLinkSet>& links
     it = groups_.emplace(std::make_pair(links->version, key), MakeGroup(links, key)).first;
   }
   *out = it->second.get();
+  // Under mu_ nothing is retired (ReleaseEarlierLinks retires under it and takes the group out).
+  if (enter && !(*out)->Enter())
+    return Status::Internal(ErrorPrefix(label) + "GPU group " + FormatIds(devices) + " was retired while still listed");
   return Status::Ok();
 }
 
@@ -192,11 +232,16 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
     return Status::Ok();
   }
   // A group spanning processes, set up at lowering (gpu_xproc.h), runs there.
-  const GpuLinkSet& links = Links();
-  if (GpuXprocGroup* xgroup = FindGpuXprocGroup(*this, members, args.links_version, &links))
+  if (GpuXprocGroup* xgroup = FindGpuXprocGroup(*this, members, args.links_version, &Links()))
     return xgroup->Run(rank, desc, stream, args.label, args.run_id);
+  // In this process: on the links the call was lowered with, so that every rank of a call queued
+  // across configure(links=...) meets in one group.
   GpuExecutor* group = nullptr;
-  FLEXLINK_RETURN_IF_ERROR(GetGroup(links, members, args.label, &group));
+  FLEXLINK_RETURN_IF_ERROR(GetGroup(args.links_version, members, args.label, &group));
+  struct Left {
+    GpuExecutor* group;
+    ~Left() { group->Leave(); }
+  } left{group};
   std::shared_ptr<CallContext> call = group->comm().Join(rank, args.run_id, args.label);
   return group->Run(*call, rank, desc, stream);
 }
@@ -327,12 +372,7 @@ std::vector<PlanSnapshot> GpuEngine::SnapshotPlans() {
 }
 
 void GpuEngine::PollTimings() {
-  std::vector<GpuExecutor*> groups;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [key, ex] : groups_) groups.push_back(ex.get());  // never erased while the engine lives
-  }
-  for (GpuExecutor* ex : groups) ex->PollAll();
+  for (GpuExecutor* ex : LiveGroups()) ex->PollAll();
 }
 
 }  // namespace flexlink::gpu

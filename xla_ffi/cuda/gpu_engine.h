@@ -81,11 +81,13 @@ class GpuEngine {
   // the device, take as long as the device's other work (docs/cuda.md, "Shutdown").
   ShutdownReport Shutdown(double timeout_s);
   // Releases, as Shutdown does but with the engine left open, this process's groups of the link
-  // sets before the current one (ConfigureLinks since): no call reaches them any more, since a call
-  // picks its group by the current links, yet each holds its communicators, streams, staging and
-  // pinned memory. Within `timeout_s`: waits until no call is inside Run (one inside may hold an
-  // earlier group), then for the earlier groups' work to complete on their devices, then releases
-  // each drained one that shares no device with a group still running. What it keeps is named in
+  // sets before the current one (ConfigureLinks since), each holding its communicators, streams,
+  // staging and pinned memory. Within `timeout_s`: retires each earlier group once no rank is inside
+  // a call of it (GpuExecutor::Retire; one with a rank inside past the deadline is kept), waits for
+  // the retired groups' work to complete on their devices, then releases each drained one that
+  // shares no device with a group still running. A call lowered for an earlier set that comes later
+  // (queued before the change, or an executable compiled before it) gets a new group of that set,
+  // set up at its first call, which the next release releases in its turn. What it keeps is named in
   // the report with why, and a later call of this or Shutdown retries it. Groups across processes
   // are left: a program lowered under earlier links still runs on theirs (links_version).
   // `again` is always false. jax_flexlink.configure(links=...) calls it (runtime.py).
@@ -137,11 +139,20 @@ class GpuEngine {
   Status RunOrThrow(const CollectiveArgs& args, Stream stream);
   // Polls until no call is inside Run; false at the deadline.
   bool WaitNoCallInside(std::chrono::steady_clock::time_point deadline);
-  Status GetGroup(const GpuLinkSet& links, std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
+  // The set of links of version `version` (0: the current one); InvalidArgument for one this engine
+  // never made (a program lowered in another process).
+  Status LinksAt(uint64_t version, std::string_view label, std::shared_ptr<const GpuLinkSet>* out);
+  // The group of `devices` on link set `version` (0: the current one), entered for one call (the
+  // caller leaves it, GpuExecutor::Leave). Each device thread caches its lookups, so that a call
+  // takes no engine lock.
+  Status GetGroup(uint64_t version, std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
   // GetGroup's lookup under mu_, making the group (host objects only; its set-up runs inside its
-  // first call) when it does not exist; without the watchdog or the device thread's cache.
+  // first call) when it does not exist, entered when `enter`; without the watchdog or the device
+  // thread's cache. A group in groups_ is never retired (ReleaseEarlierLinks takes it out first).
   Status FindOrMakeGroup(const std::shared_ptr<const GpuLinkSet>& links, std::span<const int64_t> devices,
-                         std::string_view label, GpuExecutor** out);
+                         std::string_view label, bool enter, GpuExecutor** out);
+  // Every group not released yet, of any link set, retired or not (the watchdog, PollTimings).
+  std::vector<GpuExecutor*> LiveGroups();
   std::unique_ptr<GpuExecutor> MakeGroup(std::shared_ptr<const GpuLinkSet> links, const std::vector<int64_t>& ids);
   // Executors of the current link set (under mu_).
   template <class F>
@@ -166,8 +177,11 @@ class GpuEngine {
   uint64_t next_version_ = 1;
   std::map<std::pair<Kind, uint64_t>, std::pair<std::vector<double>, bool>> overrides_;
   std::map<int, plan::CostModel> seeds_;  // by group size, for the current links
-  // Never erased: device threads cache raw pointers; reconfigured links make new groups.
+  // By (link-set version, ids). Reconfigured links make new groups; ReleaseEarlierLinks moves the
+  // earlier sets' groups it retired to retired_, where they stay for the engine's life (device
+  // threads cache raw pointers), released or, when kept, until a later release or the shutdown.
   std::map<std::pair<uint64_t, std::vector<int64_t>>, std::unique_ptr<GpuExecutor>> groups_;
+  std::vector<std::pair<std::vector<int64_t>, std::unique_ptr<GpuExecutor>>> retired_;
   // Shutdown: set once; Run counts the calls inside it (`active_`) so that Shutdown waits for them.
   // Both sequentially consistent (Run: count in, then read closed_; Shutdown: set closed_, then read
   // the count), so either a call sees the door closed or the shutdown sees the call: no lock on

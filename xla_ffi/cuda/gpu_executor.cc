@@ -43,10 +43,9 @@ GpuExecutor::GpuExecutor(GroupInfo group, std::shared_ptr<const GpuLinkSet> link
   comm_.SetSpin(spin_);
   for (const auto& link : links_->links)
     channels_.push_back(std::make_unique<FaultyGpuChannel>(link->Open(group_), group_.size()));
-  // Health, as on CPU, is reported for groups with a link to fail over to; a one-link group keeps
-  // only its call numbers (for error messages).
+  // Health, as on CPU, is reported for groups with a link to fail over to (the engine registers
+  // those of the current links); a one-link group keeps only its call numbers (error messages).
   health_ = std::make_shared<GroupHealth>(FormatIds(group_.ids), names_);
-  if (names_.size() > 1) RegisterGroupHealth(health_, links_->version);
 }
 
 using plan::RangeMessageBytes;

@@ -13,7 +13,9 @@
 //      and nothing waits behind a release; not under the engine's lock;
 //   5. once every group is released: the watchdog stopped and joined, then the device's shared
 //      pools. A group kept keeps the watchdog too, so that a later shutdown can release it.
-// ReleaseEarlierLinks runs steps 2 to 4 for the groups of earlier link sets, with the door open.
+// ReleaseEarlierLinks, with the door open, retires the groups of earlier link sets once no rank is
+// inside them (instead of steps 1 and 2: a late call lowered for such a set gets a new group), then
+// runs steps 3 and 4 for them.
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -54,7 +56,7 @@ std::vector<int> LocalDevices(const std::vector<int>& devices) {
 bool GpuEngine::HasGroups() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!groups_.empty()) return true;
+    if (!groups_.empty() || !retired_.empty()) return true;
   }
   return !GpuXprocGroupsOf(*this).empty();
 }
@@ -68,8 +70,9 @@ void GpuEngine::TellRefused(const CollectiveArgs& args, std::string_view reason)
     if (!ResolveGroup(args.groups, args.group_sizes, args.device, args.label, &members, &rank).ok() ||
         members.size() < 2)
       return;
-    std::shared_ptr<const GpuLinkSet> links = CurrentLinks();
-    if (GpuXprocGroup* x = FindGpuXprocGroup(*this, members, args.links_version, links.get())) {
+    std::shared_ptr<const GpuLinkSet> links;
+    if (!LinksAt(args.links_version, args.label, &links).ok()) return;
+    if (GpuXprocGroup* x = FindGpuXprocGroup(*this, members, args.links_version, CurrentLinks().get())) {
       x->CloseRank(rank);
       return;
     }
@@ -80,7 +83,7 @@ void GpuEngine::TellRefused(const CollectiveArgs& args, std::string_view reason)
     // not made yet: made here as they would (no set-up), so that their Join finds the call refused.
     // Made or not, the shutdown lists it only once they have left (its step 2).
     GpuExecutor* group = nullptr;
-    if (!FindOrMakeGroup(links, members, args.label, &group).ok()) return;
+    if (!FindOrMakeGroup(links, members, args.label, /*enter=*/false, &group).ok()) return;
     group->comm().Join(rank, args.run_id, args.label)->Refuse(rank, reason, StatusCode::kFailedPrecondition);
   } catch (const std::exception&) {
   }
@@ -178,6 +181,8 @@ ShutdownReport GpuEngine::Shutdown(double timeout_s) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& [key, ex] : groups_) groups.push_back(HeldOf(key.second, ex.get(), "the engine was shut down"));
+      for (auto& [ids, ex] : retired_)
+        if (!ex->released()) groups.push_back(HeldOf(ids, ex.get(), "the engine was shut down"));
     }
     for (GpuXprocGroup* g : GpuXprocGroupsOf(*this))
       groups.push_back({"GPU group " + FormatIds(g->group().ids) + " across processes (links " + g->links_spec() + ")",
@@ -216,31 +221,43 @@ ShutdownReport GpuEngine::ReleaseEarlierLinks(double timeout_s) {
   const auto deadline = DeadlineAfter(timeout_s);
   constexpr std::string_view kRetry = "the next release of the earlier links' groups, or the shutdown, tries again";
   const uint64_t current = CurrentLinks()->version;
-  // A call holding an earlier set's group counted itself in before it read the links, i.e. before
-  // they changed; once none is inside, every later call found the current set: nothing new reaches
-  // the earlier groups, and what they enqueued is all the drain below has to wait for.
-  if (!WaitNoCallInside(deadline)) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [key, ex] : groups_)
-      if (key.first != current && !ex->released())
-        report.kept.push_back(NameOf(key.second, ex.get()) + ": not released: " + std::to_string(active_.load()) +
-                              " call(s) still inside FlexLink on the host after " + FormatSeconds(timeout_s) + " s; " +
-                              std::string(kRetry));
-    return report;
+  // Retired under mu_, where no call enters a listed group (FindOrMakeGroup), and taken out of the
+  // list: a call that comes later for its set makes a new group. One with a rank inside is polled
+  // until the deadline: the rank may be waiting at the arrival for a peer still enqueuing.
+  for (int polls = 0;; ++polls) {
+    int busy = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = groups_.begin(); it != groups_.end();) {
+        if (it->first.first == current || !it->second->Retire()) {
+          busy += it->first.first != current;
+          ++it;
+          continue;
+        }
+        retired_.emplace_back(it->first.second, std::move(it->second));
+        it = groups_.erase(it);
+      }
+    }
+    if (busy == 0 || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
   }
-  // The other groups may be running calls meanwhile: only their ledgers are asked (Idle).
+  // The groups left running (the current set's, earlier ones with a rank inside, those across
+  // processes) may run calls meanwhile: only their ledgers are asked (Idle).
   std::vector<Held> earlier, others;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, ex] : groups_) {
-      if (ex->released()) continue;
       GpuExecutor* g = ex.get();
-      if (key.first == current)
-        others.push_back({"", [g](std::string* b) { return g->Idle(b); }, nullptr, [] { return false; },
-                          LocalDevices(g->group().devices)});
-      else
-        earlier.push_back(HeldOf(key.second, g, "its links were replaced (configure_links) and it was released"));
+      if (key.first != current)
+        report.kept.push_back(NameOf(key.second, g) + ": not released: " + std::to_string(g->RanksInside()) +
+                              " rank(s) still inside a call of it on the host after " + FormatSeconds(timeout_s) +
+                              " s (a rank waiting for a peer that never came?); " + std::string(kRetry));
+      others.push_back({"", [g](std::string* b) { return g->Idle(b); }, nullptr, [] { return false; },
+                        LocalDevices(g->group().devices)});
     }
+    for (auto& [ids, ex] : retired_)
+      if (!ex->released())
+        earlier.push_back(HeldOf(ids, ex.get(), "its links were replaced (configure_links) and it was released"));
   }
   for (GpuXprocGroup* g : GpuXprocGroupsOf(*this))
     others.push_back({"", [g](std::string* b) { return g->Idle(b); }, nullptr, [] { return false; },
