@@ -288,6 +288,43 @@ def test_new_links_release_the_earlier_groups(two_gpus, flexlink_on_gpus):
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout, result.stderr)
 
 
+def test_configure_links_while_gpu_calls_are_queued(two_gpus, flexlink_on_gpus):
+    """Calls dispatched before configure(links=...) (jax dispatches asynchronously) run on the GPU
+    links they were lowered with on every rank, whatever is current when each rank's device thread
+    gets to them, and the release of the earlier groups that configure runs never strands one: a
+    call of an earlier set that comes after its group was released gets a new group of that set
+    (GpuEngine::GetGroup; gpu_sim_test TestQueuedCallsAcrossLinkChange). In a fresh interpreter."""
+    program = """
+        import warnings
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import lax
+        from jax.sharding import Mesh, PartitionSpec as P
+        import jax_flexlink as flx
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        mesh = Mesh(np.array(gpus), ("x",))
+        make = lambda mod: jax.jit(jax.shard_map(lambda v: mod.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+        x = jax.device_put(jnp.arange(len(gpus) * (1 << 20), dtype=jnp.int32) % 1000,
+                           jax.sharding.NamedSharding(mesh, P("x")))
+        want = np.asarray(make(lax)(x))
+        flx.configure(links="nccl", autotune_min_bytes=0, timeout_s=30)
+        f = make(flx)
+        outs = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(12):
+                outs.append(f(x))
+                flx.configure(links="nccl;pcie" if i % 2 == 0 else "nccl")
+            for y in outs:
+                np.testing.assert_array_equal(np.asarray(y), want)
+        print("warnings", [str(w.message) for w in caught if "not released" in str(w.message)])
+        report = flx.shutdown(30)
+        assert not report["kept"] and not report["errors"], report
+        print("ok")
+    """
+    result = helpers.run_python(program, timeout=200)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout, result.stderr)
+
+
 # Floating max/min with NaN: NCCL's semantics on both links, as native lax on the GPU -------------------
 #
 # XLA:GPU's all-reduce with max/min is ncclMax/ncclMin, whose kernels use fmaxf/fmax/__hmax: a NaN

@@ -75,11 +75,11 @@ std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std
   // set (a call lowered before the links changed) plans from equal shares and is not reported.
   const std::shared_ptr<const LinkSet> now = CurrentLinkSet();
   const bool current = links->version == now->version;
-  if (!current)
+  if (!current) {
     LogInfo("group " + FormatIds(devices) + " runs calls lowered for link set " + std::to_string(links->version) +
             " (" + links->spec + ") while " + std::to_string(now->version) + " (" + now->spec +
             ") is current: an executable compiled before configure(links=...), or a call queued then");
-  if (current) {
+  } else {
     if (auto model = CurrentModel()) (void)g->balancer->SetModel(*model);
     for (const auto& [key, shares] : CurrentShareOverrides())
       (void)g->balancer->SetShares(key.first, key.second, shares.shares, shares.pinned);
@@ -172,11 +172,11 @@ ReleasedGroups ReleaseEarlierGroups() {
     std::lock_guard<std::mutex> lock(reg.mu);
     for (auto it = reg.groups.begin(); it != reg.groups.end();) {
       Group* g = it->second.get();
-      uint64_t idle = 0;
       if (it->first.first >= current) {
         ++it;
         continue;
       }
+      uint64_t idle = 0;
       if (!g->state.compare_exchange_strong(idle, kRetired, std::memory_order_acq_rel)) {
         ++out.kept;  // a rank is inside a call of it
         ++it;
