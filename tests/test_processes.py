@@ -195,6 +195,22 @@ def test_stage1_across_processes(n, k, tmp_path):
   assert cached[0]["split_min_bytes"]["all_reduce"] == fits[0]["split_min_bytes"]["all_reduce"]
 
 @pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
+def test_reconfiguring_links_across_processes_keeps_no_old_entries(n, k):
+  """configure(links=...) again and again (shm;tcp, shm) with a call queued across each change: every
+  result right, and each process releases its part of the cross-process group's earlier link sets
+  (the tcp workers' threads; xproc::ReleaseEarlierXprocEntries), so its threads stay flat. Before,
+  2 x 2 processes gained 32 threads each over 8 rounds."""
+  outs = _run(n, k, "reconfigure", FLEXLINK_LINKS="shm;tcp")
+  for out in outs:
+    early, late = map(int, re.search(r"^THREADS (\d+) (\d+)$", out, re.M).groups())
+    assert late <= early + 2, out[-2000:]
+    # The last change's release may have kept a group a rank had not left yet (np.asarray waits for
+    # one shard); the one at the end finds every rank gone.
+    release = json.loads(re.search(r"^RELEASE (.*)$", out, re.M).group(1))
+    assert release["kept"] == 0 and release["kept_across_processes"] == 0, release
+
+
+@pytest.mark.parametrize("n,k", [(2, 1), (2, 2)])
 def test_several_links_split_agreed_across_processes(n, k):
   """FLEXLINK_LINKS="shm;tcp": cross-process calls split across the segment and the tcp ring by the
   leader's plan; every rank of every process cut the same ranges at every call, and the plan moved."""

@@ -8,7 +8,8 @@ others must fail naming it), `plan` (repeated calls: every rank's result identic
 `stage1` (FLEXLINK_LINKS="shm;tcp": stage 1 across processes, in the engine and by tune()),
 `multilink` (run with FLEXLINK_LINKS="shm;tcp": every kind against lax while cross-process calls are
 split across the segment and the tcp ring, then converging calls; prints this process's split records
-of the cross-process group, its xproc_groups() entry and, on process 0, the group's plans).
+of the cross-process group, its xproc_groups() entry and, on process 0, the group's plans),
+`reconfigure` (links changed between calls again and again: results right, threads flat).
 """
 from __future__ import annotations
 
@@ -234,6 +235,37 @@ def multilink():
   say(f"ALL OK multilink {checks} checks")
 
 
+def reconfigure():
+  """Links changed again and again between calls (shm;tcp, then shm), a call of the earlier links
+  left queued at each change: every result right, and this process's part of the cross-process
+  group's earlier link sets released each time (their tcp workers' threads), so the threads stay
+  flat. Prints the threads after the second round and at the end, and the last release's counts."""
+  from jax_flexlink import _flexlink  # noqa: PLC0415
+  mesh = Mesh(np.array(DEVICES), ("x",))
+  spec = P("x")
+  f = jax.jit(jax.shard_map(lambda v: flx.psum(v, "x"), mesh=mesh, in_specs=spec, out_specs=spec))
+  x = global_array(mesh, spec, data((N * 64, 1024), np.int32, 5))
+  want = np.asarray(jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=spec,
+                                          out_specs=spec))(x).addressable_shards[0].data)
+  threads = lambda: len(os.listdir("/proc/self/task"))
+  early = None
+  for i in range(10):
+    for links in ("shm;tcp", "shm"):
+      flx.configure(links=links)
+      queued = f(x)  # left queued across the next change
+      flx.configure(links="shm" if links == "shm;tcp" else "shm;tcp")
+      got = np.asarray(queued.addressable_shards[0].data)
+      assert np.array_equal(got, want), (i, links)
+      flx.configure(links=links)
+      got = np.asarray(f(x).addressable_shards[0].data)
+      assert np.array_equal(got, want), (i, links)
+    if i == 1:
+      early = threads()
+  say(f"THREADS {early} {threads()}")
+  say("RELEASE " + json.dumps(_flexlink.release_earlier_groups()))
+  say("ALL OK reconfigure")
+
+
 def stage1():
   """FLEXLINK_LINKS="shm;tcp": stage 1 across processes. The first large psum profiles both links in
   every process inside the call; then jax_flexlink.tune() of all_gather does it on purpose. Prints
@@ -307,4 +339,5 @@ def nocarrier():
 
 
 if __name__ == "__main__":
-  {"collectives": collectives, "kill": kill, "absent": absent, "linkfault": linkfault, "nocarrier": nocarrier, "plan": plan, "multilink": multilink, "stage1": stage1}[sys.argv[1]]()
+  {"collectives": collectives, "kill": kill, "absent": absent, "linkfault": linkfault, "nocarrier": nocarrier, "plan": plan, "multilink": multilink, "stage1": stage1,
+   "reconfigure": reconfigure}[sys.argv[1]]()

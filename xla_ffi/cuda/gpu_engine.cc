@@ -123,7 +123,7 @@ std::unique_ptr<GpuExecutor> GpuEngine::MakeGroup(std::shared_ptr<const GpuLinkS
   options.profile_max_bytes = TuneMaxBytes();
   // Hand-set shares, seeds and health are the current set's: a group made for an earlier set (a
   // call lowered before the links changed) plans from the nominal start and is not reported.
-  const bool current = links_ && links->version == links_->version;
+  const bool current = !links_ || links->version == links_->version;
   if (!current)
     LogInfo("GPU group " + FormatIds(ids) + " runs calls lowered for link set " + std::to_string(links->version) +
             " (" + links->spec + ") while " + std::to_string(links_->version) + " (" + links_->spec +
@@ -134,7 +134,7 @@ std::unique_ptr<GpuExecutor> GpuEngine::MakeGroup(std::shared_ptr<const GpuLinkS
     (void)ex->balancer().SetShares(key.first, key.second, shares.first, shares.second);
   if (auto it = seeds_.find(static_cast<int>(ids.size())); it != seeds_.end())
     (void)ex->balancer().SetSeed(it->second);  // links checked by SetSeed (GpuEngine::SetSeed)
-  if (ex->link_names().size() > 1) RegisterGroupHealth(ex->health_record(), links_->version);
+  if (ex->link_names().size() > 1) RegisterGroupHealth(ex->health_record(), ex->links_version());
   return ex;
 }
 

@@ -77,6 +77,7 @@ class GpuExecutor {
   plan::Balancer& balancer() { return balancer_; }
   const std::vector<std::string>& link_names() const { return names_; }
   const std::string& links_spec() const { return links_->spec; }
+  uint64_t links_version() const { return links_->version; }
   GroupHealth& health() { return *health_; }
 
   // One rank's part of one call: returns once its work is enqueued on `stream`.

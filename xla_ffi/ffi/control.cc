@@ -23,6 +23,7 @@
 #include "xla_ffi/links/emulated.h"
 #include "xla_ffi/plan/cost_model.h"
 #include "xla_ffi/plan/tuning_cache.h"
+#include "xla_ffi/xproc/xproc_executor.h"
 
 namespace nb = nanobind;
 
@@ -110,6 +111,7 @@ void DefineControl(nb::module_& m) {
       [](const std::string& spec) {
         Check(ConfigureLinks(spec));
         (void)ReleaseEarlierGroups();
+        (void)xproc::ReleaseEarlierXprocEntries();
       },
       nb::arg("spec"),
       "Selects the links (FLEXLINK_LINKS syntax) for programs lowered from now on; calls already "
@@ -118,13 +120,17 @@ void DefineControl(nb::module_& m) {
       "release_earlier_groups",
       [] {
         const ReleasedGroups r = ReleaseEarlierGroups();
+        const ReleasedGroups x = xproc::ReleaseEarlierXprocEntries();
         nb::dict out;
         out["released"] = r.released;
         out["kept"] = r.kept;
+        out["released_across_processes"] = x.released;
+        out["kept_across_processes"] = x.kept;
         return out;
       },
-      "Releases the idle in-process groups of earlier link sets (configure_links does it too): "
-      "{'released': n, 'kept': busy ones}.");
+      "Releases the idle groups of earlier link sets, in this process and this process's part of those "
+      "across processes (configure_links does it too): {'released': n, 'kept': busy ones, "
+      "'released_across_processes': n, 'kept_across_processes': busy ones}.");
   m.def("links_version", [] { return CurrentLinkSet()->version; },
         "The current link set's version (each configure_links makes a new one): every call carries the "
         "version it was lowered with (attribute links_version), and all of its ranks run on that set.");

@@ -1,6 +1,7 @@
 #include "xla_ffi/xproc/xproc_executor.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -122,6 +123,13 @@ class XprocExecutor {
   }
 
   plan::Balancer* balancer() { return balancer_.get(); }
+  // No tcp range of an earlier call still on a worker (one a rank gave up on, until its deadline).
+  bool Idle() {
+    for (auto& per_link : workers_)
+      for (auto& w : per_link)
+        if (w && !w->Idle()) return false;
+    return true;
+  }
   // The group's model in this process: the leader's balancer's, else what stage 1 across processes
   // computed here (every rank computes the same fits; only the leader plans with them). Empty links:
   // nothing for any kind.
@@ -660,14 +668,35 @@ struct Entry {
   std::shared_ptr<const LinkSet> set;  // keeps the names' link set current for the entry's life
   XprocLinks info;
   std::unique_ptr<XprocExecutor> executor;  // null: one usable link
-  std::unique_ptr<FaultCounter> calls;      // per local rank: the group's calls, for rank:absent
-  std::unique_ptr<FaultCounter> calls_alone;  // per local rank: the segment's calls when it runs alone
+  // Per local rank: the group's calls (rank:absent) and the segment's calls when it runs alone. A
+  // released entry's successor takes them over, so that call numbers go on as in the processes
+  // that kept theirs.
+  std::shared_ptr<FaultCounter> calls;
+  std::shared_ptr<FaultCounter> calls_alone;
+  // Local ranks inside a call of it, and kRetired once released (ReleaseEarlierXprocEntries), as
+  // the engine's groups (core/engine.cc).
+  std::atomic<uint64_t> state{0};
 };
+
+constexpr uint64_t kRetired = uint64_t{1} << 63;
+
+bool Enter(Entry* e) {
+  uint64_t s = e->state.load(std::memory_order_acquire);
+  do {
+    if (s & kRetired) return false;
+  } while (!e->state.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel));
+  return true;
+}
 
 struct Registry {
   std::mutex mu;
-  // Never erased: device threads cache raw pointers (as the engine's groups).
+  // Device threads cache raw pointers (as the engine's groups), so an entry is never freed: a
+  // released one leaves the map and keeps its shell in `released`.
   std::map<std::pair<ProcessGroup*, uint64_t>, std::unique_ptr<Entry>> entries;
+  std::vector<std::unique_ptr<Entry>> released;
+  // The counters of released entries, for their successors.
+  std::map<std::pair<ProcessGroup*, uint64_t>, std::pair<std::shared_ptr<FaultCounter>, std::shared_ptr<FaultCounter>>>
+      counters;
 };
 
 Registry& Reg() {
@@ -675,7 +704,8 @@ Registry& Reg() {
   return *r;
 }
 
-// The group's entry for link set `version` (0: the current one), cached per device thread.
+// The group's entry for link set `version` (0: the current one), entered for one call (the caller
+// leaves it with a Left), cached per device thread.
 Status EntryFor(ProcessGroup* group, uint64_t version, std::string_view label, Entry** out) {
   thread_local std::vector<std::tuple<ProcessGroup*, uint64_t, Entry*>> cache;
   std::shared_ptr<const LinkSet> set;
@@ -683,13 +713,21 @@ Status EntryFor(ProcessGroup* group, uint64_t version, std::string_view label, E
     set = CurrentLinkSet();
     version = set->version;
   }
-  for (const auto& [g, v, e] : cache)
-    if (g == group && v == version) {
+  for (auto it = cache.begin(); it != cache.end(); ++it) {
+    const auto& [g, v, e] = *it;
+    if (g != group || v != version) continue;
+    if (Enter(e)) {
       *out = e;
       return Status::Ok();
     }
+    cache.erase(it);  // released: the registry makes its successor
+    break;
+  }
   if (!set)
     if (Status s = LinkSetAt(version, &set); !s.ok()) return Status::InvalidArgument(ErrorPrefix(label) + s.message());
+  // Health is reported for the current set's entries only (an earlier set's is dropped when the
+  // links change; a successor made for a late call of it is not reported).
+  const bool current = set->version == CurrentLinkSet()->version;
   Registry& reg = Reg();
   Entry* e = nullptr;
   {
@@ -701,13 +739,20 @@ Status EntryFor(ProcessGroup* group, uint64_t version, std::string_view label, E
       slot->info = r.info;
       if (r.info.links.size() > 1) {
         slot->executor = std::make_unique<XprocExecutor>(group, std::move(r));
-        RegisterGroupHealth(slot->executor->health(), set->version);
+        if (current) RegisterGroupHealth(slot->executor->health(), set->version);
       }
-      slot->calls = std::make_unique<FaultCounter>(group->size());
-      slot->calls_alone = std::make_unique<FaultCounter>(group->size());
+      if (auto kept = reg.counters.find({group, set->version}); kept != reg.counters.end()) {
+        slot->calls = kept->second.first;
+        slot->calls_alone = kept->second.second;
+      } else {
+        slot->calls = std::make_shared<FaultCounter>(group->size());
+        slot->calls_alone = std::make_shared<FaultCounter>(group->size());
+      }
       slot->set = set;
     }
     e = slot.get();
+    // Under the registry's lock nothing is released, and an entry in the map is never retired.
+    e->state.fetch_add(1, std::memory_order_acq_rel);
   }
   cache.emplace_back(group, set->version, e);
   *out = e;
@@ -742,6 +787,10 @@ Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::st
                     uint64_t links_version) {
   Entry* e = nullptr;
   FLEXLINK_RETURN_IF_ERROR(EntryFor(group, links_version, label, &e));
+  struct Left {
+    Entry* e;
+    ~Left() { e->state.fetch_sub(1, std::memory_order_acq_rel); }
+  } left{e};
   if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
     const uint64_t c = e->calls->Next(rank, *faults);
     if (faults->AbsentAt(rank, c)) return StayAway(group, rank, c, label);
@@ -774,6 +823,42 @@ Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::st
     RecordLinkCall("shm", desc.InputBytes(group->size()),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return status;
+}
+
+ReleasedGroups ReleaseEarlierXprocEntries() {
+  const uint64_t current = CurrentLinkSet()->version;
+  ReleasedGroups out;
+  std::vector<std::unique_ptr<XprocExecutor>> gone;  // joined after the lock
+  Registry& reg = Reg();
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    for (auto it = reg.entries.begin(); it != reg.entries.end();) {
+      Entry* e = it->second.get();
+      if (it->first.second >= current) {
+        ++it;
+        continue;
+      }
+      uint64_t idle = 0;
+      if (!e->state.compare_exchange_strong(idle, kRetired, std::memory_order_acq_rel)) {
+        ++out.kept;  // a local rank is inside a call of it
+        ++it;
+        continue;
+      }
+      if (e->executor && !e->executor->Idle()) {
+        e->state.store(0, std::memory_order_release);
+        ++out.kept;
+        ++it;
+        continue;
+      }
+      reg.counters[it->first] = {e->calls, e->calls_alone};
+      gone.push_back(std::move(e->executor));
+      reg.released.push_back(std::move(it->second));
+      it = reg.entries.erase(it);
+      ++out.released;
+    }
+  }
+  gone.clear();  // joins the idle workers
+  return out;
 }
 
 std::vector<PlanSnapshot> SnapshotXprocPlans() {

@@ -53,6 +53,14 @@ XprocLinks XprocLinksOf(ProcessGroup* group);
 Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::string_view label, int64_t run_id,
                     uint64_t links_version = 0);
 
+// Releases this process's part of the cross-process groups of earlier link sets that no local rank
+// is inside and whose tcp workers are idle: their worker threads and the leader's balancer (the
+// segment and the tcp rings belong to the group, not to a link set, and stay). Local only: nothing
+// of a peer process is touched, and a call that still comes for such a set (its program was lowered
+// before) gets a new entry here, which plans from the leader's slot as before; the call numbers
+// used by fault injection go on. configure(links=...) calls it beside ReleaseEarlierGroups.
+ReleasedGroups ReleaseEarlierXprocEntries();
+
 // Injected rank:absent across processes (core/faults.h): local rank `rank` never arrives at the
 // group's call `call`. The other ranks' deadline fails the group, their report naming it; this rank
 // returns that (it polls the segment's abort word, at most 1.5 x the timeout: nothing else of the
