@@ -15,6 +15,7 @@
 
 #include "xla_ffi/core/communicator.h"
 #include "xla_ffi/core/config.h"
+#include "xla_ffi/core/entry_word.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/faults.h"
 #include "xla_ffi/core/link_set.h"
@@ -39,12 +40,9 @@ struct Group {
   std::unique_ptr<plan::Balancer> balancer;
   std::unique_ptr<FaultCounter> calls;  // per rank: the group's calls, for rank:absent (core/faults.h)
   std::unique_ptr<Executor> executor;  // declared last: its workers go before what they use
-  // Ranks inside a call of the group, and kRetired once released (ReleaseEarlierGroups): a rank
-  // enters only while the bit is clear, so a group is released only when no rank is inside it.
-  std::atomic<uint64_t> state{0};
+  // Ranks inside a call of the group, retired once released (ReleaseEarlierGroups).
+  EntryWord entry;
 };
-
-constexpr uint64_t kRetired = uint64_t{1} << 63;
 
 struct GroupRegistry {
   std::mutex mu;
@@ -92,27 +90,6 @@ std::unique_ptr<Group> MakeGroup(std::shared_ptr<const LinkSet> links, const std
   return g;
 }
 
-// Enters `g` for one call; false once it was released.
-bool Enter(Group* g) {
-  uint64_t s = g->state.load(std::memory_order_acquire);
-  do {
-    if (s & kRetired) return false;
-  } while (!g->state.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel));
-  return true;
-}
-
-// Holds a group entered for the duration of a call.
-class Entered {
- public:
-  explicit Entered(Group* g) : g_(g) {}
-  Entered(const Entered&) = delete;
-  Entered& operator=(const Entered&) = delete;
-  ~Entered() { g_->state.fetch_sub(1, std::memory_order_acq_rel); }
-
- private:
-  Group* g_;
-};
-
 // The group of `devices` on link set `version` (0: the current one), entered for one call (the
 // caller leaves it with an Entered). Each device thread caches its lookups to avoid the global
 // locks per call.
@@ -126,7 +103,7 @@ Status GetGroup(std::span<const int64_t> devices, uint64_t version, std::string_
   for (auto it = cache.begin(); it != cache.end(); ++it) {
     const auto& [v, ids, group] = *it;
     if (v != version || !std::equal(ids.begin(), ids.end(), devices.begin(), devices.end())) continue;
-    if (Enter(group)) {
+    if (group->entry.Enter()) {
       *out = group;
       return Status::Ok();
     }
@@ -146,7 +123,7 @@ Status GetGroup(std::span<const int64_t> devices, uint64_t version, std::string_
     }
     *out = it->second.get();
     // Under the registry's lock nothing is released, and a group in the map is never retired.
-    (*out)->state.fetch_add(1, std::memory_order_acq_rel);
+    (*out)->entry.EnterUnretired();
   }
   cache.emplace_back(version, std::move(key), *out);
   return Status::Ok();
@@ -170,32 +147,16 @@ ReleasedGroups ReleaseEarlierGroups() {
   GroupRegistry& reg = Registry();
   {
     std::lock_guard<std::mutex> lock(reg.mu);
-    for (auto it = reg.groups.begin(); it != reg.groups.end();) {
-      Group* g = it->second.get();
-      if (it->first.first >= current) {
-        ++it;
-        continue;
-      }
-      uint64_t idle = 0;
-      if (!g->state.compare_exchange_strong(idle, kRetired, std::memory_order_acq_rel)) {
-        ++out.kept;  // a rank is inside a call of it
-        ++it;
-        continue;
-      }
-      // No rank is inside a call now and none can enter; a worker may still run a range some call
-      // gave up on (until its link's deadline): then the group stays, to be released next time.
-      if (g->executor && !g->executor->Idle()) {
-        g->state.store(0, std::memory_order_release);
-        ++out.kept;
-        ++it;
-        continue;
-      }
-      gone.push_back(Parts{std::move(g->links), std::move(g->comm), std::move(g->balancer), std::move(g->calls),
-                           std::move(g->executor)});
-      reg.released.push_back(std::move(it->second));
-      it = reg.groups.erase(it);
-      ++out.released;
-    }
+    RetireEarlier(
+        reg.groups, [&](const auto& key) { return key.first < current; },
+        [](Group& g) { return g.executor && !g.executor->Idle(); },
+        [&](auto it) {
+          Group& g = *it->second;
+          gone.push_back(Parts{std::move(g.links), std::move(g.comm), std::move(g.balancer), std::move(g.calls),
+                               std::move(g.executor)});
+          reg.released.push_back(std::move(it->second));
+        },
+        &out.released, &out.kept);
   }
   gone.clear();  // joins the idle workers, closes the channels
   return out;
@@ -326,7 +287,7 @@ Status RunCollectiveOrThrow(const CollectiveArgs& args) {
     return xproc::RunXprocCall(cross, rank, desc, args.label, args.run_id, args.links_version);
   Group* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(members, args.links_version, args.label, &group));
-  const Entered entered(group);
+  const Entered entered(group->entry);
   Communicator* comm = group->comm.get();
   std::shared_ptr<CallContext> call = comm->Join(rank, args.run_id, args.label);
   if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {

@@ -169,7 +169,7 @@ Status GpuEngine::GetGroup(uint64_t version, std::span<const int64_t> devices, s
     const auto& [engine, v, ids, ex] = *it;
     if (engine != serial_ || v != version || !std::equal(ids.begin(), ids.end(), devices.begin(), devices.end()))
       continue;
-    if (ex->Enter()) {
+    if (ex->entry().Enter()) {
       *out = ex;
       return Status::Ok();
     }
@@ -205,8 +205,7 @@ Status GpuEngine::FindOrMakeGroup(const std::shared_ptr<const GpuLinkSet>& links
   }
   *out = it->second.get();
   // Under mu_ nothing is retired (ReleaseEarlierLinks retires under it and takes the group out).
-  if (enter && !(*out)->Enter())
-    return Status::Internal(ErrorPrefix(label) + "GPU group " + FormatIds(devices) + " was retired while still listed");
+  if (enter) (*out)->entry().EnterUnretired();
   return Status::Ok();
 }
 
@@ -238,10 +237,7 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
   // across configure(links=...) meets in one group.
   GpuExecutor* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(args.links_version, members, args.label, &group));
-  struct Left {
-    GpuExecutor* group;
-    ~Left() { group->Leave(); }
-  } left{group};
+  const Entered entered(group->entry());
   std::shared_ptr<CallContext> call = group->comm().Join(rank, args.run_id, args.label);
   return group->Run(*call, rank, desc, stream);
 }

@@ -143,7 +143,7 @@ class GpuEngine {
   // never made (a program lowered in another process).
   Status LinksAt(uint64_t version, std::string_view label, std::shared_ptr<const GpuLinkSet>* out);
   // The group of `devices` on link set `version` (0: the current one), entered for one call (the
-  // caller leaves it, GpuExecutor::Leave). Each device thread caches its lookups, so that a call
+  // caller leaves it with an Entered, core/entry_word.h). Each device thread caches its lookups, so that a call
   // takes no engine lock.
   Status GetGroup(uint64_t version, std::span<const int64_t> devices, std::string_view label, GpuExecutor** out);
   // GetGroup's lookup under mu_, making the group (host objects only; its set-up runs inside its

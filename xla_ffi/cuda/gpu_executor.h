@@ -44,6 +44,7 @@
 
 #include "xla_ffi/core/call.h"
 #include "xla_ffi/core/communicator.h"
+#include "xla_ffi/core/entry_word.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/core/faults.h"
@@ -105,25 +106,10 @@ class GpuExecutor {
   Status Release(double timeout_s, std::string_view why);
   bool released() const { return released_all_.load(std::memory_order_acquire); }
 
-  // Entry (GpuEngine): the ranks inside a call of the group, and a retired bit once the engine took
-  // it out of use (ReleaseEarlierLinks). A rank enters only while the bit is clear and stays inside
-  // until its part of the call is enqueued, so a retired group gets no new work. Every rank of a call
-  // waits at the arrival for all of them, so a group with nobody inside has run the same calls on
-  // every rank, and all of them find its successor for the next one (the engine makes it).
-  bool Enter() {
-    uint64_t s = entry_.load(std::memory_order_acquire);
-    do {
-      if (s & kRetired) return false;
-    } while (!entry_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel));
-    return true;
-  }
-  void Leave() { entry_.fetch_sub(1, std::memory_order_acq_rel); }
-  // Retires the group if no rank is inside a call of it; false (nothing changed) otherwise.
-  bool Retire() {
-    uint64_t idle = 0;
-    return entry_.compare_exchange_strong(idle, kRetired, std::memory_order_acq_rel);
-  }
-  int RanksInside() const { return static_cast<int>(entry_.load(std::memory_order_acquire) & ~kRetired); }
+  // The ranks inside a call of the group (GpuEngine), retired once the engine took it out of use
+  // (ReleaseEarlierLinks). A rank stays inside until its part of the call is enqueued, so a retired
+  // group gets no new work.
+  EntryWord& entry() { return entry_; }
   // The group's health record, for the engine to register (groups of the current links only).
   std::shared_ptr<GroupHealth> health_record() const { return health_; }
 
@@ -258,8 +244,7 @@ class GpuExecutor {
   // skip the group when it is held, so nothing polls an event Release destroys, and nothing waits
   // behind a release that waits on its device (the watchdog runs on while other groups are kept).
   std::mutex release_mu_;
-  static constexpr uint64_t kRetired = uint64_t{1} << 63;
-  std::atomic<uint64_t> entry_{0};  // Enter/Leave/Retire
+  EntryWord entry_;
   std::atomic<bool> released_all_{false};  // Release ran: nothing of the group is left to poll
 
   // Rates measured without injected delays, per link: seconds per nccl-tests byte (0: none yet).

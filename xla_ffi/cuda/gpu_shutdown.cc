@@ -229,7 +229,7 @@ ShutdownReport GpuEngine::ReleaseEarlierLinks(double timeout_s) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto it = groups_.begin(); it != groups_.end();) {
-        if (it->first.first == current || !it->second->Retire()) {
+        if (it->first.first == current || !it->second->entry().Retire()) {
           busy += it->first.first != current;
           ++it;
           continue;
@@ -249,7 +249,7 @@ ShutdownReport GpuEngine::ReleaseEarlierLinks(double timeout_s) {
     for (auto& [key, ex] : groups_) {
       GpuExecutor* g = ex.get();
       if (key.first != current)
-        report.kept.push_back(NameOf(key.second, g) + ": not released: " + std::to_string(g->RanksInside()) +
+        report.kept.push_back(NameOf(key.second, g) + ": not released: " + std::to_string(g->entry().Inside()) +
                               " rank(s) still inside a call of it on the host after " + FormatSeconds(timeout_s) +
                               " s (a rank waiting for a peer that never came?); " + std::string(kRetry));
       others.push_back({"", [g](std::string* b) { return g->Idle(b); }, nullptr, [] { return false; },

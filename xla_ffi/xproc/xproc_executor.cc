@@ -1,7 +1,6 @@
 #include "xla_ffi/xproc/xproc_executor.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -11,6 +10,7 @@
 
 #include "xla_ffi/core/config.h"
 #include "xla_ffi/core/deadline.h"
+#include "xla_ffi/core/entry_word.h"
 #include "xla_ffi/core/executor.h"
 #include "xla_ffi/core/executor_state.h"
 #include "xla_ffi/core/failover.h"
@@ -673,20 +673,9 @@ struct Entry {
   // that kept theirs.
   std::shared_ptr<FaultCounter> calls;
   std::shared_ptr<FaultCounter> calls_alone;
-  // Local ranks inside a call of it, and kRetired once released (ReleaseEarlierXprocEntries), as
-  // the engine's groups (core/engine.cc).
-  std::atomic<uint64_t> state{0};
+  // Local ranks inside a call of it, retired once released (ReleaseEarlierXprocEntries).
+  EntryWord entry;
 };
-
-constexpr uint64_t kRetired = uint64_t{1} << 63;
-
-bool Enter(Entry* e) {
-  uint64_t s = e->state.load(std::memory_order_acquire);
-  do {
-    if (s & kRetired) return false;
-  } while (!e->state.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel));
-  return true;
-}
 
 struct Registry {
   std::mutex mu;
@@ -705,7 +694,7 @@ Registry& Reg() {
 }
 
 // The group's entry for link set `version` (0: the current one), entered for one call (the caller
-// leaves it with a Left), cached per device thread.
+// leaves it with an Entered), cached per device thread.
 Status EntryFor(ProcessGroup* group, uint64_t version, std::string_view label, Entry** out) {
   thread_local std::vector<std::tuple<ProcessGroup*, uint64_t, Entry*>> cache;
   std::shared_ptr<const LinkSet> set;
@@ -716,7 +705,7 @@ Status EntryFor(ProcessGroup* group, uint64_t version, std::string_view label, E
   for (auto it = cache.begin(); it != cache.end(); ++it) {
     const auto& [g, v, e] = *it;
     if (g != group || v != version) continue;
-    if (Enter(e)) {
+    if (e->entry.Enter()) {
       *out = e;
       return Status::Ok();
     }
@@ -752,7 +741,7 @@ Status EntryFor(ProcessGroup* group, uint64_t version, std::string_view label, E
     }
     e = slot.get();
     // Under the registry's lock nothing is released, and an entry in the map is never retired.
-    e->state.fetch_add(1, std::memory_order_acq_rel);
+    e->entry.EnterUnretired();
   }
   cache.emplace_back(group, set->version, e);
   *out = e;
@@ -787,10 +776,7 @@ Status RunXprocCall(ProcessGroup* group, int rank, const CallDesc& desc, std::st
                     uint64_t links_version) {
   Entry* e = nullptr;
   FLEXLINK_RETURN_IF_ERROR(EntryFor(group, links_version, label, &e));
-  struct Left {
-    Entry* e;
-    ~Left() { e->state.fetch_sub(1, std::memory_order_acq_rel); }
-  } left{e};
+  const Entered entered(e->entry);
   if (std::shared_ptr<const FaultSet> faults = CurrentFaults()) {
     const uint64_t c = e->calls->Next(rank, *faults);
     if (faults->AbsentAt(rank, c)) return StayAway(group, rank, c, label);
@@ -832,30 +818,16 @@ ReleasedGroups ReleaseEarlierXprocEntries() {
   Registry& reg = Reg();
   {
     std::lock_guard<std::mutex> lock(reg.mu);
-    for (auto it = reg.entries.begin(); it != reg.entries.end();) {
-      Entry* e = it->second.get();
-      if (it->first.second >= current) {
-        ++it;
-        continue;
-      }
-      uint64_t idle = 0;
-      if (!e->state.compare_exchange_strong(idle, kRetired, std::memory_order_acq_rel)) {
-        ++out.kept;  // a local rank is inside a call of it
-        ++it;
-        continue;
-      }
-      if (e->executor && !e->executor->Idle()) {
-        e->state.store(0, std::memory_order_release);
-        ++out.kept;
-        ++it;
-        continue;
-      }
-      reg.counters[it->first] = {e->calls, e->calls_alone};
-      gone.push_back(std::move(e->executor));
-      reg.released.push_back(std::move(it->second));
-      it = reg.entries.erase(it);
-      ++out.released;
-    }
+    RetireEarlier(
+        reg.entries, [&](const auto& key) { return key.second < current; },
+        [](Entry& e) { return e.executor && !e.executor->Idle(); },
+        [&](auto it) {
+          Entry& e = *it->second;
+          reg.counters[it->first] = {e.calls, e.calls_alone};
+          gone.push_back(std::move(e.executor));
+          reg.released.push_back(std::move(it->second));
+        },
+        &out.released, &out.kept);
   }
   gone.clear();  // joins the idle workers
   return out;
