@@ -83,9 +83,9 @@ class GpuEngine {
   // Releases, as Shutdown does but with the engine left open, this process's groups of the link
   // sets before the current one (ConfigureLinks since), each holding its communicators, streams,
   // staging and pinned memory. Within `timeout_s`: retires each earlier group once no rank is inside
-  // a call of it (GpuExecutor::Retire; one with a rank inside past the deadline is kept), waits for
-  // the retired groups' work to complete on their devices, then releases each drained one that
-  // shares no device with a group still running. A call lowered for an earlier set that comes later
+  // a call of it (its EntryWord, core/entry_word.h; one with a rank inside past the deadline is
+  // kept), waits for the retired groups' work to complete on their devices, then releases each
+  // drained one that shares no device with a group still running. A call lowered for an earlier set that comes later
   // (queued before the change, or an executable compiled before it) gets a new group of that set,
   // set up at its first call, which the next release releases in its turn. What it keeps is named in
   // the report with why, and a later call of this or Shutdown retries it. Groups across processes
