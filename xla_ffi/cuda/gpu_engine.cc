@@ -169,7 +169,7 @@ Status GpuEngine::GetGroup(uint64_t version, std::span<const int64_t> devices, s
     const auto& [engine, v, ids, ex] = *it;
     if (engine != serial_ || v != version || !std::equal(ids.begin(), ids.end(), devices.begin(), devices.end()))
       continue;
-    if (ex->entry().Enter()) {
+    if (ex->entry.Enter()) {
       *out = ex;
       return Status::Ok();
     }
@@ -205,7 +205,7 @@ Status GpuEngine::FindOrMakeGroup(const std::shared_ptr<const GpuLinkSet>& links
   }
   *out = it->second.get();
   // Under mu_ nothing is retired (ReleaseEarlierLinks retires under it and takes the group out).
-  if (enter) (*out)->entry().EnterUnretired();
+  if (enter) (*out)->entry.EnterUnretired();
   return Status::Ok();
 }
 
@@ -237,7 +237,7 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
   // across configure(links=...) meets in one group.
   GpuExecutor* group = nullptr;
   FLEXLINK_RETURN_IF_ERROR(GetGroup(args.links_version, members, args.label, &group));
-  const Entered entered(group->entry());
+  const Entered entered(group->entry);
   std::shared_ptr<CallContext> call = group->comm().Join(rank, args.run_id, args.label);
   return group->Run(*call, rank, desc, stream);
 }

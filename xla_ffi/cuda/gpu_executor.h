@@ -108,8 +108,9 @@ class GpuExecutor {
 
   // The ranks inside a call of the group (GpuEngine), retired once the engine took it out of use
   // (ReleaseEarlierLinks). A rank stays inside until its part of the call is enqueued, so a retired
-  // group gets no new work.
-  EntryWord& entry() { return entry_; }
+  // group gets no new work. A plain member, as the CPU groups' and cross-process entries' word, for
+  // the shared release pass (RetireEarlier).
+  EntryWord entry;
   // The group's health record, for the engine to register (groups of the current links only).
   std::shared_ptr<GroupHealth> health_record() const { return health_; }
 
@@ -244,7 +245,6 @@ class GpuExecutor {
   // skip the group when it is held, so nothing polls an event Release destroys, and nothing waits
   // behind a release that waits on its device (the watchdog runs on while other groups are kept).
   std::mutex release_mu_;
-  EntryWord entry_;
   std::atomic<bool> released_all_{false};  // Release ran: nothing of the group is left to poll
 
   // Rates measured without injected delays, per link: seconds per nccl-tests byte (0: none yet).

@@ -225,18 +225,12 @@ ShutdownReport GpuEngine::ReleaseEarlierLinks(double timeout_s) {
   // list: a call that comes later for its set makes a new group. One with a rank inside is polled
   // until the deadline: the rank may be waiting at the arrival for a peer still enqueuing.
   for (int polls = 0;; ++polls) {
-    int busy = 0;
+    int retired = 0, busy = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = groups_.begin(); it != groups_.end();) {
-        if (it->first.first == current || !it->second->entry().Retire()) {
-          busy += it->first.first != current;
-          ++it;
-          continue;
-        }
-        retired_.emplace_back(it->first.second, std::move(it->second));
-        it = groups_.erase(it);
-      }
+      RetireEarlier(
+          groups_, [&](const auto& key) { return key.first < current; }, [](GpuExecutor&) { return false; },
+          [&](auto it) { retired_.emplace_back(it->first.second, std::move(it->second)); }, &retired, &busy);
     }
     if (busy == 0 || Clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::microseconds(polls < 100 ? 200 : 2000));
@@ -249,7 +243,7 @@ ShutdownReport GpuEngine::ReleaseEarlierLinks(double timeout_s) {
     for (auto& [key, ex] : groups_) {
       GpuExecutor* g = ex.get();
       if (key.first != current)
-        report.kept.push_back(NameOf(key.second, g) + ": not released: " + std::to_string(g->entry().Inside()) +
+        report.kept.push_back(NameOf(key.second, g) + ": not released: " + std::to_string(g->entry.Inside()) +
                               " rank(s) still inside a call of it on the host after " + FormatSeconds(timeout_s) +
                               " s (a rank waiting for a peer that never came?); " + std::string(kRetry));
       others.push_back({"", [g](std::string* b) { return g->Idle(b); }, nullptr, [] { return false; },
