@@ -216,10 +216,10 @@ replace_collectives_option = compat.bool_config_state(
 
 
 # Counts configure(links=...) calls that changed an engine's links (0 before any). Every FlexLink
-# call carries its engine's link-set version from its lowering (on CPU it runs on that set,
-# xla_ffi/core/link_set.h; on GPU it picks the group across processes set up for it), and since this
-# option is part of the jit cache key, jitted and pmapped programs are lowered again (and so run on
-# the new links) at their next call. Not for setting by hand.
+# call carries its engine's link-set version from its lowering and runs on that set (CPU:
+# xla_ffi/core/link_set.h; GPU: GpuEngine::GetGroup, and the group across processes set up for it),
+# and since this option is part of the jit cache key, jitted and pmapped programs are lowered again
+# (and so run on the new links) at their next call. Not for setting by hand.
 links_generation_option = compat.int_config_state(
     "jax_flexlink_links_generation",
     0,

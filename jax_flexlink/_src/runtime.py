@@ -17,8 +17,8 @@ def configure(*, links: str | None = None, timeout_s: float | None = None,
   """Sets engine options for the collectives that run from now on.
 
   Safe between steps without waiting for them: jax dispatches asynchronously, so calls of the
-  previous step may still be queued or running when this returns. Every FlexLink call on CPU runs
-  on the links its program was lowered with (all of its ranks alike), and new links (CPU or GPU)
+  previous step may still be queued or running when this returns. Every FlexLink call runs on the
+  links its program was lowered with (all of its ranks alike, CPU and GPU), and new links
   make jit and pmap lower programs again at their next call (a counter of link changes is part of
   their cache key, so each jitted function compiles once more); an executable compiled ahead of
   time (`.lower().compile()`) keeps the links it was lowered with. The other options apply to calls
