@@ -1525,10 +1525,10 @@ void TestShutdown() {
 
 // Ranks 0 to 2 of a large call on a thread of their own, waiting inside the engine for rank 3, which
 // never calls, until the global timeout; returns once the three are inside.
-std::thread WaitWithoutRank3(Sim& s, std::vector<Status>* st) {
-  std::thread waiting([&s, st] {
+std::thread WaitWithoutRank3(Sim& s, std::vector<Status>* st, const Case& c = kLargeCall) {
+  std::thread waiting([&s, st, c] {
     std::vector<std::vector<std::vector<uint8_t>>> out;
-    *st = RunRanks(*s.engine, s.h, kLargeCall, &out, /*skip=*/3);
+    *st = RunRanks(*s.engine, s.h, c, &out, /*skip=*/3);
   });
   const auto t0 = Clock::now();
   while (s.engine->CallsInside() < 3 && Seconds(t0) < 10 * kSanitizerSlowdown)
@@ -1892,8 +1892,12 @@ void TestReleaseEarlierLinks() {
     SetTimeoutSeconds(2.0);
     Sim s(4, {.jitter_us = 10, .wait_timeout_s = 10 * kSanitizerSlowdown});
     CheckCase(*s.engine, s.h, kLargeCall, what + ": a group");
+    // The calls carry their lowering's links, as XLA's do: a rank slow to reach the engine must not
+    // take the links configured meanwhile.
+    Case c = kLargeCall;
+    c.links_version = s.engine->CurrentLinks()->version;
     std::vector<Status> st;
-    std::thread waiting = WaitWithoutRank3(s, &st);
+    std::thread waiting = WaitWithoutRank3(s, &st, c);
     Expect(s.engine->ConfigureLinks("nccl;pcie").ok(), what + ": configure while ranks wait");
     gpu::ShutdownReport report = s.engine->ReleaseEarlierLinks(0.2);
     Expect(report.released.empty() && report.kept.size() == 1 &&
