@@ -4,6 +4,7 @@ Every launcher run here is a subprocess with a timeout; children report their pi
 that the tests can check that none is left running afterwards.
 """
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -234,6 +235,54 @@ def test_environment_helpers():
     assert env["FLEXLINK_COORDINATOR"] == env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
     assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:1234"
     assert "FLEXLINK_HOST_ID" not in env
+    keep = "glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432"
+    assert env["GLIBC_TUNABLES"] == launch.with_malloc_tunables("") == keep
+    # The caller's own settings win and stay; others are added after them.
+    assert (launch.child_env({"GLIBC_TUNABLES": "glibc.pthread.rseq=0:glibc.malloc.trim_threshold=1"}, 0, 2, 1,
+                             None, 1)["GLIBC_TUNABLES"]
+            == "glibc.pthread.rseq=0:glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=33554432")
+    assert "GLIBC_TUNABLES" not in launch.child_env({}, 0, 2, 1, None, 1, keep_freed_memory=False)
+    assert launch.child_env({"GLIBC_TUNABLES": "x=1"}, 0, 2, 1, None, 1, keep_freed_memory=False)[
+        "GLIBC_TUNABLES"] == "x=1"
+
+
+# Frees 8 MiB and allocates it again: the page faults of touching it the second time.
+REUSE_PROG = '''
+    import ctypes, resource
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    size = 8 << 20
+    for i in range(2):
+        p = libc.malloc(size)
+        before = faults()
+        ctypes.memset(p, 1, size)
+        touched = faults() - before
+        libc.free(p)
+    print("pages", size // 4096, "faults", touched, flush=True)
+'''
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="GLIBC_TUNABLES is glibc's")
+def test_ranks_keep_freed_memory_for_reuse(tmp_path):
+    """The settings take effect in the ranks: an 8 MiB block freed and allocated again is the same memory,
+    resident (glibc's defaults unmap it at the free, and the next one faults every page in again)."""
+    prog = script(tmp_path, REUSE_PROG)
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    counts = {}
+    for flag in ("--keep-freed-memory", "--no-keep-freed-memory"):
+        res = run_launcher(["-n", "1", flag, "--", sys.executable, prog], timeout=60, env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        m = re.search(r"pages (\d+) faults (\d+)", res.stdout)
+        assert m, res.stdout
+        counts[flag] = int(m.group(2)), int(m.group(1))
+    faults, pages = counts["--keep-freed-memory"]
+    assert faults < pages // 16, counts
+    faults, pages = counts["--no-keep-freed-memory"]
+    assert faults > pages // 2, counts
 
 
 def test_initialize_outside_the_launcher_says_how_to_start(monkeypatch):

@@ -127,6 +127,7 @@ def make_runner(cfg, rank: int, nprocs: int, config_name: str, out=sys.stdout):
                      f"{_hosts_text()}; native = jax.lax over "
                      f"{CPU_COLLECTIVES}; times are the slowest process's per "
                      "call; #wrong sums every process's shards")
+            self.say(f"# malloc: {_malloc_text()}")
 
         def probe_flexlink(self, fn, arg):
             """As in one process, and agreed: every process skips the section if one cannot lower it
@@ -203,6 +204,14 @@ def make_runner(cfg, rank: int, nprocs: int, config_name: str, out=sys.stdout):
 def _env_int(name: str):
     v = os.environ.get(name)
     return int(v) if v and v.isdigit() else None
+
+
+def _malloc_text() -> str:
+    """The glibc malloc settings of this process (the launcher's --keep-freed-memory gives them)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    mine = [e for e in tunables.split(":") if e.startswith("glibc.malloc.")]
+    return ("GLIBC_TUNABLES " + ":".join(mine) + " (freed memory kept for reuse, FlexLink and native alike)"
+            if mine else "glibc's default settings (freed memory returned to the kernel)")
 
 
 def _hosts_text() -> str:

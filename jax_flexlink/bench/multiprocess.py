@@ -70,11 +70,13 @@ def parse_configs(text: str) -> list[MpConfig]:
 
 
 def launcher_command(c: MpConfig, timeout_s: float, json_out: str, bench_argv: list[str],
-                     python: str = sys.executable) -> list[str]:
+                     python: str = sys.executable, keep_freed_memory: bool = True) -> list[str]:
     cmd = [python, "-m", "jax_flexlink.launch", "-n", str(c.processes),
            "--devices-per-process", str(c.devices_per_process)]
     if c.hosts:
         cmd += ["--hosts", str(c.hosts)]
+    if not keep_freed_memory:
+        cmd += ["--no-keep-freed-memory"]
     cmd += ["--timeout", f"{timeout_s:g}", "--", python, "-m", "jax_flexlink.bench.mp_worker",
             "--config", c.name, "--json-out", json_out, "--", *bench_argv]
     return cmd
@@ -183,7 +185,8 @@ def run(cfg, out=sys.stdout) -> int:
     with tempfile.TemporaryDirectory(prefix="flexlink-bench-mp-") as tmp:
         for c in configs:
             json_out = os.path.join(tmp, f"{c.name}.json")
-            cmd = launcher_command(c, cfg.mp_timeout, json_out, cfg.argv)
+            cmd = launcher_command(c, cfg.mp_timeout, json_out, cfg.argv,
+                                   keep_freed_memory=cfg.mp_keep_freed_memory)
             print(f"\n# ===== configuration {c.name}: {c.describe()}", file=out)
             print(f"# {shlex.join(cmd)}", file=out, flush=True)
             code = _run_one(cmd, cfg.mp_timeout, out)

@@ -28,6 +28,7 @@ def _env():
     env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     env.pop("XLA_FLAGS", None)  # --devices must do it
     env.pop("JAX_FLEXLINK_BENCH_REEXEC", None)
+    env.pop("GLIBC_TUNABLES", None)  # the launcher's malloc settings, as printed, are its own
     env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 
@@ -348,6 +349,8 @@ def test_multiprocess_scenario_self_test(tmp_path):
     assert sum(ln.startswith("# AllReduce  op sum  type float  on 4 devices") for ln in lines) == 1
     assert not any(re.match(r"\[\d+\] ", ln) for ln in lines), "only rank 0 prints, without the launcher's prefix"
     assert "2 emulated hosts (FLEXLINK_HOST_ID host0 here)" in p.stdout
+    assert ("# malloc: GLIBC_TUNABLES glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432 "
+            "(freed memory kept for reuse, FlexLink and native alike)") in p.stdout
 
 
 def test_multiprocess_scenario_reports_a_failing_flexlink_side_per_section(tmp_path):
@@ -358,7 +361,9 @@ def test_multiprocess_scenario_reports_a_failing_flexlink_side_per_section(tmp_p
     env = dict(_env(), FLEXLINK_TIMEOUT_S="3")
     p = subprocess.run([sys.executable, "-m", "jax_flexlink.bench", "--scenario", "multiprocess", "--mp-configs",
                         "2x1", "-b", "64K", "-e", "256K", "-n", "2", "-w", "1", "--mp-timeout", "240",
-                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=400)
+                        "--no-mp-keep-freed-memory", "--json", str(out)], env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert "# malloc: glibc's default settings (freed memory returned to the kernel)" in p.stdout
     doc = json.loads(out.read_text())
     assert report.validate(doc) == []
     rows = doc["rows"]

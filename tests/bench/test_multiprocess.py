@@ -14,6 +14,8 @@ def test_default_configurations_and_sweep():
     assert c.sizes == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     assert c.collectives == ["all_reduce", "all_gather"] and c.modes == [False]  # out-of-place by default
     assert c.mp_timeout == multiprocess.DEFAULT_TIMEOUT_S
+    assert c.mp_keep_freed_memory is True
+    assert cli.parse(["--scenario", "multiprocess", "--no-mp-keep-freed-memory"]).mp_keep_freed_memory is False
     assert cli.parse(["--scenario", "multiprocess", "--both"]).modes == [False, True]
     c = cli.parse(["--scenario", "multiprocess", "--mp-configs", "3x2,2hx3x1", "--mp-timeout", "30"])
     assert c.mp_configs == [MpConfig("3x2", 3, 2, None), MpConfig("2hx3x1", 6, 1, 2)] and c.mp_timeout == 30
@@ -23,6 +25,7 @@ def test_default_configurations_and_sweep():
 @pytest.mark.parametrize("argv, message", [
     (["--mp-configs", "2x1"], "--mp-configs applies only to --scenario multiprocess"),
     (["--mp-timeout", "5"], "--mp-timeout applies only to --scenario multiprocess"),
+    (["--no-mp-keep-freed-memory"], "--mp-keep-freed-memory applies only to --scenario multiprocess"),
     (["--scenario", "multiprocess", "--mp-configs", "2"], "bad multiprocess configuration '2'"),
     (["--scenario", "multiprocess", "--mp-configs", "2x0"], "counts must be >= 1"),
     (["--scenario", "multiprocess", "--mp-configs", "0hx2x1"], "counts must be >= 1"),
@@ -53,6 +56,10 @@ def test_launcher_command():
                    "--timeout", "90", "--", "py", "-m", "jax_flexlink.bench.mp_worker", "--config", "2hx2x1",
                    "--json-out", "/tmp/o.json", "--", "--scenario", "multiprocess", "-b", "1M"]
     assert "--hosts" not in multiprocess.launcher_command(MpConfig("2x1", 2, 1, None), 1, "o", [])
+    assert "--no-keep-freed-memory" not in cmd
+    cmd = multiprocess.launcher_command(MpConfig("2x1", 2, 1, None), 1, "o", [], python="py", keep_freed_memory=False)
+    assert cmd[:cmd.index("--")] == ["py", "-m", "jax_flexlink.launch", "-n", "2", "--devices-per-process", "1",
+                                     "--no-keep-freed-memory", "--timeout", "1"]
 
 
 def test_worker_arguments():
