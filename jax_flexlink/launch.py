@@ -46,15 +46,14 @@ ENV_VARS = ("FLEXLINK_COORDINATOR", "FLEXLINK_NUM_PROCESSES", "FLEXLINK_PROCESS_
 
 _DEVCOUNT_RE = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
-# glibc's malloc hands freed memory back to the kernel eagerly: a block from 128 KiB up is its own
-# mapping, unmapped when freed (the threshold then adapts, per arena, from what was freed), and an
-# arena's free top beyond a threshold is trimmed. XLA allocates every collective's output afresh, so
-# its pages are faulted in and zeroed by the kernel again and again: measured here (2 processes,
-# FlexLink's AllGather of 1 MiB, 4 x 8 calls of each collective in turns with gloo's), 41-99 page
-# faults per call and 274-444 us without these settings, 0-1 and 123-158 us with them (gloo's: 541-829
-# against 375-513 us). Settings of the whole process, read by glibc at exec: the launcher passes them
-# to the ranks it starts, every collective (FlexLink's, XLA's own) and every other buffer gains alike;
-# the cost is free memory kept for reuse, up to 256 MiB per malloc arena (docs/launch.md).
+# glibc's malloc hands freed memory back to the kernel eagerly: a block from 128 KiB up is a mapping
+# of its own, unmapped when freed (the threshold then adapts to what was freed), and an arena's free
+# top beyond a threshold is trimmed. XLA allocates every collective's output afresh, so in some
+# processes its pages are faulted in and zeroed by the kernel at every call (2 processes, 1 MiB
+# AllGather: up to 99 faults per call, 124-444 us, against 0-1 and 123-158 us with these settings;
+# docs/launch.md). Settings of the whole process, read by glibc at exec: every collective (FlexLink's,
+# XLA's own) and every other buffer gains alike; the cost is free memory kept for reuse, up to 256 MiB
+# per malloc arena.
 KEEP_FREED_MEMORY = (("glibc.malloc.trim_threshold", str(256 << 20)),
                      ("glibc.malloc.mmap_threshold", str(32 << 20)))
 
