@@ -11,7 +11,8 @@ def _row(**kw):
              baseline="native", baseline_impl="lax.psum", baseline_wrong=0, speedup=2.0,
              baseline_time_us=200.0, baseline_time_min_us=150.0, baseline_time_max_us=250.0,
              baseline_time_median_us=190.0, baseline_algbw_gbps=0.02048, baseline_busbw_gbps=0.03584,
-             time_mean_us=101.0, baseline_time_mean_us=205.0, speedup_median=2.0, speedup_mean=2.03)
+             time_mean_us=101.0, baseline_time_mean_us=205.0, speedup_median=2.0, speedup_mean=2.03,
+             faults_per_call=0.0, baseline_faults_per_call=1.5)
     r.update(kw)
     return r
 

@@ -30,7 +30,7 @@ CPU_COLLECTIVES = "gloo"
 # A row's measured fields (runner.Runner._measure's), all None where nothing could be timed.
 _MEASURED = [f"{side}{k}" for side in ("", "baseline_") for k in (
     "time_us", "time_min_us", "time_max_us", "time_median_us", "time_mean_us", "algbw_gbps", "busbw_gbps",
-    "wrong")] + ["speedup", "speedup_median", "speedup_mean", "shares", "aliased"]
+    "wrong", "faults_per_call")] + ["speedup", "speedup_median", "speedup_mean", "shares", "aliased"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -92,21 +92,27 @@ def make_runner(cfg, rank: int, nprocs: int, config_name: str, out=sys.stdout):
                     for r in range(nprocs)]
 
         def job_timings(self, timings):
-            """Per call, the slowest process's time: the call is done when every process is.
+            """Per call, the slowest process's time: the call is done when every process is; and per
+            call the most page faults of any process.
 
             This is the first exchange after a row's calls, so it also carries whether they ran: a
             process whose FlexLink side raised sends its error instead (_record_failure), and every
             process then learns it here, at the same point of the sequence of exchanges."""
-            got = self.exchange({"samples": [t.samples_s for t in timings], "error": None})
+            got = self.exchange({"samples": [t.samples_s for t in timings], "faults": [t.faults for t in timings],
+                                 "error": None})
             failed = next(((r, g["error"]) for r, g in enumerate(got) if g["error"]), None)
             if failed is not None:
                 raise _OtherRankFailed(self._note_failure(*failed))
+            def most_faults(k, n):
+                if any(g["faults"][k] is None for g in got):
+                    return None
+                return [max(g["faults"][k][i] for g in got) for i in range(n)]
             return [timing.Timing([max(g["samples"][k][i] for g in got) for i in range(len(t.samples_s))],
-                                  t.warmup)
+                                  t.warmup, most_faults(k, len(t.samples_s)))
                     for k, t in enumerate(timings)]
 
         def _record_failure(self, message: str) -> str:
-            got = self.exchange({"samples": None, "error": message})
+            got = self.exchange({"samples": None, "faults": None, "error": message})
             r, e = next((r, g["error"]) for r, g in enumerate(got) if g["error"])
             return self._note_failure(r, e)
 

@@ -27,6 +27,8 @@ ROW_FIELDS: dict[str, tuple] = {
     "time_mean_us": _NUM, "baseline_time_mean_us": _NUM + (type(None),),
     "speedup_median": _NUM + (type(None),), "speedup_mean": _NUM + (type(None),),
     "baseline_wrong": (int, type(None)), "aliased": (bool, type(None)),
+    # minor page faults per timed call in the process (the most of any process across processes)
+    "faults_per_call": _NUM + (type(None),), "baseline_faults_per_call": _NUM + (type(None),),
 }
 # FlexLink's measured fields: null in a row with a `flexlink_error` (the error text) instead.
 FLEX_MEASURED = ("time_us", "algbw_gbps", "busbw_gbps", "time_min_us", "time_max_us", "time_median_us",

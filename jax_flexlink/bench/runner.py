@@ -238,6 +238,7 @@ class Runner:
                         f"{prefix}time_max_us": t.max_s * 1e6 if t else None,
                         f"{prefix}time_median_us": t.median_s * 1e6 if t else None,
                         f"{prefix}time_mean_us": t.mean_s * 1e6 if t else None,
+                        f"{prefix}faults_per_call": t.faults_per_call if t else None,
                         f"{prefix}algbw_gbps": algbw, f"{prefix}busbw_gbps": busbw,
                         f"{prefix}wrong": wrongs[k] if t else None})
         for stat in timing.STATS:

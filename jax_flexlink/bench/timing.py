@@ -4,6 +4,10 @@ FlexLink and the native baseline are timed alternately, call by call, so that ba
 shared machine does not favour either, and in alternating order (A B, B A, A B, ...), so that what one
 call leaves behind (dirty cache lines, the allocator's free lists) does not always land on the same one.
 
+Each timed call also counts the process's minor page faults (`getrusage`, every thread: XLA's work
+runs on its own threads), so that a row can say how much of its time the kernel spent faulting in
+fresh buffers (docs/launch.md, "Malloc settings").
+
 The statistic a table reports is chosen by the caller: the median by default, because on a shared VM
 single calls stall for several times their usual time (host page faults, preemption) and a mean over
 5-50 calls follows those stalls more than the collective; the mean is kept too (docs/bench.md).
@@ -22,6 +26,11 @@ import math
 import statistics
 import time
 from typing import Any, Callable
+
+try:
+    import resource
+except ImportError:  # not a Unix: no fault counts
+    resource = None
 
 # Default iteration count scales down with the size so a sweep to 64 MiB finishes in minutes on 2 cores.
 AUTO_BYTES_BUDGET = 256 << 20
@@ -42,6 +51,7 @@ def auto_iters(nbytes: int) -> int:
 class Timing:
     samples_s: list[float]
     warmup: int
+    faults: list[int] | None = None  # minor page faults per timed call (None: not counted)
 
     @property
     def iters(self) -> int:
@@ -63,11 +73,19 @@ class Timing:
     def max_s(self) -> float:
         return max(self.samples_s) if self.samples_s else math.nan
 
+    @property
+    def faults_per_call(self) -> float | None:
+        return statistics.fmean(self.faults) if self.faults else None
+
     def value(self, stat: str) -> float:
         """The time by `stat`: 'median' or 'mean'."""
         if stat not in STATS:
             raise ValueError(f"unknown statistic {stat!r}; expected one of {', '.join(STATS)}")
         return self.median_s if stat == "median" else self.mean_s
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
 
 
 def _block(x):
@@ -109,6 +127,7 @@ def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any
     probes = list(probes or []) + [None] * (len(fns) - len(probes or []))
     outs: list[Any] = [None] * len(fns)
     samples: list[list[float]] = [[] for _ in fns]
+    faults: list[list[int]] = [[] for _ in fns]
     probed: list[Any] = [None] * len(fns)
 
     def call(k: int, timed: bool):
@@ -116,14 +135,17 @@ def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any
         if timed and len(samples[k]) == iters - 1 and probes[k] is not None:
             probed[k] = probes[k](arg)
         outs[k] = None  # drop the previous output before the next call, as a training loop would
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         out = fns[k](arg)
         _block(out)
         dt = time.perf_counter() - t0
+        df = _minor_faults() - f0
         outs[k] = out
         del arg, out
         if timed:
             samples[k].append(dt)
+            faults[k].append(df)
 
     def order(i: int):
         return range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
@@ -138,7 +160,7 @@ def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any
                 call(k, False)
             for _ in range(min(runs, iters - len(samples[k]))):
                 call(k, True)
-    return [Timing(s, warm) for s in samples], outs, probed
+    return [Timing(s, warm, f if resource else None) for s, f in zip(samples, faults)], outs, probed
 
 
 def bandwidths(nbytes: int, seconds: float, busbw_factor: float) -> tuple[float, float]:

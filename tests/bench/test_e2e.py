@@ -47,6 +47,7 @@ def _check_doc(path, n_rows, impl_label=None):
         assert r["wrong"] == 0 and r["baseline_wrong"] == 0
         assert r["time_min_us"] <= r["time_us"] <= r["time_max_us"]
         assert r["busbw_gbps"] > 0 and r["speedup"] > 0
+        assert r["faults_per_call"] >= 0 and r["baseline_faults_per_call"] >= 0
     if impl_label:
         assert impl_label in doc["flexlink_impl"]
     return doc
@@ -345,6 +346,7 @@ def test_multiprocess_scenario_self_test(tmp_path):
     assert len(rows) == 8  # 2 configurations x 2 collectives x 2 sizes, out-of-place
     assert {(r["config"], r["devices"]) for r in rows} == {("2x1", 2), ("2hx2x1", 4)}
     assert all(r["wrong"] == 0 and r["baseline_wrong"] == 0 and r["time_us"] > 0 for r in rows)
+    assert all(r["faults_per_call"] >= 0 and r["baseline_faults_per_call"] >= 0 for r in rows)
     lines = p.stdout.splitlines()
     assert sum(ln.startswith("# AllReduce  op sum  type float  on 4 devices") for ln in lines) == 1
     assert not any(re.match(r"\[\d+\] ", ln) for ln in lines), "only rank 0 prints, without the launcher's prefix"

@@ -90,3 +90,24 @@ def test_interleaved_in_runs():
     assert outs == [("a", 9), ("b", 11)] and probed == [None, 11]
     with pytest.raises(ValueError, match="runs must be >= 1"):
         timing.time_interleaved([make("a")], lambda: 0, warmup=0, iters=1, runs=0)
+
+
+def test_page_faults_are_counted_per_timed_call():
+    """A call that touches fresh memory (an anonymous mapping, whatever the allocator does) shows its
+    page faults; one that touches nothing shows few. Warm-up calls are not counted."""
+    import mmap
+
+    pages = 1024
+
+    def touch(_):
+        m = mmap.mmap(-1, pages * mmap.PAGESIZE)
+        for p in range(pages):
+            m[p * mmap.PAGESIZE] = 1
+        m.close()
+        return 0
+
+    ts, _, _ = timing.time_interleaved([touch, lambda x: x], lambda: 0, warmup=2, iters=3)
+    assert [len(t.faults) for t in ts] == [3, 3]
+    assert ts[0].faults_per_call >= pages * 0.9, ts[0].faults
+    assert ts[1].faults_per_call < pages / 10, ts[1].faults
+    assert timing.Timing([1.0], 0).faults_per_call is None  # not counted
