@@ -87,6 +87,11 @@ def test_every_collective_against_lax(n, k):
   assert checks > 50
   # Every process set the cross-process groups up (the 2 x 4 job also runs in-process groups).
   assert all(re.search(r"cross-process groups set up here: [1-9]", out) for out in outs)
+  # The whole job's group agreed on direct all_gather (its 1 MiB all_gathers read the peers'
+  # inputs), or says why a rank could not read its peers' memory.
+  for out in outs:
+    (direct,) = json.loads(re.search(r"DIRECT (.*)", out).group(1))
+    assert direct == [65536, ""] or (direct[0] == -1 and "cannot read" in direct[1]), direct
 
 
 def test_repeated_calls_identical_on_every_rank():

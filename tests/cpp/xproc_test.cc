@@ -333,6 +333,21 @@ void Correctness(Proc& p, bool full) {
                                    ", calls " + std::to_string(groups[0].calls) + ", broken " + groups[0].broken.value_or("no")));
 }
 
+// What the group's ranks agreed for direct all_gather (ProcessGroup::AgreeDirect), as this process
+// reports it: `from` bytes per rank (UINT64_MAX: never, with the reason).
+void DirectAgreed(Proc& p, uint64_t from) {
+  const auto groups = xproc::ProcessGroups();
+  Expect(groups.size() == 1 && groups[0].direct_from == from,
+         "direct all_gather agreed from " + std::to_string(from) + " bytes: " +
+             (groups.empty() || !groups[0].direct_from ? std::string("not agreed")
+                                                       : std::to_string(*groups[0].direct_from) + " (" +
+                                                             groups[0].direct_refusal + ")"));
+  if (from == UINT64_MAX)
+    Expect(!groups.empty() && groups[0].direct_refusal.find("FLEXLINK_XPROC_DIRECT_BYTES is off") != std::string::npos,
+           "direct all_gather off: the reason says so: " + (groups.empty() ? std::string() : groups[0].direct_refusal));
+  (void)p;
+}
+
 void Mismatch(Proc& p) {
   const int n = p.n();
   std::vector<Status> st(n);
@@ -1348,11 +1363,15 @@ int main(int argc, char** argv) {
   const bool bench = argc > 1 && std::strcmp(argv[1], "--bench") == 0;
   const auto before = ShmEntries();
   if (bench) {
-    // --bench [fresh|reused] [P...] [two_phase=BYTES] [spin=US] [from=BYTES]
+    // --bench [fresh|reused] [P...] [two_phase=BYTES] [direct=BYTES, 0: off] [spin=US] [from=BYTES]
     const bool fresh = argc > 2 && std::strcmp(argv[2], "fresh") == 0;
     std::vector<int> procs;
     for (int i = 3; i < argc; ++i) {
       if (std::strncmp(argv[i], "two_phase=", 10) == 0) SetXprocTwoPhaseBytes(std::strtoull(argv[i] + 10, nullptr, 10));
+      else if (std::strncmp(argv[i], "direct=", 7) == 0) {
+        const uint64_t b = std::strtoull(argv[i] + 7, nullptr, 10);
+        SetXprocDirectBytes(b == 0 ? UINT64_MAX : b);
+      }
       else if (std::strncmp(argv[i], "spin=", 5) == 0) g_bench_spin_us = std::atoll(argv[i] + 5);
       else if (std::strncmp(argv[i], "from=", 5) == 0) g_bench_from = std::strtoull(argv[i] + 5, nullptr, 10);
       else procs.push_back(std::atoi(argv[i]));
@@ -1390,6 +1409,21 @@ int main(int argc, char** argv) {
   SetXprocTwoPhaseBytes(two_phase);
   RunScenario({"2 processes x 4 ranks on threads", 2, 4, 64 << 10, 30, {}, false,
                [](Proc& p) { Correctness(p, false); }});
+  // Every all_gather (after the group's first call, which agrees) reads the peers' inputs directly;
+  // and with it off, none does.
+  const uint64_t direct = XprocDirectBytes();
+  SetXprocDirectBytes(1);
+  RunScenario({"2 processes x 1 rank, direct all_gather", 2, 1, 64 << 10, 30, {}, false,
+               [](Proc& p) { Correctness(p, true); DirectAgreed(p, 1024); }});
+  RunScenario({"4 processes x 1 rank, direct all_gather", 4, 1, 64 << 10, 30, {}, false,
+               [](Proc& p) { Correctness(p, true); DirectAgreed(p, 1024); }});
+  RunScenario({"2 processes x 3 ranks on threads, direct all_gather", 2, 3, 64 << 10, 30, {}, false,
+               [](Proc& p) { Correctness(p, false); DirectAgreed(p, 1024); }});
+  SetXprocDirectBytes(UINT64_MAX);
+  RunScenario({"2 processes x 1 rank, direct all_gather off", 2, 1, 64 << 10, 30, {}, false,
+               [](Proc& p) { CheckCase(p, {Kind::kAllGather, ReduceOp::kSum, {{DType::kF32, {3, 7001}}}, 1, {}, false, 3});
+                             DirectAgreed(p, UINT64_MAX); }});
+  SetXprocDirectBytes(direct);
   RunScenario({"mismatch: the same error everywhere, outputs untouched", 3, 1, 64 << 10, 30, {}, true, Mismatch});
   RunScenario({"mismatch, 2 processes x 2 ranks", 2, 2, 64 << 10, 30, {}, true, Mismatch});
   RunScenario({"a process _exits before the call", 3, 1, 64 << 10, 20, {2}, false,

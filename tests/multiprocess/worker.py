@@ -139,8 +139,15 @@ def collectives():
           lambda v: jax.lax.psum(v, "x"), big)
   compare("all_gather 8 MiB per device", mesh, P("x"), P("x"), lambda v: flx.all_gather(v, "x", tiled=True),
           lambda v: jax.lax.all_gather(v, "x", tiled=True), big[: N * 128])
-  checks += 3
+  # 1 MiB per device: read straight from the peers (direct all_gather), also into strided rows.
+  compare("all_gather axis=1 1 MiB per device", mesh, P("x"), P("x"),
+          lambda v: flx.all_gather(v, "x", axis=1, tiled=True),
+          lambda v: jax.lax.all_gather(v, "x", axis=1, tiled=True), big[: N * 128])
+  checks += 4
   groups = flx._src.processes.groups() if hasattr(flx, "_src") else []
+  whole = [g for g in groups if list(g["devices"]) == [d.id for d in DEVICES]]
+  say("DIRECT " + json.dumps([[g.get("direct_all_gather_from_bytes"), g.get("direct_all_gather_refusal")]
+                              for g in whole]))
   say(f"ALL OK {checks} checks; cross-process groups set up here: {len(groups)}")
 
 

@@ -74,6 +74,13 @@ void SetXprocSlotBytes(size_t bytes);
 // (each rank its slice, then all copy; docs/xproc.md). Default: never (UINT64_MAX), see config.cc.
 uint64_t XprocTwoPhaseBytes();
 void SetXprocTwoPhaseBytes(uint64_t bytes);
+// Cross-process all_gather of at least this many input bytes per rank (and at most 8 MiB, above
+// which staging wins) reads the peers' inputs directly (process_vm_readv) instead of staging them
+// through the segment, where every rank of the group can (xproc/peer_read.h, docs/xproc.md); the
+// group's ranks agree on the largest of their values. FLEXLINK_XPROC_DIRECT_BYTES if set (read once,
+// as the slot size; 0 or "off": never), else 64 KiB.
+uint64_t XprocDirectBytes();
+void SetXprocDirectBytes(uint64_t bytes);
 
 // Logging on stderr (FLEXLINK_DEBUG): 0 off, kDebugInfo logs stage-1 results and plan changes.
 inline constexpr int kDebugInfo = 1;

@@ -24,8 +24,9 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // measured and profiled bytes; 8: the rank blocks' device_reached (GPU groups' hang detector);
 // 9: GPU groups' stage-1 agreement (TimesSlot::failed[1] and a barrier in every profiling call);
 // 10: the rank blocks' `closed` (a GPU engine's shutdown, seen by the other processes' waits);
-// 11: the rank blocks' `sleepers` (a barrier wakes only when someone sleeps)
-inline constexpr uint32_t kLayoutVersion = 11;
+// 11: the rank blocks' `sleepers` (a barrier wakes only when someone sleeps); 12: the rank blocks'
+// `direct` and `direct_kib` (all_gather reading the peers' inputs, process_group.h)
+inline constexpr uint32_t kLayoutVersion = 12;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -145,8 +146,14 @@ struct alignas(64) RankBlock {
   // futex wake, a system call, only when someone sleeps (a seq_cst fence on both sides, as in
   // ProcessGroup::Barrier and WaitArrived).
   std::atomic<uint32_t> sleepers;
+  // Whether this rank can read every peer's memory (process_vm_readv; kDirect*), and its
+  // XprocDirectBytes in KiB (UINT32_MAX: never), written once at the group's first call, before a
+  // barrier after which every rank reads every rank's (ProcessGroup::AgreeDirect).
+  std::atomic<uint32_t> direct;
+  uint32_t direct_kib;
 };
 static_assert(sizeof(RankBlock) == 64);
+inline constexpr uint32_t kDirectUnknown = 0, kDirectYes = 1, kDirectNo = 2;
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 inline constexpr size_t RoundUp(size_t x, size_t m) { return (x + m - 1) / m * m; }

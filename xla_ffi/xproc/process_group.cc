@@ -81,13 +81,20 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int
       devices_(devices.begin(), devices.end()),
       local_(local_devices.begin(), local_devices.end()),
       calls_(new std::atomic<uint64_t>[devices.size()]),
-      stragglers_(devices) {
+      stragglers_(devices),
+      direct_state_(new std::atomic<uint32_t>[devices.size()]),
+      direct_from_(new std::atomic<uint64_t>[devices.size()]),
+      direct_refusal_(devices.size()) {
   ranks_ = reinterpret_cast<RankBlock*>(segment_->data() + header_->ranks_offset);
   times_ = reinterpret_cast<TimesSlot*>(segment_->data() + header_->times_offset);
   profile_ = reinterpret_cast<ProfileTimes*>(segment_->data() + header_->profile_offset);
   data_ = segment_->data() + header_->data_offset;
   results_ = segment_->data() + header_->results_offset;
-  for (size_t r = 0; r < devices_.size(); ++r) calls_[r].store(0);
+  for (size_t r = 0; r < devices_.size(); ++r) {
+    calls_[r].store(0);
+    direct_state_[r].store(kDirectUnknown);
+    direct_from_[r].store(UINT64_MAX);
+  }
 }
 
 Status ProcessGroup::Create(std::span<const int64_t> devices, std::span<const int64_t> local_devices,
@@ -507,8 +514,12 @@ Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label,
   if (auto reason = broken())
     return Status::FailedPrecondition(where() + ": the cross-process group is broken: " + *reason);
   FLEXLINK_RETURN_IF_ERROR(CheckSlotFits(desc, where));
+  if (UseDirect(rank, desc)) return RunDirectGather(rank, desc, where, label, run_id, call);
   StepCursor cursor(desc, size(), header_->slot_bytes);
-  return Steps(rank, desc, cursor, where, true, label, run_id, call);
+  FLEXLINK_RETURN_IF_ERROR(Steps(rank, desc, cursor, where, true, label, run_id, call));
+  // Every rank's first successful call here (a failed one fails on every rank alike) agrees once.
+  if (direct_state_[rank].load(std::memory_order_relaxed) == kDirectUnknown) return AgreeDirect(rank, desc, where);
+  return Status::Ok();
 }
 
 Status ProcessGroup::Arrive(int rank, const CallDesc& desc, std::string_view label, int64_t run_id) {

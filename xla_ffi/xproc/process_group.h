@@ -119,6 +119,12 @@ class ProcessGroup {
   // engine: gpu::XprocSpin, where each rank has a core).
   void SetSpin(std::chrono::nanoseconds spin) { spin_ = spin; }
   std::chrono::nanoseconds spin() const { return spin_; }
+  // Direct all_gather (docs/xproc.md): whether the group's ranks agreed that every one of them can
+  // read every peer's memory, and from how many input bytes per rank Run reads the peers' inputs
+  // instead of staging them; nullopt until the group's first successful call through Run agreed.
+  // `direct_refusal`: this rank's reason when it could not (empty otherwise).
+  std::optional<uint64_t> direct_from(int rank) const;
+  std::string direct_refusal(int rank) const;
 
  private:
   using Where = std::function<std::string()>;  // the call as messages name it
@@ -132,7 +138,17 @@ class ProcessGroup {
   // at its first step and faults in the outputs there.
   Status Steps(int rank, const CallDesc& desc, StepCursor& cursor, const Where& where, bool first,
                std::string_view label, int64_t run_id, uint64_t call);
-  Status CheckSlotFits(const CallDesc& desc, const Where& where) const;  // writes this process's pid into its ranks' control blocks
+  Status CheckSlotFits(const CallDesc& desc, const Where& where) const;
+  // Direct all_gather (direct_gather.cc). AgreeDirect: once, after the group's first successful call
+  // through Run, two barriers: every rank publishes its canary's address, tries to read every other
+  // process's, and publishes its verdict and threshold; all then take the same decision.
+  // UseDirect: the decision for one call, the same on every rank. RunDirectGather: the call with one
+  // copy per byte (each peer's input read straight into the output) and two barriers (the arrival,
+  // then "done reading", before which no rank returns and lets XLA reuse its input).
+  Status AgreeDirect(int rank, const CallDesc& desc, const Where& where);
+  bool UseDirect(int rank, const CallDesc& desc) const;
+  Status RunDirectGather(int rank, const CallDesc& desc, const Where& where, std::string_view label, int64_t run_id,
+                         uint64_t call);  // writes this process's pid into its ranks' control blocks
   char* Slot(int buffer, int rank) const {
     return data_ + (static_cast<size_t>(buffer) * devices_.size() + rank) * header_->slot_stride;
   }
@@ -170,6 +186,11 @@ class ProcessGroup {
   mutable std::mutex mu_;
   std::string broken_;
   std::chrono::nanoseconds spin_{0};
+  // Per rank (only local ranks' entries are used, each by its own thread until agreed): kDirect*,
+  // and the agreed threshold in bytes; the reason this rank could not read a peer.
+  std::unique_ptr<std::atomic<uint32_t>[]> direct_state_;
+  std::unique_ptr<std::atomic<uint64_t>[]> direct_from_;
+  std::vector<std::string> direct_refusal_;
 };
 
 }  // namespace flexlink::xproc

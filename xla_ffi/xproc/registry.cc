@@ -100,8 +100,12 @@ std::vector<ProcessGroupInfo> ProcessGroups() {
   Registry& reg = Reg();
   std::lock_guard<std::mutex> lock(reg.mu);
   std::vector<ProcessGroupInfo> out;
-  for (const auto& g : reg.groups)
-    out.push_back({g->name(), g->devices(), g->local_devices(), g->slot_bytes(), g->calls(), g->broken()});
+  for (const auto& g : reg.groups) {
+    int first = 0;
+    while (first < g->size() && !g->is_local(first)) ++first;
+    out.push_back({g->name(), g->devices(), g->local_devices(), g->slot_bytes(), g->calls(), g->broken(),
+                   g->direct_from(first), g->direct_refusal(first)});
+  }
   return out;
 }
 
