@@ -91,7 +91,7 @@ def test_every_collective_against_lax(n, k):
   # inputs), or says why a rank could not read its peers' memory.
   for out in outs:
     (direct,) = json.loads(re.search(r"DIRECT (.*)", out).group(1))
-    assert direct == [65536, ""] or (direct[0] == -1 and "cannot read" in direct[1]), direct
+    assert direct == [524288, ""] or (direct[0] == -1 and "cannot read" in direct[1]), direct
 
 
 def test_repeated_calls_identical_on_every_rank():

@@ -48,7 +48,7 @@ size_t SlotBytesFromEnv() {
 std::atomic<size_t> g_xproc_slot_bytes{SlotBytesFromEnv()};
 
 uint64_t DirectBytesFromEnv() {
-  constexpr uint64_t kDefault = uint64_t{64} << 10;
+  constexpr uint64_t kDefault = uint64_t{512} << 10;
   const char* v = std::getenv("FLEXLINK_XPROC_DIRECT_BYTES");
   if (!v || std::string_view(v).find_first_not_of(" \t") == std::string_view::npos) return kDefault;
   if (std::string_view(v) == "off") return UINT64_MAX;
@@ -56,7 +56,7 @@ uint64_t DirectBytesFromEnv() {
   if (!ParseByteCount(v, &bytes)) {
     std::lock_guard<std::mutex> lock(g_warnings_mu);
     Warnings().push_back(std::string("FLEXLINK_XPROC_DIRECT_BYTES='") + v +
-                         "': expected a byte count such as 262144, 256K or 1M, or 0/off (never); using the default 64K");
+                         "': expected a byte count such as 262144, 256K or 1M, or 0/off (never); using the default 512K");
     return kDefault;
   }
   return bytes == 0 ? UINT64_MAX : bytes;
