@@ -215,6 +215,7 @@ BAD_ENV = [
      "FLEXLINK_COMBINE_BYTES": ("-1", "using the default 64M"),
      "FLEXLINK_XPROC_SLOT_BYTES": ("-1", "positive byte count such as 4194304, 256K or 4M; using the default 4M"),
      "FLEXLINK_XPROC_DIRECT_BYTES": ("-1", "a byte count such as 262144, 256K or 1M, or 0/off (never); using the default 512K"),
+     "FLEXLINK_XPROC_DIRECT_REDUCE_BYTES": ("1.5M", "FLEXLINK_XPROC_DIRECT_REDUCE_BYTES='1.5M': expected a byte count such as 262144, 256K or 1M, or 0/off (never); using the default off"),
      "FLEXLINK_SPIN_US": ("-5", "expected microseconds from 0 to 10000 such as 50 (0: never spin); using the engine's choice"),
      "FLEXLINK_DEBUG": ("verbose", "expected INFO"),
      "FLEXLINK_REPLACE_COLLECTIVES": ("maybe", "expected one of 1, true, yes, on, 0, false, no, off; using the default false"),
@@ -227,6 +228,7 @@ BAD_ENV = [
      "FLEXLINK_COMBINE_BYTES": ("1.5M", "using the default 64M"),
      "FLEXLINK_XPROC_SLOT_BYTES": ("0", "using the default 4M"),
      "FLEXLINK_XPROC_DIRECT_BYTES": ("never", "using the default 512K"),
+     "FLEXLINK_XPROC_DIRECT_REDUCE_BYTES": ("-5", "using the default off"),
      "FLEXLINK_SPIN_US": ("50us", "using the engine's choice"),
      "FLEXLINK_DEBUG": ("\u00e9", "(no logging)"),
      "FLEXLINK_REPLACE_COLLECTIVES": ("2", "using the default false"),
@@ -268,7 +270,7 @@ def test_bad_environment_values_warn_and_use_the_default(batch):
 
 def test_unusual_but_valid_environment_values_are_taken():
     got = _probe({"FLEXLINK_TIMEOUT_S": " 1e3 ", "FLEXLINK_AUTOTUNE_MIN_BYTES": "64 k", "FLEXLINK_TUNE_MAX_BYTES": "1GiB",
-                  "FLEXLINK_COMBINE_BYTES": "0", "FLEXLINK_XPROC_SLOT_BYTES": "256K", "FLEXLINK_XPROC_DIRECT_BYTES": "off", "FLEXLINK_SPIN_US": " 20 ", "FLEXLINK_DEBUG": "info",
+                  "FLEXLINK_COMBINE_BYTES": "0", "FLEXLINK_XPROC_SLOT_BYTES": "256K", "FLEXLINK_XPROC_DIRECT_BYTES": "off", "FLEXLINK_XPROC_DIRECT_REDUCE_BYTES": "2M", "FLEXLINK_SPIN_US": " 20 ", "FLEXLINK_DEBUG": "info",
                   "FLEXLINK_REPLACE_COLLECTIVES": " YES ", "FLEXLINK_LINKS": " shm ; tcp ", "FLEXLINK_EMULATED_HOSTS": "2",
                   "FLEXLINK_HOST_ID": " host-\u00fc 1 "})
     assert got["warnings"] == [] and got["config_warnings"] == [], got

@@ -80,18 +80,30 @@ def _run(n: int, k: int, mode: str, timeout: float = 240, errs: list | None = No
   return outs
 
 
+# The 2 x 4 job reduces directly from 1 MiB per device (off by default): its 8 MiB psums read the
+# other process's inputs and reduced slices, and the same process's in place.
+DIRECT_REDUCE = {(2, 4): "1M"}
+
+
 @pytest.mark.parametrize("n,k", [(2, 1), (4, 1), (2, 4)])
 def test_every_collective_against_lax(n, k):
-  outs = _run(n, k, "collectives")
+  env = {"FLEXLINK_XPROC_DIRECT_REDUCE_BYTES": DIRECT_REDUCE[n, k]} if (n, k) in DIRECT_REDUCE else {}
+  outs = _run(n, k, "collectives", **env)
   checks = int(re.search(r"ALL OK (\d+) checks", outs[0]).group(1))
   assert checks > 50
   # Every process set the cross-process groups up (the 2 x 4 job also runs in-process groups).
   assert all(re.search(r"cross-process groups set up here: [1-9]", out) for out in outs)
   # The whole job's group agreed on direct all_gather (its 1 MiB all_gathers read the peers'
-  # inputs), or says why a rank could not read its peers' memory.
+  # inputs) and, where asked, all_reduce; or says why a rank could not read its peers' memory.
   for out in outs:
     (direct,) = json.loads(re.search(r"DIRECT (.*)", out).group(1))
-    assert direct == [524288, ""] or (direct[0] == -1 and "cannot read" in direct[1]), direct
+    if direct[0] == -1:
+      assert "cannot read" in direct[1] and direct[2:] == direct[:2], direct
+    elif (n, k) in DIRECT_REDUCE:
+      assert direct == [524288, "", 1 << 20, ""], direct
+    else:
+      assert direct[:2] == [524288, ""] and direct[2] == -1, direct
+      assert "FLEXLINK_XPROC_DIRECT_REDUCE_BYTES is off in rank 0 " in direct[3], direct
 
 
 def test_repeated_calls_identical_on_every_rank():

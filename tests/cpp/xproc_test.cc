@@ -333,19 +333,21 @@ void Correctness(Proc& p, bool full) {
                                    ", calls " + std::to_string(groups[0].calls) + ", broken " + groups[0].broken.value_or("no")));
 }
 
-// What the group's ranks agreed for direct all_gather (ProcessGroup::AgreeDirect), as this process
-// reports it: `from` bytes per rank (UINT64_MAX: never, with the reason).
-void DirectAgreed(Proc& p, uint64_t from) {
+// What the group's ranks agreed for direct `kind` (all_gather or all_reduce; ProcessGroup::AgreeDirect),
+// as this process reports it: `from` bytes per rank (UINT64_MAX: never, with `reason` in the refusal).
+void DirectAgreed(Kind kind, uint64_t from, const std::string& reason = "") {
   const auto groups = xproc::ProcessGroups();
-  Expect(groups.size() == 1 && groups[0].direct_from == from,
-         "direct all_gather agreed from " + std::to_string(from) + " bytes: " +
-             (groups.empty() || !groups[0].direct_from ? std::string("not agreed")
-                                                       : std::to_string(*groups[0].direct_from) + " (" +
-                                                             groups[0].direct_refusal + ")"));
+  const bool reduce = kind == Kind::kAllReduce;
+  const std::string name = std::string("direct ") + (reduce ? "all_reduce" : "all_gather");
+  const auto agreed = groups.empty() ? std::nullopt : reduce ? groups[0].direct_reduce_from : groups[0].direct_from;
+  const std::string refusal = groups.empty() ? "" : reduce ? groups[0].direct_reduce_refusal : groups[0].direct_refusal;
+  Expect(groups.size() == 1 && agreed == from,
+         name + " agreed from " + std::to_string(from) + " bytes: " +
+             (!agreed ? std::string("not agreed") : std::to_string(*agreed) + " (" + refusal + ")"));
   if (from == UINT64_MAX)
-    Expect(!groups.empty() && groups[0].direct_refusal.find("FLEXLINK_XPROC_DIRECT_BYTES is off") != std::string::npos,
-           "direct all_gather off: the reason says so: " + (groups.empty() ? std::string() : groups[0].direct_refusal));
-  (void)p;
+    Expect(refusal.find(reason) != std::string::npos, name + " off: the reason says '" + reason + "': " + refusal);
+  else
+    Expect(refusal.empty(), name + " on: no reason given: " + refusal);
 }
 
 void Mismatch(Proc& p) {
@@ -1363,7 +1365,7 @@ int main(int argc, char** argv) {
   const bool bench = argc > 1 && std::strcmp(argv[1], "--bench") == 0;
   const auto before = ShmEntries();
   if (bench) {
-    // --bench [fresh|reused] [P...] [two_phase=BYTES] [direct=BYTES, 0: off] [spin=US] [from=BYTES]
+    // --bench [fresh|reused] [P...] [two_phase=BYTES] [direct=BYTES, 0: off] [direct_reduce=BYTES, 0: off] [spin=US] [from=BYTES]
     const bool fresh = argc > 2 && std::strcmp(argv[2], "fresh") == 0;
     std::vector<int> procs;
     for (int i = 3; i < argc; ++i) {
@@ -1371,6 +1373,9 @@ int main(int argc, char** argv) {
       else if (std::strncmp(argv[i], "direct=", 7) == 0) {
         const uint64_t b = std::strtoull(argv[i] + 7, nullptr, 10);
         SetXprocDirectBytes(b == 0 ? UINT64_MAX : b);
+      } else if (std::strncmp(argv[i], "direct_reduce=", 14) == 0) {
+        const uint64_t b = std::strtoull(argv[i] + 14, nullptr, 10);
+        SetXprocDirectReduceBytes(b == 0 ? UINT64_MAX : b);
       }
       else if (std::strncmp(argv[i], "spin=", 5) == 0) g_bench_spin_us = std::atoll(argv[i] + 5);
       else if (std::strncmp(argv[i], "from=", 5) == 0) g_bench_from = std::strtoull(argv[i] + 5, nullptr, 10);
@@ -1409,21 +1414,36 @@ int main(int argc, char** argv) {
   SetXprocTwoPhaseBytes(two_phase);
   RunScenario({"2 processes x 4 ranks on threads", 2, 4, 64 << 10, 30, {}, false,
                [](Proc& p) { Correctness(p, false); }});
-  // Every all_gather (after the group's first call, which agrees) reads the peers' inputs directly;
-  // and with it off, none does.
-  const uint64_t direct = XprocDirectBytes();
+  // Every all_gather and all_reduce (after the group's first call, which agrees) reads the peers'
+  // memory directly; with one kind off, only the other does; with both off, none does.
+  const uint64_t direct = XprocDirectBytes(), direct_reduce = XprocDirectReduceBytes();
   SetXprocDirectBytes(1);
-  RunScenario({"2 processes x 1 rank, direct all_gather", 2, 1, 64 << 10, 30, {}, false,
-               [](Proc& p) { Correctness(p, true); DirectAgreed(p, 1024); }});
-  RunScenario({"4 processes x 1 rank, direct all_gather", 4, 1, 64 << 10, 30, {}, false,
-               [](Proc& p) { Correctness(p, true); DirectAgreed(p, 1024); }});
-  RunScenario({"2 processes x 3 ranks on threads, direct all_gather", 2, 3, 64 << 10, 30, {}, false,
-               [](Proc& p) { Correctness(p, false); DirectAgreed(p, 1024); }});
+  SetXprocDirectReduceBytes(1);
+  auto both = [](Proc& p, bool full) {
+    Correctness(p, full);
+    DirectAgreed(Kind::kAllGather, 1024);
+    DirectAgreed(Kind::kAllReduce, 1024);
+  };
+  RunScenario({"2 processes x 1 rank, direct all_gather and all_reduce", 2, 1, 64 << 10, 30, {}, false,
+               [&](Proc& p) { both(p, true); }});
+  RunScenario({"4 processes x 1 rank, direct all_gather and all_reduce", 4, 1, 64 << 10, 30, {}, false,
+               [&](Proc& p) { both(p, true); }});
+  RunScenario({"2 processes x 3 ranks on threads, direct all_gather and all_reduce", 2, 3, 64 << 10, 30, {}, false,
+               [&](Proc& p) { both(p, false); }});
+  SetXprocDirectReduceBytes(UINT64_MAX);
+  RunScenario({"2 processes x 1 rank, direct all_gather, all_reduce off", 2, 1, 64 << 10, 30, {}, false,
+               [](Proc& p) {
+                 CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {3, 7001}}}, 0, {}, false, 3});
+                 DirectAgreed(Kind::kAllGather, 1024);
+                 DirectAgreed(Kind::kAllReduce, UINT64_MAX, "FLEXLINK_XPROC_DIRECT_REDUCE_BYTES is off in rank 0");
+               }});
   SetXprocDirectBytes(UINT64_MAX);
-  RunScenario({"2 processes x 1 rank, direct all_gather off", 2, 1, 64 << 10, 30, {}, false,
+  RunScenario({"2 processes x 1 rank, direct all_gather and all_reduce off", 2, 1, 64 << 10, 30, {}, false,
                [](Proc& p) { CheckCase(p, {Kind::kAllGather, ReduceOp::kSum, {{DType::kF32, {3, 7001}}}, 1, {}, false, 3});
-                             DirectAgreed(p, UINT64_MAX); }});
+                             DirectAgreed(Kind::kAllGather, UINT64_MAX, "FLEXLINK_XPROC_DIRECT_BYTES and FLEXLINK_XPROC_DIRECT_REDUCE_BYTES are off");
+                             DirectAgreed(Kind::kAllReduce, UINT64_MAX, "are off in rank "); }});
   SetXprocDirectBytes(direct);
+  SetXprocDirectReduceBytes(direct_reduce);
   RunScenario({"mismatch: the same error everywhere, outputs untouched", 3, 1, 64 << 10, 30, {}, true, Mismatch});
   RunScenario({"mismatch, 2 processes x 2 ranks", 2, 2, 64 << 10, 30, {}, true, Mismatch});
   RunScenario({"a process _exits before the call", 3, 1, 64 << 10, 20, {2}, false,

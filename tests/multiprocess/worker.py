@@ -146,7 +146,8 @@ def collectives():
   checks += 4
   groups = flx._src.processes.groups() if hasattr(flx, "_src") else []
   whole = [g for g in groups if list(g["devices"]) == [d.id for d in DEVICES]]
-  say("DIRECT " + json.dumps([[g.get("direct_all_gather_from_bytes"), g.get("direct_all_gather_refusal")]
+  say("DIRECT " + json.dumps([[g.get("direct_all_gather_from_bytes"), g.get("direct_all_gather_refusal"),
+                               g.get("direct_all_reduce_from_bytes"), g.get("direct_all_reduce_refusal")]
                               for g in whole]))
   say(f"ALL OK {checks} checks; cross-process groups set up here: {len(groups)}")
 

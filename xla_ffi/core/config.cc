@@ -47,21 +47,25 @@ size_t SlotBytesFromEnv() {
 }
 std::atomic<size_t> g_xproc_slot_bytes{SlotBytesFromEnv()};
 
-uint64_t DirectBytesFromEnv() {
-  constexpr uint64_t kDefault = uint64_t{512} << 10;
-  const char* v = std::getenv("FLEXLINK_XPROC_DIRECT_BYTES");
-  if (!v || std::string_view(v).find_first_not_of(" \t") == std::string_view::npos) return kDefault;
+// A byte count from `name` (0 or "off": never, UINT64_MAX), else `fallback` (`fallback_text` in the
+// warning a bad value gets).
+uint64_t DirectBytesFromEnv(const char* name, uint64_t fallback, const char* fallback_text) {
+  const char* v = std::getenv(name);
+  if (!v || std::string_view(v).find_first_not_of(" \t") == std::string_view::npos) return fallback;
   if (std::string_view(v) == "off") return UINT64_MAX;
   uint64_t bytes = 0;
   if (!ParseByteCount(v, &bytes)) {
     std::lock_guard<std::mutex> lock(g_warnings_mu);
-    Warnings().push_back(std::string("FLEXLINK_XPROC_DIRECT_BYTES='") + v +
-                         "': expected a byte count such as 262144, 256K or 1M, or 0/off (never); using the default 512K");
-    return kDefault;
+    Warnings().push_back(std::string(name) + "='" + v +
+                         "': expected a byte count such as 262144, 256K or 1M, or 0/off (never); using the default " +
+                         fallback_text);
+    return fallback;
   }
   return bytes == 0 ? UINT64_MAX : bytes;
 }
-std::atomic<uint64_t> g_xproc_direct_bytes{DirectBytesFromEnv()};
+std::atomic<uint64_t> g_xproc_direct_bytes{DirectBytesFromEnv("FLEXLINK_XPROC_DIRECT_BYTES", uint64_t{512} << 10, "512K")};
+std::atomic<uint64_t> g_xproc_direct_reduce_bytes{
+    DirectBytesFromEnv("FLEXLINK_XPROC_DIRECT_REDUCE_BYTES", UINT64_MAX, "off")};
 
 int64_t SpinFromEnv() {
   const char* v = std::getenv("FLEXLINK_SPIN_US");
@@ -120,6 +124,7 @@ bool ParseByteCount(std::string_view text, uint64_t* out) {
 std::vector<std::string> ConfigWarnings() {
   XprocSlotBytes();  // its environment value is read at static initialisation, before this
   XprocDirectBytes();
+  XprocDirectReduceBytes();
   std::lock_guard<std::mutex> lock(g_warnings_mu);
   return Warnings();
 }
@@ -160,6 +165,10 @@ uint64_t XprocTwoPhaseBytes() { return g_xproc_two_phase_bytes.load(std::memory_
 void SetXprocTwoPhaseBytes(uint64_t bytes) { g_xproc_two_phase_bytes.store(bytes, std::memory_order_relaxed); }
 uint64_t XprocDirectBytes() { return g_xproc_direct_bytes.load(std::memory_order_relaxed); }
 void SetXprocDirectBytes(uint64_t bytes) { g_xproc_direct_bytes.store(bytes, std::memory_order_relaxed); }
+uint64_t XprocDirectReduceBytes() { return g_xproc_direct_reduce_bytes.load(std::memory_order_relaxed); }
+void SetXprocDirectReduceBytes(uint64_t bytes) {
+  g_xproc_direct_reduce_bytes.store(bytes, std::memory_order_relaxed);
+}
 
 int DebugLevel() { return g_debug_level.load(std::memory_order_relaxed); }
 void SetDebugLevel(int level) { g_debug_level.store(level, std::memory_order_relaxed); }

@@ -82,6 +82,14 @@ void SetXprocTwoPhaseBytes(uint64_t bytes);
 // what the copy saves: docs/xproc.md).
 uint64_t XprocDirectBytes();
 void SetXprocDirectBytes(uint64_t bytes);
+// Cross-process all_reduce of at least this many bytes per rank reduces directly from the peers'
+// inputs (each rank its slice, read chunk by chunk with process_vm_readv, then every rank reads the
+// other slices from their owners' outputs) where the group agreed that every rank can read every
+// peer (as for all_gather); the ranks agree on the largest value. FLEXLINK_XPROC_DIRECT_REDUCE_BYTES
+// if set (read once; 0 or "off": never), else never: it lost at every size on the 2-core VM this was
+// built on, whose kernel copies slower than user space (docs/xproc.md, "Direct all_reduce").
+uint64_t XprocDirectReduceBytes();
+void SetXprocDirectReduceBytes(uint64_t bytes);
 
 // Logging on stderr (FLEXLINK_DEBUG): 0 off, kDebugInfo logs stage-1 results and plan changes.
 inline constexpr int kDebugInfo = 1;

@@ -215,13 +215,16 @@ nb::list XprocGroups() {
     d["slot_bytes"] = g.slot_bytes;
     d["calls"] = g.calls;
     d["broken"] = g.broken ? nb::object(nb::str(g.broken->c_str())) : nb::none();
-    // Direct all_gather (docs/xproc.md): from how many input bytes per rank the peers' inputs are read
-    // directly; None until the group's first call agreed, -1 for never (with the reason, if any).
-    d["direct_all_gather_from_bytes"] =
-        !g.direct_from ? nb::object(nb::none())
-                       : nb::object(nb::int_(*g.direct_from == UINT64_MAX ? int64_t{-1}
-                                                                          : static_cast<int64_t>(*g.direct_from)));
+    // Direct all_gather and all_reduce (docs/xproc.md): from how many input bytes per rank the peers'
+    // memory is read directly; None until the group's first call agreed, -1 for never (with the reason).
+    auto from = [](const std::optional<uint64_t>& bytes) {
+      if (!bytes) return nb::object(nb::none());
+      return nb::object(nb::int_(*bytes == UINT64_MAX ? int64_t{-1} : static_cast<int64_t>(*bytes)));
+    };
+    d["direct_all_gather_from_bytes"] = from(g.direct_from);
     d["direct_all_gather_refusal"] = g.direct_refusal;
+    d["direct_all_reduce_from_bytes"] = from(g.direct_reduce_from);
+    d["direct_all_reduce_refusal"] = g.direct_reduce_refusal;
     // The links a call of the group is split across under the current link set, the configured
     // links left out (and why), and each cross-process tcp ring's refused connections.
     if (xproc::ProcessGroup* pg = xproc::FindProcessGroup(g.devices)) {

@@ -25,8 +25,9 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // 9: GPU groups' stage-1 agreement (TimesSlot::failed[1] and a barrier in every profiling call);
 // 10: the rank blocks' `closed` (a GPU engine's shutdown, seen by the other processes' waits);
 // 11: the rank blocks' `sleepers` (a barrier wakes only when someone sleeps); 12: the rank blocks'
-// `direct` and `direct_kib` (all_gather reading the peers' inputs, process_group.h)
-inline constexpr uint32_t kLayoutVersion = 12;
+// `direct` and `direct_kib` (all_gather reading the peers' inputs, process_group.h); 13: the rank
+// blocks' `direct_reduce_kib` (all_reduce reading them)
+inline constexpr uint32_t kLayoutVersion = 13;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -151,6 +152,7 @@ struct alignas(64) RankBlock {
   // barrier after which every rank reads every rank's (ProcessGroup::AgreeDirect).
   std::atomic<uint32_t> direct;
   uint32_t direct_kib;
+  uint32_t direct_reduce_kib;  // XprocDirectReduceBytes in KiB, published with `direct_kib`
 };
 static_assert(sizeof(RankBlock) == 64);
 inline constexpr uint32_t kDirectUnknown = 0, kDirectYes = 1, kDirectNo = 2;

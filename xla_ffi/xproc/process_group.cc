@@ -84,7 +84,9 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int
       stragglers_(devices),
       direct_state_(new std::atomic<uint32_t>[devices.size()]),
       direct_from_(new std::atomic<uint64_t>[devices.size()]),
-      direct_refusal_(devices.size()) {
+      direct_reduce_from_(new std::atomic<uint64_t>[devices.size()]),
+      direct_refusal_(devices.size()),
+      direct_reduce_refusal_(devices.size()) {
   ranks_ = reinterpret_cast<RankBlock*>(segment_->data() + header_->ranks_offset);
   times_ = reinterpret_cast<TimesSlot*>(segment_->data() + header_->times_offset);
   profile_ = reinterpret_cast<ProfileTimes*>(segment_->data() + header_->profile_offset);
@@ -94,6 +96,7 @@ ProcessGroup::ProcessGroup(std::unique_ptr<Segment> segment, std::span<const int
     calls_[r].store(0);
     direct_state_[r].store(kDirectUnknown);
     direct_from_[r].store(UINT64_MAX);
+    direct_reduce_from_[r].store(UINT64_MAX);
   }
 }
 
@@ -514,7 +517,14 @@ Status ProcessGroup::Run(int rank, const CallDesc& desc, std::string_view label,
   if (auto reason = broken())
     return Status::FailedPrecondition(where() + ": the cross-process group is broken: " + *reason);
   FLEXLINK_RETURN_IF_ERROR(CheckSlotFits(desc, where));
-  if (UseDirect(rank, desc)) return RunDirectGather(rank, desc, where, label, run_id, call);
+  switch (UseDirect(rank, desc)) {
+    case Direct::kGather:
+      return RunDirectGather(rank, desc, where, label, run_id, call);
+    case Direct::kReduce:
+      return RunDirectReduce(rank, desc, where, label, run_id, call);
+    case Direct::kNo:
+      break;
+  }
   StepCursor cursor(desc, size(), header_->slot_bytes);
   FLEXLINK_RETURN_IF_ERROR(Steps(rank, desc, cursor, where, true, label, run_id, call));
   // Every rank's first successful call here (a failed one fails on every rank alike) agrees once.

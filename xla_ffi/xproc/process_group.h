@@ -119,12 +119,13 @@ class ProcessGroup {
   // engine: gpu::XprocSpin, where each rank has a core).
   void SetSpin(std::chrono::nanoseconds spin) { spin_ = spin; }
   std::chrono::nanoseconds spin() const { return spin_; }
-  // Direct all_gather (docs/xproc.md): whether the group's ranks agreed that every one of them can
-  // read every peer's memory, and from how many input bytes per rank Run reads the peers' inputs
-  // instead of staging them; nullopt until the group's first successful call through Run agreed.
-  // `direct_refusal`: this rank's reason when it could not (empty otherwise).
-  std::optional<uint64_t> direct_from(int rank) const;
-  std::string direct_refusal(int rank) const;
+  // Direct all_gather and all_reduce (docs/xproc.md): whether the group's ranks agreed that every
+  // one of them can read every peer's memory, and from how many input bytes per rank Run reads the
+  // peers' memory for `kind` (kAllGather or kAllReduce; UINT64_MAX: never) instead of staging;
+  // nullopt until the group's first successful call through Run agreed. `direct_refusal`: why the
+  // kind is never direct (empty otherwise).
+  std::optional<uint64_t> direct_from(int rank, Kind kind) const;
+  std::string direct_refusal(int rank, Kind kind) const;
 
  private:
   using Where = std::function<std::string()>;  // the call as messages name it
@@ -146,9 +147,19 @@ class ProcessGroup {
   // copy per byte (each peer's input read straight into the output) and two barriers (the arrival,
   // then "done reading", before which no rank returns and lets XLA reuse its input).
   Status AgreeDirect(int rank, const CallDesc& desc, const Where& where);
-  bool UseDirect(int rank, const CallDesc& desc) const;
+  enum class Direct { kNo, kGather, kReduce };
+  Direct UseDirect(int rank, const CallDesc& desc) const;
   Status RunDirectGather(int rank, const CallDesc& desc, const Where& where, std::string_view label, int64_t run_id,
-                         uint64_t call);  // writes this process's pid into its ranks' control blocks
+                         uint64_t call);
+  // Direct all_reduce (direct_reduce.cc): three barriers. After the arrival (every rank's input and
+  // output addresses published) rank r reduces its slice of every part over every rank's input in
+  // rank order, reading the peers' chunk by chunk into a cache-sized scratch, into its own output;
+  // after the second ("reduced") every rank reads every other slice from its owner's output; the
+  // third ("done reading") keeps every input and output in place until nobody reads them.
+  Status RunDirectReduce(int rank, const CallDesc& desc, const Where& where, std::string_view label, int64_t run_id,
+                         uint64_t call);
+  // The message and the group's failure for a read of rank `peer`'s memory the kernel refused.
+  Status PeerReadFailed(int rank, const Where& where, int peer, const std::string& what, const std::string& why);  // writes this process's pid into its ranks' control blocks
   char* Slot(int buffer, int rank) const {
     return data_ + (static_cast<size_t>(buffer) * devices_.size() + rank) * header_->slot_stride;
   }
@@ -189,8 +200,8 @@ class ProcessGroup {
   // Per rank (only local ranks' entries are used, each by its own thread until agreed): kDirect*,
   // and the agreed threshold in bytes; the reason this rank could not read a peer.
   std::unique_ptr<std::atomic<uint32_t>[]> direct_state_;
-  std::unique_ptr<std::atomic<uint64_t>[]> direct_from_;
-  std::vector<std::string> direct_refusal_;
+  std::unique_ptr<std::atomic<uint64_t>[]> direct_from_, direct_reduce_from_;
+  std::vector<std::string> direct_refusal_, direct_reduce_refusal_;
 };
 
 }  // namespace flexlink::xproc

@@ -104,7 +104,8 @@ std::vector<ProcessGroupInfo> ProcessGroups() {
     int first = 0;
     while (first < g->size() && !g->is_local(first)) ++first;
     out.push_back({g->name(), g->devices(), g->local_devices(), g->slot_bytes(), g->calls(), g->broken(),
-                   g->direct_from(first), g->direct_refusal(first)});
+                   g->direct_from(first, Kind::kAllGather), g->direct_from(first, Kind::kAllReduce),
+                   g->direct_refusal(first, Kind::kAllGather), g->direct_refusal(first, Kind::kAllReduce)});
   }
   return out;
 }

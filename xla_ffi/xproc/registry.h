@@ -35,10 +35,10 @@ struct ProcessGroupInfo {
   size_t slot_bytes = 0;
   uint64_t calls = 0;
   std::optional<std::string> broken;
-  // Direct all_gather (ProcessGroup::direct_from), as this process's first rank agreed it: nullopt
-  // until agreed, UINT64_MAX for never; and that rank's reason when it could not read a peer.
-  std::optional<uint64_t> direct_from;
-  std::string direct_refusal;
+  // Direct all_gather and all_reduce (ProcessGroup::direct_from), as this process's first rank
+  // agreed them: nullopt until agreed, UINT64_MAX for never; and why never.
+  std::optional<uint64_t> direct_from, direct_reduce_from;
+  std::string direct_refusal, direct_reduce_refusal;
 };
 std::vector<ProcessGroupInfo> ProcessGroups();
 

@@ -109,17 +109,12 @@ void Compute(const CallDesc& desc, int n, int rank, const StepPiece& piece, cons
   }
 }
 
-namespace {
-
-// Rank r's slice of a piece's units, starting on cache-line multiples of elements.
 UnitRange Slice(size_t units, int n, int rank, size_t width) {
   const size_t align = std::max<size_t>(1, 64 / width);
   const size_t chunk = RoundUp((units + n - 1) / n, align);
   const size_t begin = std::min(units, chunk * rank);
   return {begin, std::min(units, begin + chunk)};
 }
-
-}  // namespace
 
 void ReduceSlice(const CallDesc& desc, int n, int rank, const StepPiece& piece, const char* const* slots, char* result) {
   const Part& p = desc.parts[piece.part];

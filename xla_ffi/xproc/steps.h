@@ -46,6 +46,10 @@ void Stage(const CallDesc& desc, int n, int rank, const StepPiece& piece, char* 
 // After it: this rank's output units of `piece` from every rank's slot (`slots[j]`, rank order).
 void Compute(const CallDesc& desc, int n, int rank, const StepPiece& piece, const char* const* slots);
 
+// Rank `rank`'s slice of `units` units of `width` bytes (of n), starting on cache-line multiples of
+// elements; the last ranks' slices may be short or empty.
+UnitRange Slice(size_t units, int n, int rank, size_t width);
+
 // all_reduce in two phases (n >= 3, large calls): after the first barrier rank r reduces only its
 // slice of each piece over every slot into the shared `result` area (same offsets as the slots);
 // after a second barrier every rank copies the whole piece out. Per rank (2 + 1 + 1/n + 2)·N bytes
