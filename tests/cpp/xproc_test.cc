@@ -1404,10 +1404,11 @@ int main(int argc, char** argv) {
   std::printf("xproc_test\n");
   RunScenario({"2 processes x 1 rank: every kind x dtype x op", 2, 1, 64 << 10, 30, {}, false,
                [](Proc& p) { Correctness(p, true); }});
+  // With every all_reduce in one phase, then every one in two (by default from 1 MiB per rank).
+  const uint64_t two_phase = XprocTwoPhaseBytes();
+  SetXprocTwoPhaseBytes(UINT64_MAX);
   RunScenario({"4 processes x 1 rank: every kind x dtype x op", 4, 1, 64 << 10, 30, {}, false,
                [](Proc& p) { Correctness(p, true); }});
-  // The same with every all_reduce in two phases (off by default).
-  const uint64_t two_phase = XprocTwoPhaseBytes();
   SetXprocTwoPhaseBytes(0);
   RunScenario({"4 processes x 1 rank, two-phase all_reduce", 4, 1, 64 << 10, 30, {}, false,
                [](Proc& p) { Correctness(p, true); }});

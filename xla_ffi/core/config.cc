@@ -81,9 +81,11 @@ int64_t SpinFromEnv() {
   return kAutoSpin;
 }
 std::atomic<int64_t> g_spin_micros{SpinFromEnv()};
-// Off: on the 2-core test machine (4 processes on 2 cores) the second barrier per step cost more
-// than the traffic it saves (docs/xproc.md, "Two-phase all_reduce").
-std::atomic<uint64_t> g_xproc_two_phase_bytes{UINT64_MAX};
+// From 1 MiB: through JAX (fresh outputs, XLA's threads beside the ranks) the traffic it saves
+// outweighs its second barrier per step from there on, with 4 processes and with 2 x 4 ranks on 2
+// cores (docs/xproc.md, "Two-phase all_reduce"). Not read from the environment: every rank of a
+// group must take the same decision, and every process of a job runs the same build.
+std::atomic<uint64_t> g_xproc_two_phase_bytes{uint64_t{1} << 20};
 std::string& CachePath() {
   static auto* path = new std::string();
   return *path;

@@ -71,7 +71,7 @@ void SetTuneCachePath(std::string path);
 size_t XprocSlotBytes();
 void SetXprocSlotBytes(size_t bytes);
 // Cross-process all_reduce of at least this many bytes per rank on 3+ ranks reduces in two phases
-// (each rank its slice, then all copy; docs/xproc.md). Default: never (UINT64_MAX), see config.cc.
+// (each rank its slice, then all copy; docs/xproc.md). Default: 1 MiB, see config.cc.
 uint64_t XprocTwoPhaseBytes();
 void SetXprocTwoPhaseBytes(uint64_t bytes);
 // Cross-process all_gather of at least this many input bytes per rank (and at most 8 MiB, above
