@@ -124,20 +124,29 @@ Status ProcessGroup::PeerReadFailed(int rank, const Where& where, int peer, cons
   return Status::Internal(message);
 }
 
+Status ProcessGroup::ArriveDirect(int rank, const CallDesc& desc, const Where& where, std::string_view label,
+                                  int64_t run_id, uint64_t call, bool outputs, uint32_t* step, int* buffer) {
+  *step = ranks_[rank].arrived.load(std::memory_order_relaxed);
+  *buffer = *step & 1;
+  char* own = Slot(*buffer, rank);
+  WriteFingerprint(desc, own);
+  const size_t per_part = outputs ? 2 : 1;
+  for (size_t p = 0; p < desc.parts.size(); ++p) {
+    const uint64_t addresses[2] = {reinterpret_cast<uintptr_t>(desc.parts[p].in),
+                                   reinterpret_cast<uintptr_t>(desc.parts[p].out)};
+    std::memcpy(own + kFingerprintBytes + per_part * p * sizeof(uint64_t), addresses, per_part * sizeof(uint64_t));
+  }
+  FLEXLINK_RETURN_IF_ERROR(Barrier(rank, step, where, 0, true, desc));
+  return CheckFingerprints(*buffer, label, run_id, call);
+}
+
 Status ProcessGroup::RunDirectGather(int rank, const CallDesc& desc, const Where& where, std::string_view label,
                                      int64_t run_id, uint64_t call) {
   const int n = size();
   const int32_t me = static_cast<int32_t>(getpid());
-  uint32_t step = ranks_[rank].arrived.load(std::memory_order_relaxed);
-  const int buffer = step & 1;
-  char* own = Slot(buffer, rank);
-  WriteFingerprint(desc, own);
-  for (size_t p = 0; p < desc.parts.size(); ++p) {
-    const uint64_t address = reinterpret_cast<uintptr_t>(desc.parts[p].in);
-    std::memcpy(own + kFingerprintBytes + p * sizeof address, &address, sizeof address);
-  }
-  FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, 0, true, desc));
-  FLEXLINK_RETURN_IF_ERROR(CheckFingerprints(buffer, label, run_id, call));
+  uint32_t step = 0;
+  int buffer = 0;
+  FLEXLINK_RETURN_IF_ERROR(ArriveDirect(rank, desc, where, label, run_id, call, false, &step, &buffer));
   thread_local std::vector<LocalRun> runs;
   for (size_t p = 0; p < desc.parts.size(); ++p) {
     const Part& part = desc.parts[p];

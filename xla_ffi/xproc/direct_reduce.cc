@@ -40,17 +40,9 @@ Status ProcessGroup::RunDirectReduce(int rank, const CallDesc& desc, const Where
                                      int64_t run_id, uint64_t call) {
   const int n = size();
   const int32_t me = static_cast<int32_t>(getpid());
-  uint32_t step = ranks_[rank].arrived.load(std::memory_order_relaxed);
-  const int buffer = step & 1;
-  char* own = Slot(buffer, rank);
-  WriteFingerprint(desc, own);
-  for (size_t p = 0; p < desc.parts.size(); ++p) {
-    const uint64_t addresses[2] = {reinterpret_cast<uintptr_t>(desc.parts[p].in),
-                                   reinterpret_cast<uintptr_t>(desc.parts[p].out)};
-    std::memcpy(own + kFingerprintBytes + 2 * p * sizeof(uint64_t), addresses, sizeof addresses);
-  }
-  FLEXLINK_RETURN_IF_ERROR(Barrier(rank, &step, where, 0, true, desc));
-  FLEXLINK_RETURN_IF_ERROR(CheckFingerprints(buffer, label, run_id, call));
+  uint32_t step = 0;
+  int buffer = 0;
+  FLEXLINK_RETURN_IF_ERROR(ArriveDirect(rank, desc, where, label, run_id, call, true, &step, &buffer));
 
   // Phase 1: this rank's slice of every part, over every rank's input in rank order (the order every
   // link reduces in), chunk by chunk. A peer in this process is read in place; another process's

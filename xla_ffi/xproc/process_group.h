@@ -149,6 +149,11 @@ class ProcessGroup {
   Status AgreeDirect(int rank, const CallDesc& desc, const Where& where);
   enum class Direct { kNo, kGather, kReduce };
   Direct UseDirect(int rank, const CallDesc& desc) const;
+  // A direct call's arrival: the fingerprint and every part's input address (and output address
+  // where `outputs`) into this rank's slot, the barrier, the fingerprints compared. *step: this
+  // rank's barrier count after it; *buffer: the slot parity the addresses are in.
+  Status ArriveDirect(int rank, const CallDesc& desc, const Where& where, std::string_view label, int64_t run_id,
+                      uint64_t call, bool outputs, uint32_t* step, int* buffer);
   Status RunDirectGather(int rank, const CallDesc& desc, const Where& where, std::string_view label, int64_t run_id,
                          uint64_t call);
   // Direct all_reduce (direct_reduce.cc): three barriers. After the arrival (every rank's input and
