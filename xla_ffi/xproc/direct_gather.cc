@@ -100,16 +100,14 @@ Status ProcessGroup::AgreeDirect(int rank, const CallDesc& desc, const Where& wh
 
 ProcessGroup::Direct ProcessGroup::UseDirect(int rank, const CallDesc& desc) const {
   if (direct_state_[rank].load(std::memory_order_relaxed) != kDirectYes) return Direct::kNo;
+  // Every part's input and output addresses go into the slot after the fingerprint.
+  if (desc.parts.size() * 2 * sizeof(uint64_t) > header_->slot_bytes) return Direct::kNo;
   const uint64_t bytes = desc.InputBytes(size());
   switch (desc.kind) {
     case Kind::kAllGather:
-      // The input addresses, one per part, go into the slot after the fingerprint.
-      if (desc.parts.size() * sizeof(uint64_t) > header_->slot_bytes) return Direct::kNo;
       return bytes >= direct_from_[rank].load(std::memory_order_relaxed) && bytes <= kDirectMaxBytes ? Direct::kGather
                                                                                                       : Direct::kNo;
     case Kind::kAllReduce:
-      // The input and output addresses of every part.
-      if (desc.parts.size() * 2 * sizeof(uint64_t) > header_->slot_bytes) return Direct::kNo;
       return bytes >= direct_reduce_from_[rank].load(std::memory_order_relaxed) ? Direct::kReduce : Direct::kNo;
     default:
       return Direct::kNo;
@@ -125,19 +123,25 @@ Status ProcessGroup::PeerReadFailed(int rank, const Where& where, int peer, cons
 }
 
 Status ProcessGroup::ArriveDirect(int rank, const CallDesc& desc, const Where& where, std::string_view label,
-                                  int64_t run_id, uint64_t call, bool outputs, uint32_t* step, int* buffer) {
+                                  int64_t run_id, uint64_t call, uint32_t* step, int* buffer) {
   *step = ranks_[rank].arrived.load(std::memory_order_relaxed);
   *buffer = *step & 1;
   char* own = Slot(*buffer, rank);
   WriteFingerprint(desc, own);
-  const size_t per_part = outputs ? 2 : 1;
   for (size_t p = 0; p < desc.parts.size(); ++p) {
     const uint64_t addresses[2] = {reinterpret_cast<uintptr_t>(desc.parts[p].in),
                                    reinterpret_cast<uintptr_t>(desc.parts[p].out)};
-    std::memcpy(own + kFingerprintBytes + per_part * p * sizeof(uint64_t), addresses, per_part * sizeof(uint64_t));
+    std::memcpy(own + kFingerprintBytes + p * sizeof addresses, addresses, sizeof addresses);
   }
   FLEXLINK_RETURN_IF_ERROR(Barrier(rank, step, where, 0, true, desc));
   return CheckFingerprints(*buffer, label, run_id, call);
+}
+
+uint64_t ProcessGroup::PeerAddress(int buffer, int rank, size_t part, bool output) const {
+  uint64_t address = 0;
+  std::memcpy(&address, Slot(buffer, rank) + kFingerprintBytes + (2 * part + (output ? 1 : 0)) * sizeof address,
+              sizeof address);
+  return address;
 }
 
 Status ProcessGroup::RunDirectGather(int rank, const CallDesc& desc, const Where& where, std::string_view label,
@@ -146,7 +150,7 @@ Status ProcessGroup::RunDirectGather(int rank, const CallDesc& desc, const Where
   const int32_t me = static_cast<int32_t>(getpid());
   uint32_t step = 0;
   int buffer = 0;
-  FLEXLINK_RETURN_IF_ERROR(ArriveDirect(rank, desc, where, label, run_id, call, false, &step, &buffer));
+  FLEXLINK_RETURN_IF_ERROR(ArriveDirect(rank, desc, where, label, run_id, call, &step, &buffer));
   thread_local std::vector<LocalRun> runs;
   for (size_t p = 0; p < desc.parts.size(); ++p) {
     const Part& part = desc.parts[p];
@@ -157,8 +161,7 @@ Status ProcessGroup::RunDirectGather(int rank, const CallDesc& desc, const Where
     // Starting after this rank spreads the ranks' reads over different peers.
     for (int k = 1; k <= n; ++k) {
       const int j = (rank + k) % n;
-      uint64_t address = 0;
-      std::memcpy(&address, Slot(buffer, j) + kFingerprintBytes + p * sizeof address, sizeof address);
+      const uint64_t address = PeerAddress(buffer, j, p, false);
       const int32_t pid = ranks_[j].pid.load(std::memory_order_relaxed);
       if (pid == me) {  // this process's rank: its input is in this address space
         shm::CopyUnits(shm::Rows{out + j * row, n * part.inner},

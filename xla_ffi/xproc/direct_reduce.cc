@@ -1,18 +1,16 @@
 // Direct all_reduce across processes (docs/xproc.md, "Direct all_reduce"): a reduce-scatter that
 // reads the peers' inputs where they are, then an all-gather that reads the reduced slices from
-// their owners' outputs. Per rank about (3n - 1)/n · N bytes of memory traffic instead of the
-// staged (n + 3)·N: the peers' chunks land in a scratch that stays in cache, and nothing passes
+// their owners' outputs. Per rank about (3n - 1)/n · N bytes of memory traffic (where a peer's chunk
+// stays in cache between its read and the reduction) instead of the staged (n + 3)·N; nothing passes
 // through the segment.
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "xla_ffi/core/reduce.h"
 #include "xla_ffi/links/shm_copy.h"
 #include "xla_ffi/links/shm_ops.h"
-#include "xla_ffi/xproc/fingerprint.h"
 #include "xla_ffi/xproc/peer_read.h"
 #include "xla_ffi/xproc/process_group.h"
 #include "xla_ffi/xproc/steps.h"
@@ -27,13 +25,6 @@ namespace {
 // 0.585 / 0.540 / 0.461).
 constexpr size_t kChunkBytes = size_t{1} << 20;
 
-// Where a rank's part p addresses are in its slot: input, then output.
-uint64_t Address(const char* slot, size_t part, int which) {
-  uint64_t address = 0;
-  std::memcpy(&address, slot + kFingerprintBytes + (2 * part + which) * sizeof address, sizeof address);
-  return address;
-}
-
 }  // namespace
 
 Status ProcessGroup::RunDirectReduce(int rank, const CallDesc& desc, const Where& where, std::string_view label,
@@ -42,15 +33,14 @@ Status ProcessGroup::RunDirectReduce(int rank, const CallDesc& desc, const Where
   const int32_t me = static_cast<int32_t>(getpid());
   uint32_t step = 0;
   int buffer = 0;
-  FLEXLINK_RETURN_IF_ERROR(ArriveDirect(rank, desc, where, label, run_id, call, true, &step, &buffer));
+  FLEXLINK_RETURN_IF_ERROR(ArriveDirect(rank, desc, where, label, run_id, call, &step, &buffer));
 
   // Phase 1: this rank's slice of every part, over every rank's input in rank order (the order every
   // link reduces in), chunk by chunk. A peer in this process is read in place; another process's
   // chunk is copied into the scratch first.
-  const size_t chunk_bytes = kChunkBytes;
   thread_local std::vector<char> scratch;
   thread_local std::vector<const void*> srcs;
-  scratch.resize(static_cast<size_t>(n) * chunk_bytes + 64);
+  scratch.resize(static_cast<size_t>(n) * kChunkBytes + 64);
   srcs.resize(n);
   char* const scratch_base = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
   for (size_t p = 0; p < desc.parts.size(); ++p) {
@@ -63,17 +53,17 @@ Status ProcessGroup::RunDirectReduce(int rank, const CallDesc& desc, const Where
     // The reduced slice is read next by the peers, not by this rank: streamed past the cache where
     // the output is a buffer of its own (in place, its lines were just read).
     const uint8_t stream = shm::StreamSeparate(part.in, part.out, part.units * w) ? 1 : 0;
-    const size_t chunk_units = std::max<size_t>(1, chunk_bytes / w);
+    const size_t chunk_units = std::max<size_t>(1, kChunkBytes / w);
     for (size_t begin = slice.begin; begin < slice.end; begin += chunk_units) {
       const size_t units = std::min(chunk_units, slice.end - begin), bytes = units * w;
       for (int j = 0; j < n; ++j) {
-        const uint64_t address = Address(Slot(buffer, j), p, 0) + begin * w;
+        const uint64_t address = PeerAddress(buffer, j, p, false) + begin * w;
         const int32_t pid = ranks_[j].pid.load(std::memory_order_relaxed);
         if (pid == me) {
           srcs[j] = reinterpret_cast<const void*>(address);
           continue;
         }
-        char* to = scratch_base + static_cast<size_t>(j) * chunk_bytes;
+        char* to = scratch_base + static_cast<size_t>(j) * kChunkBytes;
         const LocalRun run{to, bytes};
         std::string why;
         if (!ReadPeer(pid, address, {&run, 1}, bytes, &why)) return PeerReadFailed(rank, where, j, "input", why);
@@ -97,7 +87,7 @@ Status ProcessGroup::RunDirectReduce(int rank, const CallDesc& desc, const Where
       const int j = (rank + k) % n;
       const UnitRange slice = Slice(part.units, n, j, w);
       if (slice.empty()) continue;
-      const uint64_t address = Address(Slot(buffer, j), p, 1) + slice.begin * w;
+      const uint64_t address = PeerAddress(buffer, j, p, true) + slice.begin * w;
       const size_t bytes = slice.size() * w;
       const int32_t pid = ranks_[j].pid.load(std::memory_order_relaxed);
       if (pid == me) {

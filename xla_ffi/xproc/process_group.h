@@ -149,22 +149,24 @@ class ProcessGroup {
   Status AgreeDirect(int rank, const CallDesc& desc, const Where& where);
   enum class Direct { kNo, kGather, kReduce };
   Direct UseDirect(int rank, const CallDesc& desc) const;
-  // A direct call's arrival: the fingerprint and every part's input address (and output address
-  // where `outputs`) into this rank's slot, the barrier, the fingerprints compared. *step: this
-  // rank's barrier count after it; *buffer: the slot parity the addresses are in.
+  // A direct call's arrival: the fingerprint and every part's input and output addresses into this
+  // rank's slot, the barrier, the fingerprints compared. *step: this rank's barrier count after it;
+  // *buffer: the slot parity the addresses are in (PeerAddress reads them).
   Status ArriveDirect(int rank, const CallDesc& desc, const Where& where, std::string_view label, int64_t run_id,
-                      uint64_t call, bool outputs, uint32_t* step, int* buffer);
+                      uint64_t call, uint32_t* step, int* buffer);
+  // Rank `rank`'s input (`output` false) or output address of part `part`, as ArriveDirect wrote it.
+  uint64_t PeerAddress(int buffer, int rank, size_t part, bool output) const;
   Status RunDirectGather(int rank, const CallDesc& desc, const Where& where, std::string_view label, int64_t run_id,
                          uint64_t call);
   // Direct all_reduce (direct_reduce.cc): three barriers. After the arrival (every rank's input and
   // output addresses published) rank r reduces its slice of every part over every rank's input in
-  // rank order, reading the peers' chunk by chunk into a cache-sized scratch, into its own output;
+  // rank order, reading the peers' chunk by chunk into a scratch, into its own output;
   // after the second ("reduced") every rank reads every other slice from its owner's output; the
   // third ("done reading") keeps every input and output in place until nobody reads them.
   Status RunDirectReduce(int rank, const CallDesc& desc, const Where& where, std::string_view label, int64_t run_id,
                          uint64_t call);
   // The message and the group's failure for a read of rank `peer`'s memory the kernel refused.
-  Status PeerReadFailed(int rank, const Where& where, int peer, const std::string& what, const std::string& why);  // writes this process's pid into its ranks' control blocks
+  Status PeerReadFailed(int rank, const Where& where, int peer, const std::string& what, const std::string& why);
   char* Slot(int buffer, int rank) const {
     return data_ + (static_cast<size_t>(buffer) * devices_.size() + rank) * header_->slot_stride;
   }
