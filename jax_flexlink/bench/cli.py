@@ -43,6 +43,7 @@ class Config:
     mp_configs: list = dataclasses.field(default_factory=list)  # --scenario multiprocess: its launches
     mp_timeout: float | None = None   # --scenario multiprocess: the launcher's deadline per configuration
     mp_keep_freed_memory: bool = True  # --scenario multiprocess: the launcher's --keep-freed-memory
+    mp_launches: int = 1              # --scenario multiprocess: launches of each configuration
     runs: int = 1              # timed calls of one side in a row (timing.time_interleaved)
 
 
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--scenario multiprocess: the launcher's glibc malloc settings that keep freed memory "
                         "for reuse, for FlexLink and the native collective alike (default on; "
                         "--no-mp-keep-freed-memory runs with glibc's defaults; docs/launch.md)")
+    g.add_argument("--mp-launches", type=int, metavar="K",
+                   help="--scenario multiprocess: launch each configuration K times, the configurations "
+                        "taking turns, and end with every point's speedup per launch and its min / median / "
+                        "max over the launches (default 1; a launch's speed varies on a shared machine)")
     g = p.add_argument_group("timing and checking")
     g.add_argument("-n", "--iters", type=_nonneg_int, default=0,
                    help=f"timed iterations per size; 0 = auto: ~{timing.AUTO_BYTES_BUDGET >> 20} MiB per "
@@ -186,7 +191,7 @@ def parse(argv: list[str] | None = None) -> Config:
     if a.devices is not None and a.devices < 1:
         p.error("--devices must be >= 1")
     devices = a.devices if a.devices is not None else (scen.devices or 0)
-    mp_configs, mp_timeout, mp_keep = _multiprocess_flags(p, a, scen)
+    mp_configs, mp_timeout, mp_keep, mp_launches = _multiprocess_flags(p, a, scen)
     if a.plot:
         from . import report
         try:
@@ -204,19 +209,19 @@ def parse(argv: list[str] | None = None) -> Config:
                   baseline=a.baseline, json_path=a.json, plot_path=a.plot, scenario=scen.name,
                   seed=a.seed, impl=a.impl, argv=argv, settings=settings, stat=a.stat,
                   platform=scen.platform, mp_configs=mp_configs, mp_timeout=mp_timeout,
-                  mp_keep_freed_memory=mp_keep, runs=a.runs)
+                  mp_keep_freed_memory=mp_keep, mp_launches=mp_launches, runs=a.runs)
 
 
 def _multiprocess_flags(p: argparse.ArgumentParser, a: argparse.Namespace,
-                        scen) -> tuple[list, float | None, bool]:
-    """--mp-configs, --mp-timeout and --mp-keep-freed-memory belong to --scenario multiprocess, whose
-    device counts and launches they give."""
+                        scen) -> tuple[list, float | None, bool, int]:
+    """--mp-configs, --mp-timeout, --mp-keep-freed-memory and --mp-launches belong to --scenario
+    multiprocess, whose device counts and launches they give."""
     if scen.name != "multiprocess":
         for flag, v in (("--mp-configs", a.mp_configs), ("--mp-timeout", a.mp_timeout),
-                        ("--mp-keep-freed-memory", a.mp_keep_freed_memory)):
+                        ("--mp-keep-freed-memory", a.mp_keep_freed_memory), ("--mp-launches", a.mp_launches)):
             if v is not None:
                 p.error(f"{flag} applies only to --scenario multiprocess")
-        return [], None, True
+        return [], None, True, 1
     if a.devices is not None:
         p.error("--devices does not apply to --scenario multiprocess; its --mp-configs give the processes and "
                 "devices (e.g. --mp-configs 2x2: 2 processes x 2 devices)")
@@ -229,7 +234,10 @@ def _multiprocess_flags(p: argparse.ArgumentParser, a: argparse.Namespace,
     timeout = multiprocess.DEFAULT_TIMEOUT_S if a.mp_timeout is None else a.mp_timeout
     if not 0 < timeout < float("inf"):  # a deadline must be one (also refuses nan)
         p.error(f"--mp-timeout must be > 0 and finite, got {a.mp_timeout}")
-    return configs, timeout, a.mp_keep_freed_memory is not False
+    launches = 1 if a.mp_launches is None else a.mp_launches
+    if launches < 1:
+        p.error(f"--mp-launches must be >= 1, got {a.mp_launches}")
+    return configs, timeout, a.mp_keep_freed_memory is not False, launches
 
 
 _DEVCOUNT_RE = re.compile(r"--xla_force_host_platform_device_count=\S*")

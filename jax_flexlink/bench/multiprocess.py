@@ -1,6 +1,7 @@
 """`--scenario multiprocess`: the sweep across jax.distributed processes, one launch per configuration.
 
-For each configuration (`--mp-configs`, default 2x1,4x1,2hx2x1) this process runs
+For each configuration (`--mp-configs`, default 2x1,4x1,2hx2x1; `--mp-launches K` times, the
+configurations taking turns, then launches.py's summary across the launches) this process runs
 
     python -m jax_flexlink.launch -n P --devices-per-process K [--hosts H] --timeout S -- \\
         python -m jax_flexlink.bench.mp_worker --config NAME --json-out FILE -- <the bench's arguments>
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+
+from . import launches
 
 DEFAULT_CONFIGS = "2x1,4x1,2hx2x1"
 DEFAULT_TIMEOUT_S = 1200.0
@@ -118,14 +121,24 @@ def exit_status(codes: list[int]) -> int:
     return 2 if all(c == 2 for c in bad) else 1
 
 
-def merge(docs: list[tuple[MpConfig, int, dict | None]], command: str, argv: list[str]) -> dict:
+def merge(docs: list[tuple[MpConfig, int, dict | None]], command: str, argv: list[str],
+          launch_numbers: list[int] | None = None) -> dict:
     """One --json document (schema jax_flexlink.bench/1) from the configurations' documents: every row
-    (with its `config`), summaries combined, and `configurations` saying how each one ended."""
+    (with its `config`), summaries combined, and `configurations` saying how each one ended. With
+    `launch_numbers` (one per document, --mp-launches), every row and configuration entry also has its
+    `launch`, and `launches` has the points across them (launches.points)."""
+    numbered = launch_numbers is not None
+    nums = launch_numbers if numbered else [1] * len(docs)
     got = [d for _, _, d in docs if d]
     base = dict(got[0]) if got else {}
-    rows = [r for d in got for r in d.get("rows", [])]
-    errors = [e for d in got for e in d.get("summary", {}).get("errors", [])]
-    errors += [f"{c.name}: {status_text(code)} (no JSON)" for c, code, d in docs if d is None]
+    rows = []
+    for (_, _, d), k in zip(docs, nums):
+        for r in (d or {}).get("rows", []):
+            rows.append(dict(r, launch=k) if numbered else r)
+    errors = [e if not numbered else f"launch {k}: {e}"
+              for (_, _, d), k in zip(docs, nums) if d for e in d.get("summary", {}).get("errors", [])]
+    errors += [f"{c.name}{f' (launch {k})' if numbered else ''}: {status_text(code)} (no JSON)"
+               for (c, code, d), k in zip(docs, nums) if d is None]
     skipped = [dict(s, config=d["multiprocess"]["config"]) for d in got
                for s in d.get("summary", {}).get("skipped", [])]
     bus = [r["busbw_gbps"] for r in rows if r.get("busbw_gbps") is not None]
@@ -141,10 +154,13 @@ def merge(docs: list[tuple[MpConfig, int, dict | None]], command: str, argv: lis
                  "devices": max((c.processes * c.devices_per_process for c, _, _ in docs), default=0),
                  "summary": summary, "rows": rows,
                  "notes": [n for d in got for n in d.get("notes", [])],
-                 "configurations": [{"config": c.name, "processes": c.processes,
-                                     "devices_per_process": c.devices_per_process, "hosts": c.hosts,
-                                     "exit_status": code, "status": status_text(code)}
-                                    for c, code, _ in docs]})
+                 "configurations": [dict({"config": c.name, "processes": c.processes,
+                                          "devices_per_process": c.devices_per_process, "hosts": c.hosts,
+                                          "exit_status": code, "status": status_text(code)},
+                                         **({"launch": k} if numbered else {}))
+                                    for (c, code, _), k in zip(docs, nums)]})
+    if numbered:
+        base["launches"] = {"count": max(nums, default=0), "points": launches.points(rows)}
     return base
 
 
@@ -176,33 +192,44 @@ def _run_one(cmd: list[str], timeout_s: float, out) -> int:
 def run(cfg, out=sys.stdout) -> int:
     from .cli import command_line
     configs = cfg.mp_configs
+    k_total = cfg.mp_launches
     command = command_line(cfg.argv)
     print(f"# jax_flexlink.bench: {command}", file=out)
-    print(f"# scenario multiprocess: {len(configs)} configurations ({', '.join(c.name for c in configs)}), "
-          f"each one job of python -m jax_flexlink.launch (deadline {cfg.mp_timeout:g} s); rank 0 prints its "
+    each = f", each launched {k_total} times, the configurations taking turns" if k_total > 1 else ""
+    print(f"# scenario multiprocess: {len(configs)} configurations ({', '.join(c.name for c in configs)}){each}, "
+          f"each launch one job of python -m jax_flexlink.launch (deadline {cfg.mp_timeout:g} s); rank 0 prints its "
           "table", file=out, flush=True)
-    results = []
+    results, numbers = [], []
     with tempfile.TemporaryDirectory(prefix="flexlink-bench-mp-") as tmp:
-        for c in configs:
-            json_out = os.path.join(tmp, f"{c.name}.json")
-            cmd = launcher_command(c, cfg.mp_timeout, json_out, cfg.argv,
-                                   keep_freed_memory=cfg.mp_keep_freed_memory)
-            print(f"\n# ===== configuration {c.name}: {c.describe()}", file=out)
-            print(f"# {shlex.join(cmd)}", file=out, flush=True)
-            code = _run_one(cmd, cfg.mp_timeout, out)
-            doc = None
-            if os.path.exists(json_out):
-                with open(json_out) as f:
-                    doc = json.load(f)
-            print(f"# ===== configuration {c.name}: {status_text(code)}", file=out, flush=True)
-            results.append((c, code, doc))
+        for k in range(1, k_total + 1):
+            for c in configs:
+                name = c.name if k_total == 1 else f"{c.name} (launch {k} of {k_total})"
+                json_out = os.path.join(tmp, f"{c.name}.{k}.json")
+                cmd = launcher_command(c, cfg.mp_timeout, json_out, cfg.argv,
+                                       keep_freed_memory=cfg.mp_keep_freed_memory)
+                print(f"\n# ===== configuration {name}: {c.describe()}", file=out)
+                print(f"# {shlex.join(cmd)}", file=out, flush=True)
+                code = _run_one(cmd, cfg.mp_timeout, out)
+                doc = None
+                if os.path.exists(json_out):
+                    with open(json_out) as f:
+                        doc = json.load(f)
+                print(f"# ===== configuration {name}: {status_text(code)}", file=out, flush=True)
+                results.append((c, code, doc))
+                numbers.append(k)
     print("", file=out)
-    for c, code, _ in results:
-        print(f"# {c.name:<8} {c.describe():<62} {status_text(code)}", file=out)
+    for (c, code, _), k in zip(results, numbers):
+        name = c.name if k_total == 1 else f"{c.name}/{k}"
+        print(f"# {name:<8} {c.describe():<62} {status_text(code)}", file=out)
+    merged = merge(results, command, cfg.argv, numbers if k_total > 1 else None)
+    if k_total > 1:
+        print("", file=out)
+        for line in launches.lines(merged["launches"]["points"], k_total, cfg.stat):
+            print(line, file=out)
     status = exit_status([code for _, code, _ in results])
     if cfg.json_path:
         from . import report
-        report.write_json(cfg.json_path, merge(results, command, cfg.argv))
+        report.write_json(cfg.json_path, merged)
         print(f"# wrote {cfg.json_path}", file=out)
     out.flush()
     return status

@@ -1,8 +1,12 @@
-"""--scenario multiprocess: its flags, configurations, launcher command, output relay, JSON merge and
-the table of rows whose FlexLink side failed (no processes started here; test_e2e.py runs it)."""
+"""--scenario multiprocess: its flags, configurations, launcher command, output relay, JSON merge,
+the launches of --mp-launches and their summary, and the table of rows whose FlexLink side failed (no
+processes started here; test_e2e.py runs it)."""
+import io
+import json
+
 import pytest
 
-from jax_flexlink.bench import cli, multiprocess, report, table
+from jax_flexlink.bench import cli, launches, multiprocess, report, table
 from jax_flexlink.bench.multiprocess import MpConfig
 
 from bench_rows import _doc, _row
@@ -20,12 +24,16 @@ def test_default_configurations_and_sweep():
     c = cli.parse(["--scenario", "multiprocess", "--mp-configs", "3x2,2hx3x1", "--mp-timeout", "30"])
     assert c.mp_configs == [MpConfig("3x2", 3, 2, None), MpConfig("2hx3x1", 6, 1, 2)] and c.mp_timeout == 30
     assert cli.parse([]).mp_configs == [] and cli.parse([]).modes == [False, True]  # host8 unchanged
+    assert c.mp_launches == 1 and cli.parse(["--scenario", "multiprocess", "--mp-launches", "3"]).mp_launches == 3
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--mp-configs", "2x1"], "--mp-configs applies only to --scenario multiprocess"),
     (["--mp-timeout", "5"], "--mp-timeout applies only to --scenario multiprocess"),
     (["--no-mp-keep-freed-memory"], "--mp-keep-freed-memory applies only to --scenario multiprocess"),
+    (["--mp-launches", "2"], "--mp-launches applies only to --scenario multiprocess"),
+    (["--scenario", "multiprocess", "--mp-launches", "0"], "--mp-launches must be >= 1, got 0"),
+    (["--scenario", "multiprocess", "--mp-launches", "two"], "invalid int value"),
     (["--scenario", "multiprocess", "--mp-configs", "2"], "bad multiprocess configuration '2'"),
     (["--scenario", "multiprocess", "--mp-configs", "2x0"], "counts must be >= 1"),
     (["--scenario", "multiprocess", "--mp-configs", "0hx2x1"], "counts must be >= 1"),
@@ -226,3 +234,103 @@ def test_worker_reports_a_flexlink_side_that_fails_while_running():
         assert row["baseline_wrong"] == 0 and row["baseline_time_us"] > 0 and row["aliased"] is None
     assert len(errors) == 1 and errors[0].startswith("2x1: AllReduce sum float: FlexLink: rank 0: ")
     assert text.count("ERROR       -       -       -") == 2 * 2  # each size line, both modes
+
+
+def _point_row(config, bytes_, speedup, launch=None, **kw):
+    fields = dict(bytes=bytes_, speedup=speedup, time_us=100.0, baseline_time_us=100.0 * (speedup or 3.0))
+    fields.update(kw)
+    r = _row(**fields)
+    r["config"] = config
+    if launch is not None:
+        r["launch"] = launch
+    return r
+
+
+def test_points_across_launches():
+    rows = [_point_row("2x1", 1 << 20, 2.5, 1), _point_row("2x1", 4 << 20, 4.0, 1),
+            _point_row("2x1", 1 << 20, 3.5, 2), _point_row("2x1", 4 << 20, 5.0, 2),
+            _point_row("2x1", 1 << 20, 3.2, 3), _point_row("2x1", 4 << 20, 0.5, 3),
+            # Another configuration, mode and collective at the same size are other points.
+            _point_row("4x1", 1 << 20, 6.0, 1), _point_row("2x1", 1 << 20, 7.0, 1, inplace=True),
+            _point_row("2x1", 1 << 20, 8.0, 1, collective="all_gather", op="none"),
+            # A launch whose FlexLink side failed: no speedup, but its launch is listed.
+            _point_row("4x1", 1 << 20, None, 2, time_us=None)]
+    pts = launches.points(rows)
+    assert [(p["config"], p["collective"], p["bytes"], p["inplace"]) for p in pts] == [
+        ("2x1", "all_reduce", 1 << 20, False), ("2x1", "all_reduce", 4 << 20, False),
+        ("4x1", "all_reduce", 1 << 20, False), ("2x1", "all_reduce", 1 << 20, True),
+        ("2x1", "all_gather", 1 << 20, False)]
+    a, b, c = pts[:3]
+    assert a["launches"] == [1, 2, 3] and a["speedups"] == [2.5, 3.5, 3.2]
+    assert (a["speedup_min"], a["speedup_median"], a["speedup_max"]) == (2.5, 3.2, 3.5)
+    assert a["time_median_us"] == 100.0 and a["baseline_time_median_us"] == pytest.approx(320.0)
+    assert (b["speedup_min"], b["speedup_median"], b["speedup_max"]) == (0.5, 4.0, 5.0)
+    assert c["launches"] == [1, 2] and c["speedups"] == [6.0, None] and c["speedup_median"] == 6.0
+    assert c["time_median_us"] == 100.0 and c["baseline_time_median_us"] == 450.0  # native ran in both
+    # A row without a launch number is launch 1 (a document of one launch).
+    assert launches.points([_point_row("2x1", 1, 2.0)])[0]["launches"] == [1]
+    # Reaching a target by the median over the launches, and in every launch, from a size on.
+    assert launches.at_least(pts, 3.0) == (5, 3, 5)
+    assert launches.at_least(pts, 3.0, min_bytes=4 << 20) == (1, 0, 1)
+    assert launches.at_least(pts, 1.0) == (5, 4, 5)
+    assert launches.at_least(launches.points([_point_row("2x1", 1, None)]), 1.0) == (0, 0, 0)
+    text = launches.lines(pts, 3)
+    assert text[0].startswith("# Across 3 launches of each configuration: speedup = native time / FlexLink time "
+                              "(each launch's medians)")
+    assert text[2].split() == ["2x1", "all_reduce", "sum", "float", str(1 << 20), "out-of-place", "100.0", "320.0",
+                               "2.50x", "3.20x", "3.50x", "2.50x", "3.50x", "3.20x"]
+    assert text[4].split()[-5:] == ["6.00x", "6.00x", "6.00x", "6.00x", "N/A"]
+    assert text[-1] == "# Never slower than native: by the median over the launches at 5 of 5 points, in every launch at 4 of 5"
+
+
+def test_merge_numbers_the_launches():
+    a, b = MpConfig("2x1", 2, 1, None), MpConfig("4x1", 4, 1, None)
+    docs = [(a, 0, _config_doc("2x1", 2, [_bw_row(2, 0.04, speedup=2.0)])),
+            (b, 0, _config_doc("4x1", 4, [_bw_row(4, 0.04, speedup=5.0)])),
+            (a, 1, _config_doc("2x1", 2, [_bw_row(2, 0.04, speedup=4.0)], errors=["2x1: AllReduce: ..."], ok=False)),
+            (b, 124, None)]
+    m = multiprocess.merge(docs, "cmd", [], launch_numbers=[1, 1, 2, 2])
+    assert report.validate(m) == []
+    assert [(r["config"], r["launch"]) for r in m["rows"]] == [("2x1", 1), ("4x1", 1), ("2x1", 2)]
+    assert [(c["config"], c["launch"], c["exit_status"]) for c in m["configurations"]] == [
+        ("2x1", 1, 0), ("4x1", 1, 0), ("2x1", 2, 1), ("4x1", 2, 124)]
+    assert m["summary"]["errors"] == ["launch 2: 2x1: AllReduce: ...",
+                                      "4x1 (launch 2): FAILED: the launcher's deadline passed (exit 124) (no JSON)"]
+    assert m["launches"]["count"] == 2
+    assert [(p["config"], p["speedups"]) for p in m["launches"]["points"]] == [("2x1", [2.0, 4.0]), ("4x1", [5.0])]
+    # The documents' own rows are not changed; one launch merges as before, without launch numbers.
+    assert "launch" not in docs[0][2]["rows"][0]
+    one = multiprocess.merge(docs[:2], "cmd", [])
+    assert "launches" not in one and "launch" not in one["rows"][0] and "launch" not in one["configurations"][0]
+
+
+def test_launches_take_turns(monkeypatch, tmp_path):
+    """run() with --mp-launches 2 over two configurations: the launcher runs 2x1, 4x1, 2x1, 4x1 (each
+    launch's JSON its own file), and the output ends with the points across the launches."""
+    started = []
+
+    def fake_run_one(cmd, timeout_s, out):
+        config, json_out = cmd[cmd.index("--config") + 1], cmd[cmd.index("--json-out") + 1]
+        started.append((config, json_out))
+        n = int(config[0])
+        with open(json_out, "w") as f:
+            json.dump(_config_doc(config, n, [_bw_row(n, 0.04, speedup=float(len(started)))]), f)
+        return 0
+    monkeypatch.setattr(multiprocess, "_run_one", fake_run_one)
+    out_json = tmp_path / "m.json"
+    cfg = cli.parse(["--scenario", "multiprocess", "--mp-configs", "2x1,4x1", "--mp-launches", "2",
+                     "--json", str(out_json)])
+    out = io.StringIO()
+    assert multiprocess.run(cfg, out) == 0
+    assert [c for c, _ in started] == ["2x1", "4x1", "2x1", "4x1"]
+    assert len({j for _, j in started}) == 4
+    text = out.getvalue()
+    assert "# ===== configuration 4x1 (launch 2 of 2): ok" in text
+    assert "each launched 2 times, the configurations taking turns" in text
+    tail = text[text.index("# Across 2 launches"):].splitlines()
+    assert tail[2].split()[-5:] == ["1.00x", "2.00x", "3.00x", "1.00x", "3.00x"]  # 2x1: launches 1 and 3
+    assert tail[3].split()[-5:] == ["2.00x", "3.00x", "4.00x", "2.00x", "4.00x"]
+    assert tail[4] == "# Never slower than native: by the median over the launches at 2 of 2 points, in every launch at 2 of 2"
+    doc = json.loads(out_json.read_text())
+    assert report.validate(doc) == [] and doc["launches"]["count"] == 2
+    assert [r["launch"] for r in doc["rows"]] == [1, 1, 2, 2]
