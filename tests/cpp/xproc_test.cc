@@ -350,6 +350,40 @@ void DirectAgreed(Kind kind, uint64_t from, const std::string& reason = "") {
     Expect(refusal.empty(), name + " on: no reason given: " + refusal);
 }
 
+// Every arrival publishes its thread's CPU in the segment, which a waiting peer reads to decide
+// whether to poll for it (ProcessGroup::WaitArrived): unknown (-1) before a rank's first arrival, a
+// CPU of this machine after it, for this process's ranks and, after a call, the other processes'.
+void ArrivalCpus(Proc& p) {
+  xproc::ProcessGroup* g = xproc::FindProcessGroup(p.devices);
+  Expect(g != nullptr, "the group is registered");
+  if (!g) return;
+  Expect(g->away_poll() == xproc::AwayPoll() && (SpinMicros() != kAutoSpin || xproc::AwayPoll() == xproc::kAwayPoll),
+         "the group polls for AwayPoll() (kAwayPoll, 100 us, unless FLEXLINK_SPIN_US is set): " +
+             std::to_string(g->away_poll().count()) + " ns");
+  for (int r : p.ranks)  // a peer of another process may have arrived already
+    Expect(g->arrival_cpu(r) == -1, "rank " + std::to_string(r) + "'s CPU unknown before its first arrival: " +
+                                        std::to_string(g->arrival_cpu(r)));
+  CheckCase(p, {Kind::kAllReduce, ReduceOp::kSum, {{DType::kF32, {1000}}}, 0, {}, false, 21});
+  const long cpus = sysconf(_SC_NPROCESSORS_CONF);
+  for (int r = 0; r < p.n(); ++r)
+    Expect(g->arrival_cpu(r) >= 0 && g->arrival_cpu(r) < cpus,
+           "rank " + std::to_string(r) + " arrived from CPU " + std::to_string(g->arrival_cpu(r)) + " of " +
+               std::to_string(cpus));
+}
+
+// FLEXLINK_SPIN_US decides the away-poll's length where it is set; 0 turns it off (sleep after the
+// yields, the wait before session 40).
+void AwayPollSetting() {
+  const int64_t was = SpinMicros();
+  SetSpinMicros(kAutoSpin);
+  Expect(xproc::AwayPoll() == std::chrono::microseconds(100), "default away-poll: 100 us");
+  SetSpinMicros(0);
+  Expect(xproc::AwayPoll().count() == 0, "FLEXLINK_SPIN_US=0: no away-poll");
+  SetSpinMicros(250);
+  Expect(xproc::AwayPoll() == std::chrono::microseconds(250), "FLEXLINK_SPIN_US=250: 250 us");
+  SetSpinMicros(was);
+}
+
 void Mismatch(Proc& p) {
   const int n = p.n();
   std::vector<Status> st(n);
@@ -1415,6 +1449,17 @@ int main(int argc, char** argv) {
   SetXprocTwoPhaseBytes(two_phase);
   RunScenario({"2 processes x 4 ranks on threads", 2, 4, 64 << 10, 30, {}, false,
                [](Proc& p) { Correctness(p, false); }});
+  // Waits: arrivals publish their CPU; with the away-poll off, every wait that outlasts the yields
+  // sleeps at once (both ways of waiting stay exercised: the poll also ends in a sleep).
+  AwayPollSetting();
+  RunScenario({"waits: arrivals publish their CPU, 3 processes", 3, 1, 64 << 10, 30, {}, false, ArrivalCpus});
+  {
+    const int64_t was = SpinMicros();
+    SetSpinMicros(0);
+    RunScenario({"2 processes x 1 rank, no away-poll: every kind x dtype x op", 2, 1, 64 << 10, 30, {}, false,
+                 [](Proc& p) { Correctness(p, true); }});
+    SetSpinMicros(was);
+  }
   // Every all_gather and all_reduce (after the group's first call, which agrees) reads the peers'
   // memory directly; with one kind off, only the other does; with both off, none does.
   const uint64_t direct = XprocDirectBytes(), direct_reduce = XprocDirectReduceBytes();

@@ -95,7 +95,8 @@ void SetXprocDirectReduceBytes(uint64_t bytes);
 inline constexpr int kDebugInfo = 1;
 // FLEXLINK_SPIN_US: how many microseconds a rank of a GPU group waiting for its peers at the host
 // rendezvous spins before it sleeps (0: never spins); kAutoSpin (unset) lets the GPU engine choose
-// per group (gpu::ArrivalSpin). Read once from the environment, a bad value warned about and
+// per group (gpu::ArrivalSpin). Groups across processes that do not spin take it as their
+// away-poll's length (xproc::AwayPoll). Read once from the environment, a bad value warned about and
 // ignored; SetSpinMicros for tests and benches (groups made later use it).
 inline constexpr int64_t kAutoSpin = -1;
 inline constexpr int64_t kMaxSpinMicros = 10000;

@@ -27,7 +27,7 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // 11: the rank blocks' `sleepers` (a barrier wakes only when someone sleeps); 12: the rank blocks'
 // `direct` and `direct_kib` (all_gather reading the peers' inputs, process_group.h); 13: the rank
 // blocks' `direct_reduce_kib` (all_reduce reading them)
-inline constexpr uint32_t kLayoutVersion = 13;
+inline constexpr uint32_t kLayoutVersion = 14;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
 // slot of the call's first step, so it is double-buffered with the data for free: the same
@@ -153,8 +153,12 @@ struct alignas(64) RankBlock {
   std::atomic<uint32_t> direct;
   uint32_t direct_kib;
   uint32_t direct_reduce_kib;  // XprocDirectReduceBytes in KiB, published with `direct_kib`
+  // The CPU this rank's thread ran on at its latest arrival (sched_getcpu, -1 unknown; layout
+  // version 14), written before the release of `arrived`: a peer waiting for this rank polls only
+  // while they run on different CPUs (ProcessGroup::WaitArrived).
+  std::atomic<int32_t> cpu;
 };
-static_assert(sizeof(RankBlock) == 64);
+static_assert(sizeof(RankBlock) == 128);
 inline constexpr uint32_t kDirectUnknown = 0, kDirectYes = 1, kDirectNo = 2;
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 

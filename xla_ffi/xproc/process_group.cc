@@ -62,6 +62,11 @@ bool ProcessGone(int32_t pid) {
   return paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
 }
 
+std::chrono::nanoseconds AwayPoll() {
+  const int64_t us = SpinMicros();
+  return us == kAutoSpin ? std::chrono::nanoseconds(kAwayPoll) : std::chrono::microseconds(us);
+}
+
 Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes) {
   if (n == 0) return Status::InvalidArgument("flexlink: cross-process group: no ranks");
   const size_t most = kMaxDataBytes / (2 * (n + 1)) / 4096 * 4096;
@@ -134,6 +139,7 @@ Status ProcessGroup::Create(std::span<const int64_t> devices, std::span<const in
   for (uint32_t r = 0; r < n; ++r) {
     ranks[r].device = devices[r];
     ranks[r].process_index = -1;
+    ranks[r].cpu.store(-1, std::memory_order_relaxed);
   }
   __atomic_store_n(&h->magic, kMagic, __ATOMIC_RELEASE);
   std::unique_ptr<ProcessGroup> g(new ProcessGroup(std::move(segment), devices, local_devices));
@@ -314,7 +320,9 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
   const double timeout = TimeoutSeconds();
   const Clock::time_point start = Clock::now();
   const Clock::time_point deadline = start + ClampedSeconds(timeout);
-  Clock::time_point next_liveness = start;
+  // The first look at the peers' processes (a kill() and a read of /proc per missing rank, tens of
+  // µs) after one slice: most waits end well before, and a peer that died is found within it.
+  Clock::time_point next_liveness = start + kSlice;
   const int n = size();
   auto arrived = [&](int j) {
     return static_cast<int32_t>(ranks_[j].arrived.load(std::memory_order_acquire) - target) >= 0;
@@ -331,6 +339,7 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
     return s;
   };
   SpinBudget spin(spin_);  // the whole wait's spin, over all the ranks it waits for
+  Clock::time_point poll_until{};  // the whole wait's away-poll likewise, from its first poll
   for (int k = 1; k <= n; ++k) {
     const int j = (rank + k) % n;  // own rank last: it has arrived already
     if (spin.Until([&] { return arrived(j); })) continue;
@@ -378,6 +387,18 @@ Status ProcessGroup::WaitArrived(int rank, uint32_t target, const Where& where, 
             " of the call (a device that never issues the matching collective, or issues collectives in a "
             "different order; the deadline is jax_flexlink's FLEXLINK_TIMEOUT_S / set_timeout)");
       }
+      // A non-spinning group's rank whose awaited peer last arrived from another CPU polls for it,
+      // yielding this CPU at each poll to whatever else wants it, for up to away_poll_ per wait:
+      // the peer is then most likely running there, mid-call, and a futex sleep and wake-up costs
+      // tens of µs on a VM (docs/xproc.md, "Waits, liveness, abort"). A peer that last ran on this
+      // CPU needs it: sleep at once. The liveness, abort and deadline checks above run every poll.
+      if (spin_.count() <= 0 && away_poll_.count() > 0) {
+        if (poll_until == Clock::time_point{}) poll_until = now + away_poll_;
+        if (now < poll_until && ranks_[j].cpu.load(std::memory_order_relaxed) != sched_getcpu()) {
+          sched_yield();
+          continue;
+        }
+      }
       // Counted as a sleeper before the futex re-checks the counter: either the arriving rank sees
       // the count and wakes it, or the futex sees the new value and does not sleep (Barrier).
       ranks_[j].sleepers.fetch_add(1, std::memory_order_relaxed);
@@ -412,6 +433,7 @@ Status ProcessGroup::Barrier(int rank, uint32_t* step, const Where& where, int s
   if (fault_outputs)
     mine.arrived_ns[parity].store(std::chrono::steady_clock::now().time_since_epoch().count(),
                                   std::memory_order_relaxed);
+  mine.cpu.store(sched_getcpu(), std::memory_order_relaxed);  // a hint for waiters: relaxed
   // Release: peers that see the new count see what this rank wrote for the barrier.
   mine.arrived.store(++*step, std::memory_order_release);
   // The wake is a system call: only when a peer sleeps on the counter (WaitArrived's fence pairs

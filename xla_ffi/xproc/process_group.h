@@ -32,6 +32,13 @@ bool ProcessGone(int32_t pid);
 // 64 KiB, at most 256 MiB for the whole data area, a multiple of 4 KiB.
 Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes);
 
+// How long a rank of a non-spinning group polls for a peer running on another CPU before it sleeps
+// (ProcessGroup::SetAwayPoll): FLEXLINK_SPIN_US when set (0: never), else kAwayPoll. On this 2-vCPU
+// VM a futex sleep and wake-up per barrier costs tens of µs, more than a 64 KiB call's own work;
+// measured in docs/multiprocess.md, "Session 40".
+inline constexpr std::chrono::microseconds kAwayPoll{100};
+std::chrono::nanoseconds AwayPoll();
+
 class ProcessGroup {
  public:
   // Creates the segment for `devices` (global ids in rank order) and claims `local_devices`.
@@ -119,6 +126,14 @@ class ProcessGroup {
   // engine: gpu::XprocSpin, where each rank has a core).
   void SetSpin(std::chrono::nanoseconds spin) { spin_ = spin; }
   std::chrono::nanoseconds spin() const { return spin_; }
+  // A group that does not spin (spin() 0): after its few yields, how long a waiting rank goes on
+  // polling, yielding its CPU at each poll, while the rank it waits for last arrived from another
+  // CPU, before it sleeps (docs/xproc.md, "Waits, liveness, abort"). AwayPoll() unless set before
+  // the group's first call (tests and benches; 0: sleep after the yields, as before session 40).
+  void SetAwayPoll(std::chrono::nanoseconds poll) { away_poll_ = poll; }
+  std::chrono::nanoseconds away_poll() const { return away_poll_; }
+  // The CPU rank `rank`'s thread ran on at its latest arrival (-1 before its first).
+  int arrival_cpu(int rank) const { return ranks_[rank].cpu.load(std::memory_order_relaxed); }
   // Direct all_gather and all_reduce (docs/xproc.md): whether the group's ranks agreed that every
   // one of them can read every peer's memory, and from how many input bytes per rank Run reads the
   // peers' memory for `kind` (kAllGather or kAllReduce; UINT64_MAX: never) instead of staging;
@@ -204,6 +219,7 @@ class ProcessGroup {
   mutable std::mutex mu_;
   std::string broken_;
   std::chrono::nanoseconds spin_{0};
+  std::chrono::nanoseconds away_poll_{AwayPoll()};
   // Per rank (only local ranks' entries are used, each by its own thread until agreed): kDirect*,
   // and the agreed threshold in bytes; the reason this rank could not read a peer.
   std::unique_ptr<std::atomic<uint32_t>[]> direct_state_;
