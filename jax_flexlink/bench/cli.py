@@ -45,6 +45,7 @@ class Config:
     mp_keep_freed_memory: bool = True  # --scenario multiprocess: the launcher's --keep-freed-memory
     mp_launches: int = 1              # --scenario multiprocess: launches of each configuration
     runs: int = 1              # timed calls of one side in a row (timing.time_interleaved)
+    turn_pause_ms: float = 0.0  # with runs > 1: the pause before each turn
 
 
 def _size_arg(text: str) -> int:
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "untimed call and R timed calls of one side in a row, so that each side is timed "
                         "in a steady state of its own (what the other side leaves behind falls on the "
                         "untimed call); see docs/bench.md")
+    g.add_argument("--turn-pause-ms", type=float, default=None, metavar="MS",
+                   help=f"with --runs > 1: a pause before each turn, so that what the other side left "
+                        f"running (threads still busy) has ended before the next side's turn (default "
+                        f"{timing.DEFAULT_TURN_PAUSE_MS:g}; 0: none); see docs/bench.md")
     g.add_argument("--stat", choices=list(timing.STATS), default="median",
                    help="time per row: median (default; robust to single stalled calls on a shared "
                         "machine) or mean (nccl-tests' average); the table shows the speedup by the other "
@@ -192,6 +197,12 @@ def parse(argv: list[str] | None = None) -> Config:
         p.error("--devices must be >= 1")
     devices = a.devices if a.devices is not None else (scen.devices or 0)
     mp_configs, mp_timeout, mp_keep, mp_launches = _multiprocess_flags(p, a, scen)
+    if a.turn_pause_ms is not None and a.runs == 1:
+        p.error("--turn-pause-ms applies only with --runs > 1 (call by call, there are no turns)")
+    if a.turn_pause_ms is not None and not 0 <= a.turn_pause_ms <= 1000:
+        p.error(f"--turn-pause-ms must be from 0 to 1000, got {a.turn_pause_ms:g}")
+    turn_pause_ms = 0.0 if a.runs == 1 else (timing.DEFAULT_TURN_PAUSE_MS if a.turn_pause_ms is None
+                                              else a.turn_pause_ms)
     if a.plot:
         from . import report
         try:
@@ -201,7 +212,7 @@ def parse(argv: list[str] | None = None) -> Config:
     modes = {"inplace": [True], "outofplace": [False]}.get(a.mode or d.get("mode") or "both", [False, True])
     links = a.links if a.links is not None else scen.links
     settings = {"minbytes": minb, "maxbytes": maxb, "stepfactor": stepf, "stepbytes": stepb,
-                "iters": a.iters or "auto", "runs": a.runs, "stat": a.stat, "warmup": pick("warmup_iters"), "check": a.check, "seed": a.seed,
+                "iters": a.iters or "auto", "runs": a.runs, "turn_pause_ms": turn_pause_ms, "stat": a.stat, "warmup": pick("warmup_iters"), "check": a.check, "seed": a.seed,
                 "collectives": colls, "ops": ops, "dtypes": dtypes,
                 "modes": ["inplace" if m else "outofplace" for m in modes]}
     return Config(sizes=sweep, collectives=colls, ops=ops, dtypes=dtypes, iters=a.iters or None,
@@ -209,7 +220,8 @@ def parse(argv: list[str] | None = None) -> Config:
                   baseline=a.baseline, json_path=a.json, plot_path=a.plot, scenario=scen.name,
                   seed=a.seed, impl=a.impl, argv=argv, settings=settings, stat=a.stat,
                   platform=scen.platform, mp_configs=mp_configs, mp_timeout=mp_timeout,
-                  mp_keep_freed_memory=mp_keep, mp_launches=mp_launches, runs=a.runs)
+                  mp_keep_freed_memory=mp_keep, mp_launches=mp_launches, runs=a.runs,
+                  turn_pause_ms=turn_pause_ms)
 
 
 def _multiprocess_flags(p: argparse.ArgumentParser, a: argparse.Namespace,

@@ -33,8 +33,10 @@ def _wrong(out, expected: np.ndarray, mesh_devices: list) -> int:
     return total
 
 
-def _interleaving(runs: int) -> str:
-    return "call by call" if runs == 1 else f"in turns of 1 untimed + {runs} timed calls"
+def _interleaving(runs: int, pause_ms: float = 0.0) -> str:
+    if runs == 1:
+        return "call by call"
+    return f"in turns of 1 untimed + {runs} timed calls" + (f", each turn after a {pause_ms:g} ms pause" if pause_ms else "")
 
 
 def _one_line(e: BaseException) -> str:
@@ -128,7 +130,7 @@ class Runner:
         self.say(f"# reference: single-thread memcpy {self.copy_gbps:.1f} GB/s (read+write) on this machine")
         other = table.other_stat(cfg.stat)
         self.say(f"# time = {cfg.stat} over iterations (FlexLink and native interleaved "
-                 f"{_interleaving(cfg.runs)}, order alternating; min/median/mean/max in --json); algbw = bytes/time; busbw = algbw x "
+                 f"{_interleaving(cfg.runs, cfg.turn_pause_ms)}, order alternating; min/median/mean/max in --json); algbw = bytes/time; busbw = algbw x "
                  f"{collectives.busbw_legend(cfg.collectives)}; speedup = native time / "
                  f"FlexLink time; '{other}' = the same ratio of {other} times")
         if self.flex.selftest:
@@ -223,7 +225,8 @@ class Runner:
                 return x
         before = self.flex.link_bytes()
         ts, outs, probed = timing.time_interleaved(impls, make_arg, cfg.warmup, iters,
-                                                   [_pointers if inplace else None], runs=cfg.runs)
+                                                   [_pointers if inplace else None], runs=cfg.runs,
+                                                   turn_pause_s=cfg.turn_pause_ms / 1000)
         ts = self.job_timings(ts)
         res = {"shares": _shares(before, self.flex.link_bytes()),
                "aliased": (bool(probed[0]) and _pointers(outs[0]) == probed[0]) if inplace else None}

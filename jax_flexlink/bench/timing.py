@@ -34,6 +34,10 @@ except ImportError:  # not a Unix: no fault counts
 
 # Default iteration count scales down with the size so a sweep to 64 MiB finishes in minutes on 2 cores.
 AUTO_BYTES_BUDGET = 256 << 20
+# --runs R > 1: the pause before each turn (docs/bench.md, "Turns"): what one side's calls leave
+# running (across processes, gloo's and XLA's threads) slowed the other side's next calls for
+# longer than the turn's untimed call; a pause lets it end before the next side's turn.
+DEFAULT_TURN_PAUSE_MS = 5.0
 AUTO_MIN_ITERS = 10
 AUTO_MAX_ITERS = 50
 
@@ -105,7 +109,8 @@ def time_calls(fn: Callable[[Any], Any], make_arg: Callable[[], Any], warmup: in
 
 
 def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any], warmup: int, iters: int,
-                     probes: list | None = None, runs: int = 1) -> tuple[list[Timing], list[Any], list[Any]]:
+                     probes: list | None = None, runs: int = 1,
+                     turn_pause_s: float = 0.0) -> tuple[list[Timing], list[Any], list[Any]]:
     """Times several implementations of one collective, alternating them and reversing the order every
     other round (A B, B A, A B, ...), so that load from other processes on a shared machine, and what
     each call leaves behind for the next, fall on all of them alike.
@@ -115,7 +120,8 @@ def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any
     left behind (its cache lines, the allocator's free lists, XLA's worker threads still spinning,
     and across processes the other collective's exit skew between the processes); the timed ones
     measure the implementation in a steady state of its own, as a loop of one collective does
-    (nccl-tests' back-to-back iterations).
+    (nccl-tests' back-to-back iterations). turn_pause_s > 0 (with runs > 1): a sleep before each
+    turn, so that what the other side left running has ended too, not only met the untimed call.
 
     Each call gets its own make_arg() (made and completed before the clock starts). probes[k](arg) runs
     untimed before fns[k]'s last timed call. Returns per fn: Timing, last output, probe result.
@@ -124,6 +130,8 @@ def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any
         raise ValueError("iters must be >= 1")
     if runs < 1:
         raise ValueError("runs must be >= 1")
+    if not turn_pause_s >= 0:
+        raise ValueError("turn_pause_s must be >= 0")
     probes = list(probes or []) + [None] * (len(fns) - len(probes or []))
     outs: list[Any] = [None] * len(fns)
     samples: list[list[float]] = [[] for _ in fns]
@@ -157,6 +165,8 @@ def time_interleaved(fns: list[Callable[[Any], Any]], make_arg: Callable[[], Any
     for i in range(warm, warm + (iters + runs - 1) // runs):
         for k in order(i):
             if runs > 1:
+                if turn_pause_s:
+                    time.sleep(turn_pause_s)
                 call(k, False)
             for _ in range(min(runs, iters - len(samples[k]))):
                 call(k, True)

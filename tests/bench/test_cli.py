@@ -1,7 +1,7 @@
 """Flag parsing of jax_flexlink.bench (no jax needed)."""
 import pytest
 
-from jax_flexlink.bench import cli
+from jax_flexlink.bench import cli, timing
 
 
 def test_defaults_are_the_main_job():
@@ -46,6 +46,23 @@ def test_runs():
     assert cli.parse([]).runs == 1 and cli.parse([]).settings["runs"] == 1  # call by call by default
     c = cli.parse(["--runs", "8"])
     assert c.runs == 8 and c.settings["runs"] == 8
+    # Turns get a pause before each by default; call by call has no turns and no pause.
+    assert c.turn_pause_ms == timing.DEFAULT_TURN_PAUSE_MS == 5.0 and c.settings["turn_pause_ms"] == 5.0
+    assert cli.parse([]).turn_pause_ms == 0.0 and cli.parse([]).settings["turn_pause_ms"] == 0.0
+    assert cli.parse(["--runs", "8", "--turn-pause-ms", "0"]).turn_pause_ms == 0.0
+    assert cli.parse(["--runs", "2", "--turn-pause-ms", "2.5"]).turn_pause_ms == 2.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--turn-pause-ms", "5"], "--turn-pause-ms applies only with --runs > 1"),
+    (["--runs", "1", "--turn-pause-ms", "5"], "--turn-pause-ms applies only with --runs > 1"),
+    (["--runs", "4", "--turn-pause-ms", "-1"], "--turn-pause-ms must be from 0 to 1000, got -1"),
+    (["--runs", "4", "--turn-pause-ms", "nan"], "--turn-pause-ms must be from 0 to 1000, got nan"),
+])
+def test_turn_pause_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_gpu_scenario():
@@ -84,7 +101,8 @@ def test_help_mentions_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--minbytes", "--maxbytes", "--stepfactor", "--stepbytes", "--op", "--datatype", "--iters",
                  "--warmup_iters", "--check", "--collective", "--devices", "--links", "--inplace",
-                 "--outofplace", "--both", "--baseline", "--json", "--plot", "--scenario", "emulated-h800", "--runs"):
+                 "--outofplace", "--both", "--baseline", "--json", "--plot", "--scenario", "emulated-h800", "--runs",
+                 "--turn-pause-ms"):
         assert flag in out
     assert "--_impl" not in out
     assert "ppermute" in out and "all_to_all" in out and "SendRecv" in out

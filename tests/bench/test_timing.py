@@ -92,6 +92,32 @@ def test_interleaved_in_runs():
         timing.time_interleaved([make("a")], lambda: 0, warmup=0, iters=1, runs=0)
 
 
+def test_a_pause_before_each_turn(monkeypatch):
+    """turn_pause_s sleeps before every turn (each side's untimed call), never during a turn or the
+    warm-up, and only with runs > 1; the timed calls are the same as without it."""
+    log = []
+    monkeypatch.setattr(timing.time, "sleep", lambda s: log.append(("sleep", s)))
+
+    def make(name):
+        def f(x):
+            log.append((name, x))
+            return (name, x)
+        return f
+
+    counter = iter(range(100))
+    ts, _, _ = timing.time_interleaved([make("a"), make("b")], lambda: next(counter), warmup=1, iters=3,
+                                       runs=2, turn_pause_s=0.004)
+    names = [n for n, _ in log]
+    assert names == (["a", "b"] + ["sleep", "b", "b", "b"] + ["sleep", "a", "a", "a"] + ["sleep", "a", "a"]
+                     + ["sleep", "b", "b"])
+    assert all(s == 0.004 for n, s in log if n == "sleep") and [t.iters for t in ts] == [3, 3]
+    log.clear()
+    timing.time_interleaved([make("a"), make("b")], lambda: 0, warmup=1, iters=3, runs=1, turn_pause_s=0.004)
+    assert "sleep" not in [n for n, _ in log]  # call by call: no turns
+    with pytest.raises(ValueError, match="turn_pause_s must be >= 0"):
+        timing.time_interleaved([make("a")], lambda: 0, warmup=0, iters=1, runs=2, turn_pause_s=-1)
+
+
 def test_page_faults_are_counted_per_timed_call():
     """A call that touches fresh memory (an anonymous mapping, whatever the allocator does) shows its
     page faults; one that touches nothing shows few. Warm-up calls are not counted."""
