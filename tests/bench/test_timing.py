@@ -71,15 +71,19 @@ def test_interleaved_alternates_and_separates():
     assert [t.iters for t in ts] == [2, 2] and outs == [("a", 4), ("b", 5)] and probed == [4, None]
 
 
-def test_interleaved_in_runs():
-    log = []
-
+def _recorder(log):
+    """make(name): a collective stand-in that logs (name, its argument) and returns them."""
     def make(name):
         def f(x):
             log.append((name, x))
             return (name, x)
         return f
+    return make
 
+
+def test_interleaved_in_runs():
+    log = []
+    make = _recorder(log)
     counter = iter(range(100))
     ts, outs, probed = timing.time_interleaved([make("a"), make("b")], lambda: next(counter), warmup=1, iters=3,
                                                probes=[None, lambda a: a], runs=2)
@@ -97,13 +101,7 @@ def test_a_pause_before_each_turn(monkeypatch):
     warm-up, and only with runs > 1; the timed calls are the same as without it."""
     log = []
     monkeypatch.setattr(timing.time, "sleep", lambda s: log.append(("sleep", s)))
-
-    def make(name):
-        def f(x):
-            log.append((name, x))
-            return (name, x)
-        return f
-
+    make = _recorder(log)
     counter = iter(range(100))
     ts, _, _ = timing.time_interleaved([make("a"), make("b")], lambda: next(counter), warmup=1, iters=3,
                                        runs=2, turn_pause_s=0.004)
