@@ -100,9 +100,9 @@ def test_every_collective_against_lax(n, k):
     if direct[0] == -1:
       assert "cannot read" in direct[1] and direct[2:] == direct[:2], direct
     elif (n, k) in DIRECT_REDUCE:
-      assert direct == [524288, "", 1 << 20, ""], direct
+      assert direct == [65536, "", 1 << 20, ""], direct
     else:
-      assert direct[:2] == [524288, ""] and direct[2] == -1, direct
+      assert direct[:2] == [65536, ""] and direct[2] == -1, direct
       assert "FLEXLINK_XPROC_DIRECT_REDUCE_BYTES is off in rank 0 " in direct[3], direct
 
 

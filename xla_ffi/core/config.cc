@@ -63,7 +63,7 @@ uint64_t DirectBytesFromEnv(const char* name, uint64_t fallback, const char* fal
   }
   return bytes == 0 ? UINT64_MAX : bytes;
 }
-std::atomic<uint64_t> g_xproc_direct_bytes{DirectBytesFromEnv("FLEXLINK_XPROC_DIRECT_BYTES", uint64_t{512} << 10, "512K")};
+std::atomic<uint64_t> g_xproc_direct_bytes{DirectBytesFromEnv("FLEXLINK_XPROC_DIRECT_BYTES", uint64_t{64} << 10, "64K")};
 std::atomic<uint64_t> g_xproc_direct_reduce_bytes{
     DirectBytesFromEnv("FLEXLINK_XPROC_DIRECT_REDUCE_BYTES", UINT64_MAX, "off")};
 

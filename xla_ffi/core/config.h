@@ -78,8 +78,8 @@ void SetXprocTwoPhaseBytes(uint64_t bytes);
 // which staging wins) reads the peers' inputs directly (process_vm_readv) instead of staging them
 // through the segment, where every rank of the group can (xproc/peer_read.h, docs/xproc.md); the
 // group's ranks agree on the largest of their values. FLEXLINK_XPROC_DIRECT_BYTES if set (read once,
-// as the slot size; 0 or "off": never), else 512 KiB (below it the second barrier costs
-// what the copy saves: docs/xproc.md).
+// as the slot size; 0 or "off": never), else 64 KiB (below it, and below 512 KiB before the
+// waits' away-poll made barriers cheaper, the second barrier costs what the copy saves: docs/xproc.md).
 uint64_t XprocDirectBytes();
 void SetXprocDirectBytes(uint64_t bytes);
 // Cross-process all_reduce of at least this many bytes per rank reduces directly from the peers'
