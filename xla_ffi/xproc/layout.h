@@ -26,7 +26,8 @@ inline constexpr uint64_t kMagic = 0x4b4e494c58454c46ull;  // "FLEXLINK" little-
 // 10: the rank blocks' `closed` (a GPU engine's shutdown, seen by the other processes' waits);
 // 11: the rank blocks' `sleepers` (a barrier wakes only when someone sleeps); 12: the rank blocks'
 // `direct` and `direct_kib` (all_gather reading the peers' inputs, process_group.h); 13: the rank
-// blocks' `direct_reduce_kib` (all_reduce reading them)
+// blocks' `direct_reduce_kib` (all_reduce reading them); 14: the rank blocks' `cpu` (a waiter polls
+// for a peer on another CPU), which makes a rank block two cache lines
 inline constexpr uint32_t kLayoutVersion = 14;
 inline constexpr size_t kAbortMessageBytes = 3072;
 // A call's description (kind, op, every part's dtype and shape, ppermute's sources) travels in the
