@@ -34,12 +34,13 @@ except ImportError:  # not a Unix: no fault counts
 
 # Default iteration count scales down with the size so a sweep to 64 MiB finishes in minutes on 2 cores.
 AUTO_BYTES_BUDGET = 256 << 20
-# --runs R > 1: the pause before each turn (docs/bench.md, "Turns"): what one side's calls leave
-# running (across processes, gloo's and XLA's threads) slowed the other side's next calls for
-# longer than the turn's untimed call; a pause lets it end before the next side's turn.
-DEFAULT_TURN_PAUSE_MS = 5.0
 AUTO_MIN_ITERS = 10
 AUTO_MAX_ITERS = 50
+
+# --runs R > 1: the pause before each turn (docs/bench.md, "--turn-pause-ms"): what one side's calls
+# leave running (across processes, gloo's and XLA's threads) slowed the other side's next calls for
+# longer than the turn's untimed call; a pause lets it end before the next side's turn.
+DEFAULT_TURN_PAUSE_MS = 5.0
 
 STATS = ("median", "mean")
 
