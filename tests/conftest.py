@@ -21,9 +21,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("FLEXLINK_TIMEOUT_S", "60")
 # Stage 1 caches what it measures; a test run must neither read a cache from earlier runs (plans
 # would depend on history) nor write into the user's. One fresh cache per test session.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-os.environ["FLEXLINK_TUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="flexlink-tests-"), "tune.json")
+_tune_dir = tempfile.mkdtemp(prefix="flexlink-tests-")
+os.environ["FLEXLINK_TUNE_CACHE"] = os.path.join(_tune_dir, "tune.json")
+# Gone with the process (each pytest-xdist worker makes and removes its own), so that runs leave
+# nothing in /tmp; the processes tests start have ended by then.
+atexit.register(shutil.rmtree, _tune_dir, ignore_errors=True)
 # Tests turn replacement on explicitly; never inherit it from the caller's environment.
 os.environ.pop("FLEXLINK_REPLACE_COLLECTIVES", None)
 

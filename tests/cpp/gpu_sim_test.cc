@@ -673,6 +673,13 @@ void ProfileLargeCalls(Sim& s, const std::string& what) {
   s.engine->SetTuneMax(512 << 10);
 }
 
+// The tuning cache the suite's engines write stage 1's fits to (they never read it: main turns the
+// cache off): this process's own, removed when the suite ends, never the user's.
+const std::string& SuiteCachePath() {
+  static const std::string path = "/tmp/flexlink-gpu-sim-" + std::to_string(::getpid()) + ".json";
+  return path;
+}
+
 // Stage 1 on the device: profiled by the first large calls, read back later, fits installed,
 // cached; every call's result is right meanwhile.
 void TestStageOne() {
@@ -680,6 +687,16 @@ void TestStageOne() {
   std::remove(cache.c_str());
   SetTuneCachePath(cache);
   SetTuneUseCache(true);
+  // The suite's settings back (main's: no cache read) and the file gone on every way out, after the engines
+  // below are destroyed (declared later, destroyed first): the next tests would write it again.
+  struct Restore {
+    std::string path;
+    ~Restore() {
+      SetTuneUseCache(false);
+      SetTuneCachePath(SuiteCachePath());
+      std::remove(path.c_str());
+    }
+  } restore{cache};
   Sim s(2);
   ProfileLargeCalls(s, "stage 1");
   const Case& c = kLargeCall;
@@ -709,7 +726,6 @@ void TestStageOne() {
   s.ExpectScratchFreed("stage 1");
   s2.ExpectScratchFreed("stage 1 cached");
   s2.ExpectNoSimErrors("stage 1 cached");
-  std::remove(cache.c_str());
   SetAutotuneMinBytes(0);
 }
 
@@ -1998,7 +2014,7 @@ int main(int argc, char** argv) {
   using namespace flexlink::testing;
   SelectTests(argc, argv);
   flexlink::SetTimeoutSeconds(20);
-  flexlink::SetTuneCachePath("/tmp/flexlink-gpu-sim-none.json");
+  flexlink::SetTuneCachePath(SuiteCachePath());
   flexlink::SetTuneUseCache(false);
   Timed("TestElementwiseMatchesCpuEngine", TestElementwiseMatchesCpuEngine);
   Timed("TestElementwiseFloatMaxMinIsNccls", TestElementwiseFloatMaxMinIsNccls);
@@ -2031,5 +2047,6 @@ int main(int argc, char** argv) {
   Timed("TestPcieGate", TestPcieGate);
   Timed("TestStageOneCheck", TestStageOneCheck);
   Timed("TestCollectives", TestCollectives);
+  std::remove(SuiteCachePath().c_str());
   return Summary();
 }
