@@ -33,15 +33,15 @@ std::vector<std::string>& Warnings() {
 }
 
 size_t SlotBytesFromEnv() {
-  constexpr size_t kDefault = size_t{4} << 20;
   const char* v = std::getenv("FLEXLINK_XPROC_SLOT_BYTES");
-  if (!v || std::string_view(v).find_first_not_of(" \t") == std::string_view::npos) return kDefault;
+  if (!v || std::string_view(v).find_first_not_of(" \t") == std::string_view::npos) return 0;
   uint64_t bytes = 0;
   if (!ParseByteCount(v, &bytes) || bytes == 0) {
     std::lock_guard<std::mutex> lock(g_warnings_mu);
     Warnings().push_back(std::string("FLEXLINK_XPROC_SLOT_BYTES='") + v +
-                         "': expected a positive byte count such as 4194304, 256K or 4M; using the default 4M");
-    return kDefault;
+                         "': expected a positive byte count such as 1048576, 256K or 4M; using the defaults (1M for "
+                         "CPU groups, 4M for GPU groups' pcie staging)");
+    return 0;
   }
   return static_cast<size_t>(bytes);
 }
@@ -162,6 +162,10 @@ bool PopulateOutputs() { return g_populate_outputs.load(std::memory_order_relaxe
 void SetPopulateOutputs(bool on) { g_populate_outputs.store(on, std::memory_order_relaxed); }
 
 size_t XprocSlotBytes() { return g_xproc_slot_bytes.load(std::memory_order_relaxed); }
+size_t XprocSlotBytesOr(size_t fallback) {
+  const size_t set = XprocSlotBytes();
+  return set ? set : fallback;
+}
 void SetXprocSlotBytes(size_t bytes) { g_xproc_slot_bytes.store(bytes, std::memory_order_relaxed); }
 uint64_t XprocTwoPhaseBytes() { return g_xproc_two_phase_bytes.load(std::memory_order_relaxed); }
 void SetXprocTwoPhaseBytes(uint64_t bytes) { g_xproc_two_phase_bytes.store(bytes, std::memory_order_relaxed); }

@@ -67,8 +67,11 @@ void SetTuneCachePath(std::string path);
 // Data bytes of one slot of a cross-process group's segment (xla_ffi/xproc/, docs/xproc.md) when
 // the group's creator asks for the default: FLEXLINK_XPROC_SLOT_BYTES if set (read once, here: the
 // one place the C++ side reads the environment, since processes create groups before Python could
-// configure them), else 4 MiB. The group clamps it to [64 KiB, 256 MiB / (2 n)].
+// configure them), else 0: each kind of group has its own default (XprocSlotBytesOr; CPU groups
+// xproc::kCpuSlotBytes, GPU groups' pcie staging gpu::kPcieStagingSlotBytes). The group clamps it
+// to [64 KiB, 256 MiB / (2 n)]. SetXprocSlotBytes(0): the defaults again.
 size_t XprocSlotBytes();
+size_t XprocSlotBytesOr(size_t fallback);
 void SetXprocSlotBytes(size_t bytes);
 // Cross-process all_reduce of at least this many bytes per rank on 3+ ranks reduces in two phases
 // (each rank its slice, then all copy; docs/xproc.md). Default: 1 MiB, see config.cc.

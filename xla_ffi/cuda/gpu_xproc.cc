@@ -1044,11 +1044,12 @@ Status CreateGpuXprocGroup(GpuEngine& engine, std::span<const int64_t> devices, 
     if (!s.ok()) return Status(s.code(), "flexlink: GPU group " + FormatIds(devices) + " across processes: " + s.message());
   }
   std::unique_ptr<xproc::ProcessGroup> segment;
-  // With a pcie link the slots are its staging (the configured slot size, FLEXLINK_XPROC_SLOT_BYTES);
+  // With a pcie link the slots are its staging (FLEXLINK_XPROC_SLOT_BYTES, else kPcieStagingSlotBytes);
   // else of the minimum size: only fingerprints go through them.
   const bool staging = which.nccl.size() < which.used.size();
-  FLEXLINK_RETURN_IF_ERROR(
-      xproc::ProcessGroup::Create(devices, local_devices, staging ? 0 : size_t{64} << 10, processes, &segment));
+  FLEXLINK_RETURN_IF_ERROR(xproc::ProcessGroup::Create(
+      devices, local_devices, staging ? XprocSlotBytesOr(kPcieStagingSlotBytes) : size_t{64} << 10, processes,
+      &segment));
   const std::string name = segment->name();
   Status s = Register(engine, std::move(segment), ids, devices);
   if (!s.ok()) {

@@ -44,6 +44,11 @@ class ProcessGroup;
 
 namespace flexlink::gpu {
 
+// The group's slot, i.e. one step's chunk per rank, where FLEXLINK_XPROC_SLOT_BYTES does not set
+// another: the size the slots had when this link was written (CPU groups went to 1 MiB for their
+// cores' caches, xproc::kCpuSlotBytes; DMA copies do not go through those). Unmeasured on a GPU.
+inline constexpr size_t kPcieStagingSlotBytes = size_t{4} << 20;
+
 class PcieXprocChannel : public GpuChannel {
  public:
   PcieXprocChannel(std::string name, DeviceApi* api, GroupInfo group, xproc::ProcessGroup* segment);

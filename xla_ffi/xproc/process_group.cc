@@ -73,7 +73,7 @@ Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes) {
   if (most < kMinSlotBytes)
     return Status::InvalidArgument("flexlink: cross-process group of " + std::to_string(n) +
                                    " ranks: too many for a 256 MiB segment with 64 KiB slots");
-  size_t want = requested ? requested : XprocSlotBytes();
+  size_t want = requested ? requested : XprocSlotBytesOr(kCpuSlotBytes);
   want = std::clamp(want, kMinSlotBytes, most);
   *slot_bytes = want / 4096 * 4096;
   return Status::Ok();

@@ -28,8 +28,16 @@ namespace flexlink::xproc {
 // liveness rule of every cross-process wait (and of the simulated NCCL across processes).
 bool ProcessGone(int32_t pid);
 
-// The slot size a group of n ranks gets for a request (0: config's XprocSlotBytes): at least
-// 64 KiB, at most 256 MiB for the whole data area, a multiple of 4 KiB.
+// A CPU group's slot when nothing asks for another size (FLEXLINK_XPROC_SLOT_BYTES). A rank's two
+// slots (double-buffered) then fit its core's L2 (2 MiB here), so what a rank stages is still cached
+// when it and its peers copy it out: issue 13's command with 1 MiB against 4 MiB slots, six launches
+// each, medians (docs/xproc.md, "Slot size"): 2 processes all_gather 64 MiB 17.2 against 18.4 ms,
+// all_reduce 16 MiB 3.05 against 3.63 ms and 64 MiB 22.7 against 25.7 ms; 4 processes all_reduce
+// 16 MiB 8.12 against 9.24 ms. 512 KiB and 2 MiB slots were slower than 1 MiB at 64 MiB.
+inline constexpr size_t kCpuSlotBytes = size_t{1} << 20;
+
+// The slot size a group of n ranks gets for a request (0: FLEXLINK_XPROC_SLOT_BYTES, else
+// kCpuSlotBytes): at least 64 KiB, at most 256 MiB for the whole data area, a multiple of 4 KiB.
 Status ChooseSlotBytes(size_t n, size_t requested, size_t* slot_bytes);
 
 // How long a rank of a non-spinning group polls for a peer running on another CPU before it sleeps
