@@ -384,6 +384,26 @@ void AwayPollSetting() {
   SetSpinMicros(was);
 }
 
+// FLEXLINK_XPROC_SLOT_BYTES (SetXprocSlotBytes) decides a group's slot where it is set; unset (0),
+// each kind of group takes its own default: CPU groups kCpuSlotBytes (ChooseSlotBytes with request
+// 0), GPU groups' pcie staging what they pass to XprocSlotBytesOr. The clamps apply either way.
+void SlotSetting() {
+  const size_t was = XprocSlotBytes();
+  size_t slot = 0;
+  SetXprocSlotBytes(0);
+  Expect(xproc::ChooseSlotBytes(2, 0, &slot).ok() && slot == xproc::kCpuSlotBytes && slot == (size_t{1} << 20),
+         "unset: a CPU group's slot is 1 MiB, got " + std::to_string(slot));
+  Expect(XprocSlotBytesOr(size_t{4} << 20) == (size_t{4} << 20), "unset: the caller's default");
+  SetXprocSlotBytes(size_t{256} << 10);
+  Expect(xproc::ChooseSlotBytes(2, 0, &slot).ok() && slot == (size_t{256} << 10), "set to 256K: 256 KiB");
+  Expect(XprocSlotBytesOr(size_t{4} << 20) == (size_t{256} << 10), "set to 256K: the setting, not the default");
+  Expect(xproc::ChooseSlotBytes(2, size_t{128} << 10, &slot).ok() && slot == (size_t{128} << 10),
+         "a group's own request wins over the setting");
+  SetXprocSlotBytes(1000);
+  Expect(xproc::ChooseSlotBytes(2, 0, &slot).ok() && slot == (size_t{64} << 10), "set below 64 KiB: clamped to 64 KiB");
+  SetXprocSlotBytes(was);
+}
+
 void Mismatch(Proc& p) {
   const int n = p.n();
   std::vector<Status> st(n);
@@ -1452,6 +1472,7 @@ int main(int argc, char** argv) {
   // Waits: arrivals publish their CPU; with the away-poll off, every wait that outlasts the yields
   // sleeps at once (both ways of waiting stay exercised: the poll also ends in a sleep).
   AwayPollSetting();
+  SlotSetting();
   RunScenario({"waits: arrivals publish their CPU, 3 processes", 3, 1, 64 << 10, 30, {}, false, ArrivalCpus});
   {
     const int64_t was = SpinMicros();
