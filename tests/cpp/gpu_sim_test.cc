@@ -673,8 +673,8 @@ void ProfileLargeCalls(Sim& s, const std::string& what) {
   s.engine->SetTuneMax(512 << 10);
 }
 
-// The tuning cache the suite's engines write stage 1's fits to (they never read it: main turns the
-// cache off): this process's own, removed when the suite ends, never the user's.
+// The tuning cache the suite's engines write stage 1's fits to (read back only in TestStageOne: main
+// turns reading off): this process's own, removed when the suite ends, never the user's.
 const std::string& SuiteCachePath() {
   static const std::string path = "/tmp/flexlink-gpu-sim-" + std::to_string(::getpid()) + ".json";
   return path;
@@ -683,20 +683,13 @@ const std::string& SuiteCachePath() {
 // Stage 1 on the device: profiled by the first large calls, read back later, fits installed,
 // cached; every call's result is right meanwhile.
 void TestStageOne() {
-  const std::string cache = "/tmp/flexlink-gpu-sim-tune-" + std::to_string(::getpid()) + ".json";
-  std::remove(cache.c_str());
-  SetTuneCachePath(cache);
+  // The suite's cache, emptied of what earlier tests wrote and read here; reading off again (main's
+  // setting) on every way out, after the engines below are destroyed (declared later, destroyed first).
+  std::remove(SuiteCachePath().c_str());
   SetTuneUseCache(true);
-  // The suite's settings back (main's: no cache read) and the file gone on every way out, after the engines
-  // below are destroyed (declared later, destroyed first): the next tests would write it again.
   struct Restore {
-    std::string path;
-    ~Restore() {
-      SetTuneUseCache(false);
-      SetTuneCachePath(SuiteCachePath());
-      std::remove(path.c_str());
-    }
-  } restore{cache};
+    ~Restore() { SetTuneUseCache(false); }
+  } restore;
   Sim s(2);
   ProfileLargeCalls(s, "stage 1");
   const Case& c = kLargeCall;
