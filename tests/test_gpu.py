@@ -288,6 +288,38 @@ def test_new_links_release_the_earlier_groups(two_gpus, flexlink_on_gpus):
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout, result.stderr)
 
 
+def test_gpus_jax_was_shown_only_some_of(two_gpus, flexlink_on_gpus):
+    """jax shown every GPU but the first (jax_cuda_visible_devices, as jax.distributed's
+    local_device_ids sets it; no environment variable reads it): XLA runs them as CUDA ordinals 1.. while jax numbers them from 0
+    (docs/cuda.md, "Device ids"). The CUDA module's map follows local_hardware_id, and every
+    collective through nccl;pcie matches lax (with 2 GPUs, one GPU: the one-device path)."""
+    program = """
+        import jax, jax.numpy as jnp, numpy as np
+        jax.config.update("jax_cuda_visible_devices", SHOWN)  # before any backend starts
+        from jax import lax
+        from jax.sharding import Mesh, PartitionSpec as P
+        import jax_flexlink as flx
+        from jax_flexlink._src import native
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        assert gpus and min(d.local_hardware_id for d in gpus) >= 1, [(d.id, d.local_hardware_id) for d in gpus]
+        mesh = Mesh(np.array(gpus), ("x",))
+        flx.configure(links="nccl;pcie", autotune_min_bytes=0)
+        n = len(gpus)
+        x = jax.device_put(jnp.arange(n * n * 1024, dtype=jnp.float32), jax.sharding.NamedSharding(mesh, P("x")))
+        for body in (lambda m: lambda v: m.psum(v, "x"), lambda m: lambda v: m.all_gather(v, "x", tiled=True),
+                     lambda m: lambda v: m.psum_scatter(v, "x", tiled=True),
+                     lambda m: lambda v: m.ppermute(v, "x", [(i, (i + 1) % n) for i in range(n)])):
+            make = lambda mod: jax.jit(jax.shard_map(body(mod), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+            np.testing.assert_array_equal(np.asarray(make(flx)(x)), np.asarray(make(lax)(x)))
+        ids = native.cuda_module().device_ids()
+        assert all(ids[d.local_hardware_id] == d.id for d in gpus) and ids[0] == -1, (ids, gpus)
+        print("ok")
+    """
+    shown = ",".join(str(i) for i in range(1, len(two_gpus)))
+    result = helpers.run_python(program.replace("SHOWN", repr(shown)), timeout=100)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout, result.stderr)
+
+
 def test_configure_links_while_gpu_calls_are_queued(two_gpus, flexlink_on_gpus):
     """Calls dispatched before configure(links=...) (jax dispatches asynchronously) run on the GPU
     links they were lowered with on every rank, whatever is current when each rank's device thread

@@ -228,6 +228,83 @@ def test_one_device_map():
     hosts.device_process(10 ** 6)
 
 
+class Gpu:
+  """A jax GPU device as processes.device_id_map reads it."""
+
+  def __init__(self, id_, hw):
+    self.id, self.local_hardware_id, self.platform = id_, hw, "gpu"
+
+
+def test_device_id_map():
+  """The CUDA ordinal -> jax id map comes from each device's local_hardware_id (XLA's DeviceOrdinal),
+  not from the devices' order: a process shown GPUs 1 and 3 (jax_cuda_visible_devices, or
+  jax.distributed.initialize(local_device_ids=...)) runs them as ordinals 1 and 3 while jax numbers
+  them 0 and 1; in a multi-process job, process 1's single GPU 3 is, say, jax's device 11."""
+  assert processes.device_id_map([Gpu(0, 0), Gpu(1, 1)]) == [0, 1]
+  assert processes.device_id_map([Gpu(0, 1), Gpu(1, 3)]) == [-1, 0, -1, 1]
+  assert processes.device_id_map([Gpu(11, 3)]) == [-1, -1, -1, 11]
+  assert processes.device_id_map([Gpu(5, 1), Gpu(4, 0)]) == [4, 5]  # listed out of order
+  assert processes.device_id_map([Gpu(8, None), Gpu(9, None)]) == [8, 9]  # no hardware id: local order
+  assert processes.device_id_map([]) == []
+  with pytest.raises(ValueError, match=r"GPU devices \[0, 1\] have CUDA ordinals \[2, 2\]"):
+    processes.device_id_map([Gpu(0, 2), Gpu(1, 2)])
+
+
+def test_device_ids_set_once(monkeypatch):
+  """_set_device_ids hands the module the map from this process's GPU devices, once; with no GPU
+  (lowering for another machine) it hands nothing and leaves the map to a later lowering."""
+  class Ids:
+    def __init__(self):
+      self.got = []
+
+    def set_device_ids(self, ids):
+      self.got.append(list(ids))
+
+  import jax
+  monkeypatch.setattr(processes, "_ids_set", [])
+  module = Ids()
+  processes._set_device_ids(module)  # this machine's devices are CPUs
+  assert module.got == [] and processes._ids_set == []
+  monkeypatch.setattr(jax, "local_devices", lambda: [Gpu(0, 1), Gpu(1, 3)])
+  processes._set_device_ids(module)
+  processes._set_device_ids(module)
+  assert module.got == [[-1, 0, -1, 1]]
+
+
+def test_cuda_module_device_ids():
+  """With a FLEXLINK_CUDA=ON build: the module's map (xla_ffi/cuda/device_ids.h) as Python sets it,
+  set once, refusing another map or an id named twice."""
+  path = _cuda_module_path()
+  if not path or not os.path.exists(path):
+    pytest.skip("no FLEXLINK_CUDA=ON build here: set FLEXLINK_CUDA_MODULE to its _flexlink_cuda*.so")
+  result = run_python(f"""
+      import importlib.util
+      spec = importlib.util.spec_from_file_location("jax_flexlink._flexlink_cuda", {path!r})
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      assert module.device_ids() == []
+      try:
+          module.set_device_ids([3, 3])
+      except ValueError as e:
+          assert "twice" in str(e), e
+      else:
+          raise AssertionError("an id named twice was accepted")
+      assert module.device_ids() == []
+      module.set_device_ids([-1, 0, -1, 1, -1])
+      assert module.device_ids() == [-1, 0, -1, 1], module.device_ids()
+      module.set_device_ids([-1, 0, -1, 1])
+      try:
+          module.set_device_ids([0, 1])
+      except ValueError as e:
+          assert "already map to other global ids" in str(e), e
+      else:
+          raise AssertionError("a second map was accepted")
+      assert module.device_ids() == [-1, 0, -1, 1]
+      print("ok")
+  """)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "ok" in result.stdout
+
 def test_cuda_module_functions():
   """With a FLEXLINK_CUDA=ON build: the module reports which GPU links a group across processes
   uses (nccl and one pcie link; a second pcie is left out with the reason), refuses malformed ids, and a create on this GPU-less machine fails cleanly, leaving

@@ -59,15 +59,15 @@ def spans_processes(devices) -> bool:
 def prepare(groups, group_sizes, platforms) -> None:
   """Makes every group of a call's table that spans processes and has a rank in this process ready
   for the engine (raises NotLowerable where FlexLink cannot run such a group)."""
-  if jax.process_count() == 1:
-    return
   if tuple(platforms) == ("cuda",):
     from jax_flexlink._src import native  # noqa: PLC0415
     cuda = native.cuda_module()
     if cuda is not None and hasattr(cuda, "set_device_ids"):
-      # Every GPU group of a multi-process job, in-process ones too: XLA's handlers get the CUDA
-      # ordinal, groups hold global ids.
+      # Every GPU group, single-process jobs' too: XLA's handlers get the CUDA ordinal, groups hold
+      # global ids, and the two differ across processes and where jax hides GPUs.
       _set_device_ids(cuda)
+  if jax.process_count() == 1:
+    return
   offset = 0
   for size in (int(s) for s in group_sizes):
     group = tuple(int(d) for d in groups[offset:offset + size])
@@ -144,15 +144,32 @@ _ids_set = []         # the CUDA module got this process's ordinal -> global id 
 
 def _set_device_ids(module) -> None:
   """Tells the CUDA module the global id of each local CUDA ordinal: XLA's handlers get the
-  ordinal, groups hold jax's global ids (equal only in a single-process job)."""
+  ordinal, groups hold jax's global ids (xla_ffi/cuda/device_ids.h)."""
   if _ids_set:
     return
-  local = [d for d in jax.local_devices() if d.platform == "gpu"]
-  # XLA's DeviceOrdinal is the local device's index in CUDA's order (local_hardware_id); to be
-  # checked on the first GPU run (docs/cuda.md, "Known limits").
-  local.sort(key=lambda d: d.id if getattr(d, "local_hardware_id", None) is None else d.local_hardware_id)
-  module.set_device_ids([d.id for d in local])
+  ids = device_id_map([d for d in jax.local_devices() if d.platform == "gpu"])
+  if not ids:
+    return  # no GPU here (lowering for another machine): nothing to map yet
+  module.set_device_ids(ids)
   _ids_set.append(True)
+
+
+def device_id_map(devices) -> list[int]:
+  """[global id of CUDA ordinal 0, of 1, ...], -1 where an ordinal is none of `devices`.
+
+  XLA's DeviceOrdinal is the StreamExecutor's ordinal, jax's `local_hardware_id`: CUDA's numbering,
+  kept when jax shows a process only some GPUs (`jax_cuda_visible_devices`, or
+  `jax.distributed.initialize(local_device_ids=...)`, which cluster auto-detection sets to one GPU per
+  process), so a process given GPU 3 alone runs it as ordinal 3; jax's ids are its own numbering."""
+  ordinals = [d.local_hardware_id for d in devices]
+  if any(o is None for o in ordinals):  # no hardware id: the devices' local order is CUDA's
+    ordinals = list(range(len(devices)))
+  if len(set(ordinals)) != len(ordinals) or any(o < 0 for o in ordinals):
+    raise ValueError(f"GPU devices {[d.id for d in devices]} have CUDA ordinals {ordinals}: not one each")
+  ids = [-1] * (max(ordinals) + 1 if ordinals else 0)
+  for d, o in zip(devices, ordinals):
+    ids[o] = d.id
+  return ids
 
 
 def _set_up_gpu(group: tuple[int, ...], me: int) -> str:

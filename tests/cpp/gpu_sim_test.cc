@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <thread>
@@ -25,6 +26,7 @@
 #include "xla_ffi/core/health.h"
 #include "xla_ffi/core/reduce.h"
 #include "xla_ffi/core/stats.h"
+#include "xla_ffi/cuda/device_ids.h"
 #include "xla_ffi/cuda/gpu_engine.h"
 #include "xla_ffi/cuda/gpu_faults.h"
 #include "xla_ffi/cuda/pcie_chunks.h"
@@ -37,10 +39,15 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Sim {
-  explicit Sim(int ranks, sim::SimOptions options = {}, bool one_device = false) : device(Opts(options, ranks, one_device)), comm(&device) {
+  // `device_of`: the CUDA ordinal of each jax id, for the harness and the engine (default: the same
+  // number, or 0 for every rank with `one_device`).
+  explicit Sim(int ranks, sim::SimOptions options = {}, bool one_device = false,
+               std::function<int(int64_t)> device_of = {})
+      : device(Opts(options, ranks, one_device)), comm(&device) {
     h.api = &device;
     h.ranks = ranks;
-    h.device_of = [one_device](int64_t id) { return one_device ? 0 : static_cast<int>(id); };
+    h.device_of = device_of ? std::move(device_of)
+                            : [one_device](int64_t id) { return one_device ? 0 : static_cast<int>(id); };
     h.alloc = [this](int dev, size_t bytes) {
       (void)dev;
       return device.AllocBuffer(bytes);
@@ -394,6 +401,50 @@ void RunSuite(Sim& s, const std::string& links, const std::vector<double>& share
   }
   s.ExpectNoSimErrors(what);
   std::printf("  %-58s %4zu cases %6.2f s\n", what.c_str(), cases.size(), Seconds(t0));
+}
+
+// XLA's CUDA ordinal <-> jax's global id (xla_ffi/cuda/device_ids.h): the map's rules, then a group
+// whose jax ids 0 and 1 run on CUDA ordinals 1 and 3 (a process shown GPUs 1 and 3 through
+// jax_cuda_visible_devices: XLA keeps CUDA's numbering, jax numbers from 0). The simulated device
+// refuses an event recorded on a stream of another device, so an engine that took the ids for
+// ordinals (making its events on devices 0 and 1) fails every call here.
+void TestDeviceIds() {
+  using gpu::DeviceIds;
+  DeviceIds ids;
+  Expect(!ids.set() && ids.GlobalIdOf(3) == 3 && ids.OrdinalOf(5) == 5 && ids.Map().empty(),
+         "device ids: the same numbers until set");
+  const std::vector<int64_t> nothing = {-1, -1};
+  Expect(ids.Set(nothing) && !ids.set(), "device ids: a map naming no device leaves them unset");
+  const std::vector<int64_t> map = {-1, 8, -1, 9, -1};
+  Expect(ids.Set(map) && ids.set(), "device ids: set");
+  Expect(ids.GlobalIdOf(1) == 8 && ids.GlobalIdOf(3) == 9, "device ids: ordinals 1 and 3 are jax's 8 and 9");
+  Expect(ids.GlobalIdOf(0) == DeviceIds::kNone && ids.GlobalIdOf(2) == DeviceIds::kNone &&
+             ids.GlobalIdOf(4) == DeviceIds::kNone && ids.GlobalIdOf(63) == DeviceIds::kNone &&
+             ids.GlobalIdOf(-1) == DeviceIds::kNone,
+         "device ids: an ordinal of no jax device has no id (not its own number)");
+  Expect(ids.OrdinalOf(8) == 1 && ids.OrdinalOf(9) == 3 && ids.OrdinalOf(0) == -1 && ids.OrdinalOf(1) == -1 &&
+             ids.OrdinalOf(-1) == -1,
+         "device ids: jax's ids back to ordinals, -1 for an id of no local device");
+  Expect(ids.Map() == std::vector<int64_t>({-1, 8, -1, 9}), "device ids: the map, trailing gaps dropped");
+  const std::vector<int64_t> same = {-1, 8, -1, 9}, other = {8, -1, -1, 9};
+  Expect(ids.Set(same), "device ids: setting the same map again is accepted");
+  Expect(!ids.Set(other) && ids.GlobalIdOf(1) == 8 && ids.GlobalIdOf(0) == DeviceIds::kNone,
+         "device ids: another map refused, the first kept");
+  DeviceIds twice;
+  const std::vector<int64_t> dup = {4, 4};
+  Expect(!twice.Set(dup) && !twice.set(), "device ids: a map naming an id twice refused");
+  DeviceIds far;
+  std::vector<int64_t> many(DeviceIds::kMaxOrdinals + 1, -1);
+  many.back() = 0;
+  Expect(!far.Set(many) && !far.set(), "device ids: an ordinal past the last refused");
+
+  SetAutotuneMinBytes(0);
+  auto shown = std::make_shared<DeviceIds>();
+  const std::vector<int64_t> gpus_1_and_3 = {-1, 0, -1, 1};
+  Expect(shown->Set(gpus_1_and_3), "device ids: GPUs 1 and 3 as jax's 0 and 1");
+  Sim s(2, {.devices = 4}, false, [shown](int64_t id) { return shown->OrdinalOf(id); });
+  RunSuite(s, "nccl@staging_mib=0.0625;pcie@slot_mib=0.0625", {0.5, 0.5}, 20000,
+           "2 ranks on CUDA ordinals 1 and 3, nccl;pcie 50/50");
 }
 
 void TestCollectives() {
@@ -2040,6 +2091,7 @@ int main(int argc, char** argv) {
   Timed("TestPcieGate", TestPcieGate);
   Timed("TestStageOneCheck", TestStageOneCheck);
   Timed("TestCollectives", TestCollectives);
+  Timed("TestDeviceIds", TestDeviceIds);
   std::remove(SuiteCachePath().c_str());
   return Summary();
 }

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "xla_ffi/cuda/runtime/handlers.h"
 #include "xla_ffi/cuda/runtime/process.h"
@@ -16,13 +18,28 @@ namespace ffi = xla::ffi;
 namespace flexlink::gpu {
 namespace {
 
+std::string FormatMap(const std::vector<int64_t>& ids) {
+  std::string out;
+  for (size_t o = 0; o < ids.size(); ++o) {
+    if (ids[o] < 0) continue;
+    out += (out.empty() ? "" : ", ") + std::to_string(o) + " -> " + std::to_string(ids[o]);
+  }
+  return out.empty() ? "none" : out;
+}
+
 ffi::Error Run(Kind kind, cudaStream_t stream, int32_t device, ffi::RunId run_id, ffi::RemainingArgs args,
                ffi::RemainingRets rets, ffi::Span<const int64_t> groups, ffi::Span<const int64_t> group_sizes,
                int64_t links_version, std::string_view reduction, int64_t axis, std::string_view label,
                std::span<const int64_t> pairs = {}) {
   CollectiveArgs a;
-  // Groups hold global device ids; XLA gives the CUDA ordinal (process.h, SetDeviceIds).
-  const int32_t id = static_cast<int32_t>(GlobalIdOf(device));
+  // Groups hold global device ids; XLA gives the CUDA ordinal (device_ids.h).
+  const int64_t global = ProcessDeviceIds().GlobalIdOf(device);
+  if (global < 0)
+    return ffi::Error::InvalidArgument(
+        ErrorPrefix(label) + "XLA ran this call on CUDA device " + std::to_string(device) +
+        ", which is none of this process's jax devices as FlexLink was told at lowering (ordinal -> id: " +
+        FormatMap(ProcessDeviceIds().Map()) + ")");
+  const int32_t id = static_cast<int32_t>(global);
   ffi::Error decoded = DecodeCall(kind, id, run_id, args, rets, groups, group_sizes, reduction, axis, label, pairs, &a);
   if (decoded.failure()) return decoded;
   a.links_version = links_version > 0 ? static_cast<uint64_t>(links_version) : 0;

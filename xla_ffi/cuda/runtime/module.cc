@@ -121,12 +121,18 @@ void DefineGpuXproc(nb::module_& m) {
   m.def(
       "set_device_ids",
       [](std::vector<int64_t> ids) {
-        if (!SetDeviceIds(std::move(ids)))
-          throw nb::value_error("set_device_ids: this process's CUDA ordinals already map to other global ids");
+        if (!ProcessDeviceIds().Set(ids))
+          throw nb::value_error(
+              "set_device_ids: this process's CUDA ordinals already map to other global ids, or the map names an id "
+              "twice or an ordinal past 63");
       },
       nb::arg("global_of_ordinal"),
-      "The global (jax) device id of each local CUDA ordinal, for multi-process jobs: the handlers get "
-      "the ordinal, groups hold global ids. Set once; identity until set.");
+      "The global (jax) device id of each CUDA ordinal of this process (-1: none of its jax devices): XLA's "
+      "handlers get the ordinal, groups hold global ids (xla_ffi/cuda/device_ids.h). Set once; identity until "
+      "set.");
+  m.def(
+      "device_ids", [] { return ProcessDeviceIds().Map(); },
+      "The map set_device_ids set, as a list indexed by CUDA ordinal (-1: no jax device); [] until set.");
   m.def(
       "gpu_xproc_links",
       [] {
