@@ -13,7 +13,9 @@ Environment of rank i (of N, K devices each, H emulated hosts):
   FLEXLINK_COORDINATOR=127.0.0.1:PORT  FLEXLINK_NUM_PROCESSES=N  FLEXLINK_PROCESS_ID=i
   FLEXLINK_DEVICES_PER_PROCESS=K  JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT
   JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:PORT (jax's default binds every interface)
-  XLA_FLAGS=... --xla_force_host_platform_device_count=K  JAX_PLATFORMS=cpu (unless set)
+  host devices: XLA_FLAGS=... --xla_force_host_platform_device_count=K  JAX_PLATFORMS=cpu (unless set)
+  GPUs (--gpus-per-process K): FLEXLINK_LOCAL_DEVICE_IDS=iK,...,iK+K-1 (initialize() passes them to jax as
+    local_device_ids)  JAX_PLATFORMS=cuda (unless set); XLA_FLAGS as inherited
   PYTHONUNBUFFERED=1 (unless set; lines arrive as they are printed)
   GLIBC_TUNABLES gains glibc.malloc.trim_threshold=268435456 and glibc.malloc.mmap_threshold=33554432
     unless the inherited value sets them or --no-keep-freed-memory is given (KEEP_FREED_MEMORY below)
@@ -42,7 +44,7 @@ _POLL_S = 0.05
 
 # The variables this launcher owns; a value inherited from an outer launch must not leak through.
 ENV_VARS = ("FLEXLINK_COORDINATOR", "FLEXLINK_NUM_PROCESSES", "FLEXLINK_PROCESS_ID",
-            "FLEXLINK_DEVICES_PER_PROCESS", "FLEXLINK_HOST_ID", "FLEXLINK_NUM_HOSTS")
+            "FLEXLINK_DEVICES_PER_PROCESS", "FLEXLINK_LOCAL_DEVICE_IDS", "FLEXLINK_HOST_ID", "FLEXLINK_NUM_HOSTS")
 
 _DEVCOUNT_RE = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -65,7 +67,8 @@ def initialize(**kwargs) -> tuple[int, int]:
 
     Call it first, before anything asks jax for devices. kwargs go to jax.distributed.initialize
     (e.g. initialization_timeout=60). Cluster auto-detection is off: a program started by this launcher
-    inside a Slurm or MPI allocation is still this launcher's job.
+    inside a Slurm or MPI allocation is still this launcher's job. Started with --gpus-per-process,
+    the rank's GPUs (FLEXLINK_LOCAL_DEVICE_IDS) go to jax as `local_device_ids` unless kwargs name them.
     """
     env = os.environ
     missing = [v for v in ("FLEXLINK_COORDINATOR", "FLEXLINK_NUM_PROCESSES", "FLEXLINK_PROCESS_ID")
@@ -83,6 +86,12 @@ def initialize(**kwargs) -> tuple[int, int]:
     if not re.fullmatch(r"[^\s:]+:[0-9]{1,5}", env["FLEXLINK_COORDINATOR"], re.ASCII):
         raise RuntimeError("jax_flexlink.launch.initialize(): FLEXLINK_COORDINATOR must be HOST:PORT, got "
                            f"{env['FLEXLINK_COORDINATOR']!r}")
+    ids_text = env.get("FLEXLINK_LOCAL_DEVICE_IDS", "")
+    if ids_text:
+        if not re.fullmatch(r"[0-9]+(,[0-9]+)*", ids_text, re.ASCII):
+            raise RuntimeError("jax_flexlink.launch.initialize(): FLEXLINK_LOCAL_DEVICE_IDS must be GPU numbers "
+                               f"separated by commas (e.g. 2,3), got {ids_text!r}")
+        kwargs.setdefault("local_device_ids", [int(t) for t in ids_text.split(",")])
     import jax  # noqa: PLC0415 - only the program side needs jax
     kwargs.setdefault("cluster_detection_method", "deactivate")
     try:
@@ -100,8 +109,8 @@ def initialize(**kwargs) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage=f"{PROG} -n N [--devices-per-process K] [--hosts H] [--timeout S] [--no-keep-freed-memory] "
-              "-- CMD [ARGS...]",
+        usage=f"{PROG} -n N [--devices-per-process K | --gpus-per-process K] [--hosts H] [--timeout S] "
+              "[--no-keep-freed-memory] -- CMD [ARGS...]",
         description="Starts N processes of one jax.distributed job on this machine (coordinator on a free "
                     "loopback port), prefixes their output with [rank], stops all of them when one fails, "
                     "at the deadline, or when the launcher is interrupted. The program calls "
@@ -109,9 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 every rank exited 0; the first failing rank's code (128+N for signal N); "
                "124 deadline; 130/143 interrupted (SIGINT/SIGTERM); 2 usage error.")
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes (>= 1)")
-    p.add_argument("--devices-per-process", type=int, default=1, metavar="K",
+    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
                    help="host (CPU) devices per process: XLA_FLAGS --xla_force_host_platform_device_count=K "
                         "(default 1)")
+    p.add_argument("--gpus-per-process", type=int, default=None, metavar="K",
+                   help="a GPU job instead: process i drives GPUs iK..iK+K-1 (jax's local_device_ids, through "
+                        "initialize()), JAX_PLATFORMS=cuda unless set; the machine must show N*K GPUs")
     p.add_argument("--hosts", type=int, default=None, metavar="H",
                    help="emulate H hosts: process i gets FLEXLINK_HOST_ID=host<i // (N/H)> (consecutive "
                         "blocks); H must divide N")
@@ -133,7 +145,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         a.command = a.command[1:]
     if a.nprocs < 1:
         p.error(f"-n must be >= 1, got {a.nprocs}")
-    if a.devices_per_process < 1:
+    if a.devices_per_process is not None and a.gpus_per_process is not None:
+        p.error("--devices-per-process sets host (CPU) devices and --gpus-per-process GPUs: give one of them")
+    if a.gpus_per_process is not None and a.gpus_per_process < 1:
+        p.error(f"--gpus-per-process must be >= 1, got {a.gpus_per_process}")
+    if a.devices_per_process is None and a.gpus_per_process is None:
+        a.devices_per_process = 1
+    if a.devices_per_process is not None and a.devices_per_process < 1:
         p.error(f"--devices-per-process must be >= 1, got {a.devices_per_process}")
     if a.hosts is not None and (a.hosts < 1 or a.nprocs % a.hosts):
         p.error(f"--hosts {a.hosts} must be >= 1 and divide -n {a.nprocs} (each host gets the same number "
@@ -143,7 +161,37 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not a.command:
         p.error("no command to run; put it after --, e.g. "
                 f"`{PROG} -n 2 -- python script.py`")
+    if a.gpus_per_process is not None:
+        need = a.nprocs * a.gpus_per_process
+        have, how = gpu_count()
+        if have is not None and need > have:
+            p.error(f"-n {a.nprocs} --gpus-per-process {a.gpus_per_process} needs {need} GPUs; this machine shows "
+                    f"{have} ({how})")
     return a
+
+
+def gpu_count(environ=None, nvml_count=None) -> tuple[int | None, str]:
+    """(how many GPUs jax's local_device_ids may name here, how that was counted), or (None, why not).
+
+    jax numbers GPUs as CUDA does, so within CUDA_VISIBLE_DEVICES where it is set; otherwise NVML's
+    count (jax_flexlink.topology, which needs nvidia-ml-py). `nvml_count`: a stand-in for tests."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [e for e in visible.split(",") if e.strip()]
+        # CUDA stops at the first entry that is not a device it has; count the list as given.
+        return len(entries), f"CUDA_VISIBLE_DEVICES={visible!r}"
+    if nvml_count is None:
+        def nvml_count():
+            from jax_flexlink import topology  # noqa: PLC0415 - NVML only for GPU jobs
+            t = topology.discover()
+            if not t.nvml.available:
+                raise RuntimeError(t.nvml.error or "NVML not available")
+            return len(t.gpus)
+    try:
+        return nvml_count(), "NVML"
+    except Exception as e:  # noqa: BLE001 - no count is not an error: jax refuses ids it lacks
+        return None, f"not counted: {e}"
 
 
 def free_port() -> int:
@@ -174,16 +222,23 @@ def with_malloc_tunables(tunables: str, settings=KEEP_FREED_MEMORY) -> str:
 
 
 def child_env(base: dict, rank: int, nprocs: int, devices: int, hosts: int | None, port: int,
-              keep_freed_memory: bool = True) -> dict:
+              keep_freed_memory: bool = True, gpus: bool = False) -> dict:
+    """Rank `rank`'s environment; `devices` per process, GPUs where `gpus`, else host devices."""
     env = {k: v for k, v in base.items() if k not in ENV_VARS}
     if keep_freed_memory:
         env["GLIBC_TUNABLES"] = with_malloc_tunables(base.get("GLIBC_TUNABLES", ""))
     addr = f"127.0.0.1:{port}"
     env.update({"FLEXLINK_COORDINATOR": addr, "FLEXLINK_NUM_PROCESSES": str(nprocs),
                 "FLEXLINK_PROCESS_ID": str(rank), "FLEXLINK_DEVICES_PER_PROCESS": str(devices),
-                "JAX_COORDINATOR_ADDRESS": addr, "JAX_COORDINATOR_BIND_ADDRESS": addr,
-                "XLA_FLAGS": with_device_count(base.get("XLA_FLAGS", ""), devices)})
-    env.setdefault("JAX_PLATFORMS", "cpu")
+                "JAX_COORDINATOR_ADDRESS": addr, "JAX_COORDINATOR_BIND_ADDRESS": addr})
+    if gpus:
+        # jax numbers GPUs as CUDA does; XLA keeps that numbering for the ones it is given
+        # (docs/cuda.md, "Device ids"), so rank i's GPUs are ordinals iK.. in its process too.
+        env["FLEXLINK_LOCAL_DEVICE_IDS"] = ",".join(str(rank * devices + g) for g in range(devices))
+        env.setdefault("JAX_PLATFORMS", "cuda")
+    else:
+        env["XLA_FLAGS"] = with_device_count(base.get("XLA_FLAGS", ""), devices)
+        env.setdefault("JAX_PLATFORMS", "cpu")
     env.setdefault("PYTHONUNBUFFERED", "1")
     if hosts is not None:
         env["FLEXLINK_HOST_ID"] = f"host{host_of(rank, nprocs, hosts)}"
@@ -257,8 +312,9 @@ class Launcher:
         for rank in range(a.nprocs):
             if self.interrupted:
                 return
-            env = child_env(os.environ, rank, a.nprocs, a.devices_per_process, a.hosts, port,
-                            a.keep_freed_memory)
+            gpus = a.gpus_per_process is not None
+            env = child_env(os.environ, rank, a.nprocs, a.gpus_per_process if gpus else a.devices_per_process,
+                            a.hosts, port, a.keep_freed_memory, gpus=gpus)
             try:
                 # start_new_session: the rank leads its own process group (killpg reaches its children
                 # too), and a Ctrl-C at the terminal reaches the launcher only, which stops the ranks.

@@ -119,11 +119,17 @@ def test_dry_run_creates_outdir_and_runs_nothing(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     steps = _steps(out)
     assert list(steps) == ["environment", "build", "cpp-build", "topology", "gpus", "pytest", "cpp",
-                           "gpu_host_bench", "bench", "dry-run"]
+                           "gpu_host_bench", "bench", "processes", "dry-run"]
     assert all(s["result"] == "DRY" for name, s in steps.items() if name != "dry-run")
     assert "cmake.define.FLEXLINK_CUDA=ON" in steps["build"]["note"] and "--no-build-isolation" in steps["build"]["note"]
     assert "-m jax_flexlink.topology" in steps["topology"]["note"]
     assert "-m pytest -q -m gpu" in steps["pytest"]["note"]
+    # The cross-process GPU job runs as a step of its own, last, and the pytest step leaves it out.
+    pytest_line = next(ln for ln in res.stdout.splitlines() if ln.startswith("DRY-RUN pytest "))
+    assert "--deselect tests/test_launch.py::test_gpu_job_across_processes tests" in pytest_line, pytest_line
+    processes_line = next(ln for ln in res.stdout.splitlines() if ln.startswith("DRY-RUN processes "))
+    assert processes_line.endswith("-m pytest -q -m gpu -rs -p no:cacheprovider "
+                                   "tests/test_launch.py::test_gpu_job_across_processes"), processes_line
     # The bench splits over both GPU links (the balancer's claim), not nccl alone (the GPU default).
     assert "jax_flexlink.bench --scenario gpu --links nccl;pcie" in steps["bench"]["note"], steps["bench"]
     assert "--target cuda_ranks_test cuda_pcie_bench gpu_host_bench" in steps["cpp-build"]["note"], steps["cpp-build"]
@@ -150,7 +156,7 @@ def test_no_gpu_on_this_machine(tmp_path):
     assert steps["pytest"] == {"result": "SKIP", "rc": "", "log": "", "note": "no GPU visible to jax (see gpus)"}
     assert steps["cpp"]["result"] == "SKIP" and "no CUDA C++ test binary" in steps["cpp"]["note"]
     assert steps["gpu_host_bench"]["result"] == "SKIP" and "cpp-build makes it" in steps["gpu_host_bench"]["note"]
-    assert steps["bench"]["result"] == "SKIP"
+    assert steps["bench"]["result"] == "SKIP" and steps["processes"]["result"] == "SKIP"
     doc = json.loads((out / "topology.json").read_text())
     assert doc["format"] == "jax_flexlink.topology" and doc["gpus"] == []
     summary = (out / "summary.md").read_text()
@@ -175,7 +181,7 @@ def test_faked_gpu_machine_passes(tmp_path, machine):
     assert {k: v["result"] for k, v in steps.items()} == {
         "environment": "PASS", "build": "PASS", "cpp-build": "PASS", "topology": "PASS", "gpus": "PASS",
         "pytest": "PASS", "cuda_ranks_test": "PASS", "cuda_pcie_bench": "PASS", "gpu_host_bench": "PASS",
-        "bench": "PASS"}
+        "bench": "PASS", "processes": "PASS"}
     assert steps["gpu_host_bench"]["note"] == "2 ranks, 4 KiB, us per call: nccl 2.90, pcie 5.68", steps["gpu_host_bench"]
     assert "args: --ranks 2,8 --calls 20000 --reps 3" in (out / "cpp_gpu_host_bench.log").read_text()
     assert "fake pip -m pip install --no-build-isolation --no-deps -v -e . -C cmake.define.FLEXLINK_CUDA=ON" in \
@@ -222,6 +228,7 @@ def test_one_gpu_skips_the_cross_gpu_bench(tmp_path, machine):
     assert res.returncode == 0, res.stdout + res.stderr
     steps = _steps(out)
     assert steps["bench"] == {"result": "SKIP", "rc": "", "log": "", "note": "1 GPU: no cross-GPU collective to time"}
+    assert steps["processes"] == {"result": "SKIP", "rc": "", "log": "", "note": "1 GPU: a process per GPU needs 2"}
     assert steps["cpp"]["result"] == "SKIP" and steps["pytest"]["result"] == "PASS"
     assert not (out / "bench.json").exists()
     assert "No bench.json" in (out / "summary.md").read_text()

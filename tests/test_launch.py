@@ -196,6 +196,9 @@ def test_hosts_split_ranks_into_consecutive_blocks(tmp_path):
     (["-n", "2"], "no command to run"),
     (["-n", "2", "--"], "no command to run"),
     (["-n", "2", "--devices-per-process", "0", "--", "true"], "--devices-per-process must be >= 1"),
+    (["-n", "2", "--gpus-per-process", "0", "--", "true"], "--gpus-per-process must be >= 1"),
+    (["-n", "2", "--devices-per-process", "2", "--gpus-per-process", "1", "--", "true"],
+     "--devices-per-process sets host (CPU) devices and --gpus-per-process GPUs: give one of them"),
     (["-n", "4", "--hosts", "3", "--", "true"], "--hosts 3 must be >= 1 and divide -n 4"),
     (["-n", "4", "--hosts", "0", "--", "true"], "--hosts 0 must be"),
     (["-n", "2", "--timeout", "0", "--", "true"], "--timeout must be a finite number of seconds > 0"),
@@ -210,6 +213,28 @@ def test_usage_errors_exit_2(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "usage:" in err
+
+
+def test_gpus_beyond_the_machine_are_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(SystemExit) as e:
+        launch.parse(["-n", "2", "--gpus-per-process", "2", "--", "true"])
+    assert e.value.code == 2
+    assert "-n 2 --gpus-per-process 2 needs 4 GPUs; this machine shows 3 (CUDA_VISIBLE_DEVICES='0,1,2')" in \
+        capsys.readouterr().err
+    a = launch.parse(["-n", "3", "--gpus-per-process", "1", "--", "true"])
+    assert (a.gpus_per_process, a.devices_per_process) == (1, None)
+    assert launch.parse(["-n", "3", "--", "true"]).devices_per_process == 1
+
+
+def test_gpu_count():
+    assert launch.gpu_count({"CUDA_VISIBLE_DEVICES": "2,3"}, nvml_count=lambda: 8) == (2, "CUDA_VISIBLE_DEVICES='2,3'")
+    assert launch.gpu_count({"CUDA_VISIBLE_DEVICES": ""}, nvml_count=lambda: 8)[0] == 0  # CUDA shows none
+    assert launch.gpu_count({}, nvml_count=lambda: 8) == (8, "NVML")
+
+    def no_nvml():
+        raise RuntimeError("NVML not found")
+    assert launch.gpu_count({}, nvml_count=no_nvml) == (None, "not counted: NVML not found")
 
 
 def test_usage_error_from_the_command_line():
@@ -244,6 +269,13 @@ def test_environment_helpers():
     assert "GLIBC_TUNABLES" not in launch.child_env({}, 0, 2, 1, None, 1, keep_freed_memory=False)
     assert launch.child_env({"GLIBC_TUNABLES": "x=1"}, 0, 2, 1, None, 1, keep_freed_memory=False)[
         "GLIBC_TUNABLES"] == "x=1"
+    # A GPU job: rank 1 of K=2 drives GPUs 2 and 3; no host device count; JAX_PLATFORMS cuda unless set.
+    env = launch.child_env({"XLA_FLAGS": "--a=1", "FLEXLINK_LOCAL_DEVICE_IDS": "7"}, 1, 2, 2, None, 1, gpus=True)
+    assert env["FLEXLINK_LOCAL_DEVICE_IDS"] == "2,3" and env["FLEXLINK_DEVICES_PER_PROCESS"] == "2"
+    assert env["XLA_FLAGS"] == "--a=1" and env["JAX_PLATFORMS"] == "cuda"
+    assert launch.child_env({"JAX_PLATFORMS": "cpu,cuda"}, 0, 2, 1, None, 1, gpus=True)["JAX_PLATFORMS"] == "cpu,cuda"
+    # A host-device job never passes on GPU ids inherited from an outer GPU launch.
+    assert "FLEXLINK_LOCAL_DEVICE_IDS" not in launch.child_env({"FLEXLINK_LOCAL_DEVICE_IDS": "0"}, 0, 2, 1, None, 1)
 
 
 # Frees 8 MiB and allocates it again: the page faults of touching it the second time.
@@ -289,6 +321,66 @@ def test_initialize_outside_the_launcher_says_how_to_start(monkeypatch):
     monkeypatch.delenv("FLEXLINK_COORDINATOR", raising=False)
     with pytest.raises(RuntimeError, match=r"FLEXLINK_COORDINATOR.*not set.*python -m jax_flexlink.launch -n N"):
         launch.initialize()
+
+
+def test_initialize_gives_jax_the_ranks_gpus(monkeypatch):
+    """FLEXLINK_LOCAL_DEVICE_IDS (a --gpus-per-process job) reaches jax.distributed.initialize as
+    local_device_ids; a caller's own local_device_ids win; malformed ids are refused before jax."""
+    import jax
+    got = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: got.append((a, kw)))
+    monkeypatch.setenv("FLEXLINK_COORDINATOR", "127.0.0.1:1234")
+    monkeypatch.setenv("FLEXLINK_NUM_PROCESSES", "2")
+    monkeypatch.setenv("FLEXLINK_PROCESS_ID", "1")
+    monkeypatch.setenv("FLEXLINK_LOCAL_DEVICE_IDS", "2,3")
+    assert launch.initialize() == (1, 2)
+    assert got[-1] == (("127.0.0.1:1234",), {"num_processes": 2, "process_id": 1, "local_device_ids": [2, 3],
+                                             "cluster_detection_method": "deactivate"})
+    launch.initialize(local_device_ids=[5])
+    assert got[-1][1]["local_device_ids"] == [5]
+    monkeypatch.delenv("FLEXLINK_LOCAL_DEVICE_IDS")
+    launch.initialize()
+    assert "local_device_ids" not in got[-1][1]
+    for bad in ("2;3", "a", "2,", "-1"):
+        monkeypatch.setenv("FLEXLINK_LOCAL_DEVICE_IDS", bad)
+        with pytest.raises(RuntimeError, match="FLEXLINK_LOCAL_DEVICE_IDS must be GPU numbers"):
+            launch.initialize()
+    assert len(got) == 3
+
+
+def test_gpu_job_environment_through_the_launcher(tmp_path):
+    """--gpus-per-process on this GPU-less machine (CUDA_VISIBLE_DEVICES stands for the count): each
+    rank gets its GPUs and JAX_PLATFORMS=cuda, and no host device count."""
+    prog = script(tmp_path, """
+        import os
+        print(os.environ["FLEXLINK_LOCAL_DEVICE_IDS"], os.environ["JAX_PLATFORMS"],
+              "force" in os.environ.get("XLA_FLAGS", ""), flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["CUDA_VISIBLE_DEVICES"] = "0,1,2,3"
+    res = run_launcher(["-n", "2", "--gpus-per-process", "2", "--", sys.executable, prog], timeout=60, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[0] 0,1 cuda False", "[1] 2,3 cuda False"]
+
+
+@pytest.mark.gpu
+def test_gpu_job_across_processes(gpus):
+    """On a machine with 2+ GPUs: 2 processes of one GPU each (--gpus-per-process 1), every collective
+    of tests/multiprocess/worker.py through FlexLink's GPU groups across processes (nccl;pcie: the
+    NCCL ids through jax's store, the pcie link staging through the shared segment) against XLA's own
+    collectives. Process 1 runs its GPU as CUDA ordinal 1 (docs/cuda.md, "Device ids")."""
+    from jax_flexlink._src import native
+    if len(gpus) < 2:
+        pytest.skip(f"needs 2 or more GPUs, this machine has {len(gpus)}")
+    if native.cuda_module() is None:
+        pytest.skip("this jax_flexlink was built without the CUDA module (FLEXLINK_CUDA=ON)")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess", "worker.py")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update(FLEXLINK_LINKS="nccl;pcie", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    res = run_launcher(["-n", "2", "--gpus-per-process", "1", "--timeout", "200", "--",
+                        sys.executable, worker, "collectives"], timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert sum("ALL OK" in ln for ln in res.stdout.splitlines()) == 2, res.stdout[-4000:]
 
 
 JAX_JOB = """
