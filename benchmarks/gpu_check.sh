@@ -17,9 +17,10 @@
 # 6. bench: with 2+ GPUs, python -m jax_flexlink.bench --scenario gpu --links 'nccl;pcie', FlexLink
 #    split over NVLink and PCIe by its balancer (stage 1, then stage 2 during the warm-up calls) vs
 #    native (nccl-tests layout, OUTDIR/bench.txt and bench.json); with one GPU skipped;
-# 7. processes: with 2+ GPUs, tests/test_launch.py::test_gpu_job_across_processes (left out of step 4):
-#    python -m jax_flexlink.launch -n 2 --gpus-per-process 1, every collective through FlexLink's GPU
-#    groups across processes (nccl;pcie) against XLA's (OUTDIR/processes.log);
+# 7. processes: FlexLink's GPU groups across processes under python -m jax_flexlink.launch (left out
+#    of step 4): tests/test_launch.py::test_processes_share_one_gpu (2 processes on GPU 0, the pcie
+#    link, against numpy) and, with 2+ GPUs, ::test_gpu_job_across_processes (--gpus-per-process 1,
+#    every collective on nccl;pcie against XLA's) (OUTDIR/processes.log);
 # 8. OUTDIR/summary.md: a table of every step and the bench's numbers (benchmarks/gpu_check_summary.py).
 #
 # Every step is time-boxed (`timeout`) inside a total budget (GPU_CHECK_BUDGET_S, default 420 s; with
@@ -55,8 +56,8 @@ mkdir -p "$OUT" || { echo "$0: cannot create $OUT" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
 PY=${GPU_CHECK_PYTHON:-python3}
 TESTS_DIR=${GPU_CHECK_BUILD_DIR:-build/gpu-check-tests}
-# Its own step (below), so the pytest step leaves it out.
-PROCESSES_TEST=tests/test_launch.py::test_gpu_job_across_processes
+# The processes step's tests (below); the pytest step leaves them out.
+PROCESSES_TESTS=(tests/test_launch.py::test_processes_share_one_gpu tests/test_launch.py::test_gpu_job_across_processes)
 PY_EXE=$("$PY" -c 'import sys; print(sys.executable)' 2>/dev/null || echo "$PY")  # not a pyenv shim
 BUDGET=${GPU_CHECK_BUDGET_S:-420}
 START=$(date +%s)
@@ -206,7 +207,7 @@ if (( NGPUS < 1 )); then
   record pytest SKIP 0 "" "" "no GPU visible to jax (see gpus)"
 elif run pytest 150 pytest_gpu.log env JAX_PLATFORMS=cpu,cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" \
-    --deselect "$PROCESSES_TEST" tests; then
+    --deselect "${PROCESSES_TESTS[0]}" --deselect "${PROCESSES_TESTS[1]}" tests; then
   (( DRY )) || record pytest PASS "$LAST_SECONDS" 0 pytest_gpu.log "$(last_line pytest_gpu.log)"
 elif (( LAST_RC != 124 )); then
   if (( LAST_RC == 5 )); then
@@ -265,14 +266,14 @@ elif (( LAST_RC != 124 )); then
   record bench FAIL "$LAST_SECONDS" "$LAST_RC" bench.txt "exit $LAST_RC: $(last_line bench.txt)"
 fi
 
-# --- GPU groups across processes: 2 processes of one GPU each, under the launcher ----------------
-# Last: a job of its own (two jax processes start, ~20 s) that must not squeeze the steps above.
+# --- GPU groups across processes, under the launcher ---------------------------------------------
+# Two jobs of 2 processes: both on GPU 0 (the pcie link across processes; any GPU count), and with
+# 2+ GPUs one GPU each (nccl;pcie against XLA's collectives). Last: jax processes start for them
+# (~10 s a job), which must not squeeze the steps above.
 if (( NGPUS < 1 )); then
   record processes SKIP 0 "" "" "no GPU visible to jax"
-elif (( NGPUS < 2 )); then
-  record processes SKIP 0 "" "" "1 GPU: a process per GPU needs 2"
-elif run processes 120 processes.log env JAX_PLATFORMS=cpu,cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider "$PROCESSES_TEST"; then
+elif run processes 150 processes.log env JAX_PLATFORMS=cpu,cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider "${PROCESSES_TESTS[@]}"; then
   (( DRY )) || record processes PASS "$LAST_SECONDS" 0 processes.log "$(last_line processes.log)"
 elif (( LAST_RC != 124 )); then
   record processes FAIL "$LAST_SECONDS" "$LAST_RC" processes.log "$(last_line processes.log)"

@@ -383,6 +383,41 @@ def test_gpu_job_across_processes(gpus):
     assert sum("ALL OK" in ln for ln in res.stdout.splitlines()) == 2, res.stdout[-4000:]
 
 
+
+SHARED_GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess", "shared_gpu.py")
+
+
+def test_shared_gpu_program_on_host_devices():
+    """tests/multiprocess/shared_gpu.py's own expectations (numpy's results for every collective), on
+    2 processes of one host device each through FlexLink's CPU links: what the GPU check below
+    compares against is right."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "FLEXLINK_LINKS")}
+    res = run_launcher(["-n", "2", "--timeout", "200", "--", sys.executable, SHARED_GPU, "--cpu"], timeout=240,
+                       env=env)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    lines = res.stdout.splitlines()
+    assert sum("ALL OK 45 checks" in ln for ln in lines) == 2, res.stdout[-4000:]
+    assert sum(ln.endswith("ok bfloat16: psum, pmax, pmin, all_gather, psum_scatter, ppermute, all_to_all")
+               for ln in lines) == 2, res.stdout[-4000:]
+
+
+@pytest.mark.gpu
+def test_processes_share_one_gpu(gpus):
+    """What one GPU can check of FlexLink's GPU groups across processes: 2 processes both on GPU 0
+    (local_device_ids=[0]), every collective in 6 dtypes and a 16 MiB psum through the pcie link
+    across processes (staging through the shared segment, registered with cudaHostRegister, ordered
+    by stream memory operations), against numpy (NCCL, and so XLA's collectives, refuse two ranks on
+    one GPU)."""
+    from jax_flexlink._src import native
+    if native.cuda_module() is None:
+        pytest.skip("this jax_flexlink was built without the CUDA module (FLEXLINK_CUDA=ON)")
+    env = {k: v for k, v in os.environ.items() if k != "FLEXLINK_LINKS"}
+    env.update(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    res = run_launcher(["-n", "2", "--timeout", "150", "--", sys.executable, SHARED_GPU], timeout=180, env=env)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert sum("ALL OK 45 checks" in ln for ln in res.stdout.splitlines()) == 2, res.stdout[-4000:]
+
+
 JAX_JOB = """
     import numpy as np
     import jax_flexlink.launch
