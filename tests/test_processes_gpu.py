@@ -271,17 +271,28 @@ def test_device_ids_set_once(monkeypatch):
   assert module.got == [[-1, 0, -1, 1]]
 
 
-def test_cuda_module_device_ids():
-  """With a FLEXLINK_CUDA=ON build: the module's map (xla_ffi/cuda/device_ids.h) as Python sets it,
-  set once, refusing another map or an id named twice."""
+def _cuda_module_or_skip() -> str:
+  """The FLEXLINK_CUDA=ON build's module file, or skip saying how to get one."""
   path = _cuda_module_path()
   if not path or not os.path.exists(path):
     pytest.skip("no FLEXLINK_CUDA=ON build here: set FLEXLINK_CUDA_MODULE to its _flexlink_cuda*.so")
+  return path
+
+
+def _load_module(path: str) -> str:
+  """A fresh interpreter's lines (one, `;`-joined, for a dedented program) that load it as jax_flexlink's."""
+  return ("import importlib.util, sys; "
+          f"spec = importlib.util.spec_from_file_location('jax_flexlink._flexlink_cuda', {path!r}); "
+          "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+          "sys.modules['jax_flexlink._flexlink_cuda'] = module")
+
+
+def test_cuda_module_device_ids():
+  """With a FLEXLINK_CUDA=ON build: the module's map (xla_ffi/cuda/device_ids.h) as Python sets it,
+  set once, refusing another map or an id named twice."""
+  path = _cuda_module_or_skip()
   result = run_python(f"""
-      import importlib.util
-      spec = importlib.util.spec_from_file_location("jax_flexlink._flexlink_cuda", {path!r})
-      module = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(module)
+      {_load_module(path)}
       assert module.device_ids() == []
       try:
           module.set_device_ids([3, 3])
@@ -305,19 +316,15 @@ def test_cuda_module_device_ids():
   assert result.returncode == 0, result.stdout + result.stderr
   assert "ok" in result.stdout
 
+
 def test_cuda_module_functions():
   """With a FLEXLINK_CUDA=ON build: the module reports which GPU links a group across processes
   uses (nccl and one pcie link; a second pcie is left out with the reason), refuses malformed ids, and a create on this GPU-less machine fails cleanly, leaving
   nothing in /dev/shm."""
-  path = _cuda_module_path()
-  if not path or not os.path.exists(path):
-    pytest.skip("no FLEXLINK_CUDA=ON build here: set FLEXLINK_CUDA_MODULE to its _flexlink_cuda*.so")
+  path = _cuda_module_or_skip()
   result = run_python(f"""
-      import importlib.util, os, sys
-      spec = importlib.util.spec_from_file_location("jax_flexlink._flexlink_cuda", {path!r})
-      module = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(module)
-      sys.modules["jax_flexlink._flexlink_cuda"] = module
+      import os
+      {_load_module(path)}
       import jax_flexlink as flx
       from jax_flexlink._src import processes
       shm = lambda: sorted(n for n in os.listdir("/dev/shm") if n.startswith("flexlink-"))
