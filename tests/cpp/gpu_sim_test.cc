@@ -403,6 +403,45 @@ void RunSuite(Sim& s, const std::string& links, const std::vector<double>& share
   std::printf("  %-58s %4zu cases %6.2f s\n", what.c_str(), cases.size(), Seconds(t0));
 }
 
+// One rank through the links (GpuEngineOptions::single_rank_through_links, what a 1-GPU machine runs
+// in cuda_ranks_test to exercise NCCL's calls): every standard case through nccl (direct and staged),
+// pcie and both, right, and the links counted the calls: they ran, not the identity copy.
+void TestSingleRankThroughLinks() {
+  SetAutotuneMinBytes(0);
+  Sim s(1, {.jitter_us = 10});
+  gpu::GpuEngineOptions eo;
+  eo.device_of = s.h.device_of;
+  eo.single_rank_through_links = true;
+  s.engine = std::make_unique<gpu::GpuEngine>(&s.device, &s.comm, eo);
+  for (const auto& [links, shares] : std::vector<std::pair<std::string, std::vector<double>>>{
+           {"nccl", {}}, {"nccl@staging_mib=0.0625", {}}, {"pcie@slot_mib=0.0625", {}},
+           {"nccl@staging_mib=0.0625;pcie@slot_mib=0.0625", {0.5, 0.5}}}) {
+    ResetLinkStats();
+    RunSuite(s, links, shares, 20000, "1 rank through the links, " + links);
+    s.engine->PollTimings();
+    const std::vector<std::string> current = s.engine->CurrentLinks()->names();
+    size_t seen = 0;
+    for (const auto& st : SnapshotLinkStats()) {
+      if (std::find(current.begin(), current.end(), st.name) == current.end()) continue;  // an earlier set's
+      ++seen;
+      Expect(st.calls > 0 && st.bytes > 0, "1 rank, " + links + ": " + st.name + " carried calls (" +
+                                               std::to_string(st.calls) + ")");
+    }
+    Expect(seen == current.size(), "1 rank, " + links + ": every link counted");
+  }
+  const gpu::ShutdownReport report = s.engine->Shutdown(30);
+  Expect(report.released.size() == 4 && report.kept.empty() && report.errors.empty(),
+         "1 rank through the links: the shutdown released the 4 link sets' groups (" +
+             std::to_string(report.released.size()) + ")");
+  s.ExpectNoSimErrors("1 rank through the links, shutdown");
+  Sim plain(1);
+  ResetLinkStats();
+  RunSuite(plain, "nccl", {}, 20000, "1 rank, the identity on XLA's stream");
+  plain.engine->PollTimings();
+  for (const auto& st : SnapshotLinkStats())
+    Expect(st.calls == 0, "1 rank without the option: " + st.name + " ran no call");
+}
+
 // XLA's CUDA ordinal <-> jax's global id (xla_ffi/cuda/device_ids.h): the map's rules, then a group
 // whose jax ids 0 and 1 run on CUDA ordinals 1 and 3 (a process shown GPUs 1 and 3 through
 // jax_cuda_visible_devices: XLA keeps CUDA's numbering, jax numbers from 0). The simulated device
@@ -2092,6 +2131,7 @@ int main(int argc, char** argv) {
   Timed("TestStageOneCheck", TestStageOneCheck);
   Timed("TestCollectives", TestCollectives);
   Timed("TestDeviceIds", TestDeviceIds);
+  Timed("TestSingleRankThroughLinks", TestSingleRankThroughLinks);
   std::remove(SuiteCachePath().c_str());
   return Summary();
 }

@@ -220,7 +220,7 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
   if (desc.total_units() == 0) return Status::Ok();
   DeviceGuard guard(api_);
   FLEXLINK_RETURN_IF_ERROR(api_.SetDevice(options_.device_of(args.device)));
-  if (n == 1) {
+  if (n == 1 && !options_.single_rank_through_links) {
     // The identity (ppermute without the pair (0, 0): zeros), enqueued on XLA's stream.
     const bool zeros = desc.kind == Kind::kPpermute && desc.sources[0] < 0;
     for (const Part& p : desc.parts) {

@@ -48,6 +48,11 @@ struct GpuEngineOptions {
   // watchdog is stopped by an exit handler instead, registered when it starts, i.e. after the CUDA
   // runtime's own (which then runs later), so it never polls a runtime that is going away.
   bool stop_watchdog_at_exit = false;
+  // Tests only: a group of one rank runs through its links as any group does (NCCL with one rank,
+  // the pcie link's slots), instead of the copy on XLA's stream it needs. NCCL puts at most one
+  // rank of a communicator on a GPU, so on a machine with one GPU this is the only way the nccl
+  // link's calls run (tests/cpp/cuda/cuda_ranks_test.cc).
+  bool single_rank_through_links = false;
 };
 
 class GpuEngine {

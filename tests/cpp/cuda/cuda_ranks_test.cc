@@ -5,7 +5,9 @@
 //     ranks' streams, host slots, chunking) on one GPU's copy engines;
 //   - with 2+ GPUs, one rank per GPU: nccl alone, pcie alone, and both with pinned shares (NCCL's
 //     float reductions are compared with a tolerance: its order is not rank order).
-// NCCL refuses two ranks of one communicator on one device, so nccl needs 2+ GPUs (a SKIP line).
+// NCCL refuses two ranks of one communicator on one device, so nccl across ranks needs 2+ GPUs (a
+// SKIP line); one rank on GPU 0 runs through nccl (and nccl;pcie) on any machine, the engine told
+// to send a 1-rank group through its links (GpuEngineOptions::single_rank_through_links).
 // Stage 1 on the device (CheckStageOne, gpu_cases.h): with autotune on, the first 1 MiB all_reduce
 // profiles the links on the ranks' streams, the fits come from CUDA events read once complete, and
 // stage 2 plans from them; two pcie links on GPU 0's virtual ranks, and nccl;pcie across 2+ GPUs.
@@ -126,6 +128,20 @@ int main() {
     StageOne(engine, h, "pcie@slot_mib=0.25;pcie:b@slot_mib=0.25", "3 virtual ranks on GPU 0, stage 1 on two pcie links",
              false);
     ExpectShutdown(engine, "3 virtual ranks on GPU 0, stage 1", 1);
+  }
+  {
+    // One rank on GPU 0 through the links (single_rank_through_links; XLA itself runs such a group
+    // as a copy): the only way a 1-GPU machine makes NCCL's calls (communicator set-up, every
+    // collective and its send/recv pairs with one rank, the staged half-precision sums, finalize
+    // and destroy at the shutdown) and checks what they wrote.
+    flexlink::gpu::GpuEngineOptions single;
+    single.single_rank_through_links = true;
+    flexlink::gpu::GpuEngine engine(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl(), single);
+    Harness h = CudaHarness(1, single.device_of);
+    Suite(engine, h, "nccl", {}, 1 << 20, "1 rank on GPU 0, nccl", false);
+    Suite(engine, h, "nccl@staging_mib=0.0625", {}, 1 << 18, "1 rank on GPU 0, nccl staged in 64 KiB", false);
+    Suite(engine, h, "nccl;pcie@slot_mib=0.25", {0.5, 0.5}, 1 << 20, "1 rank on GPU 0, nccl;pcie 50/50", false);
+    ExpectShutdown(engine, "1 rank on GPU 0, 3 link sets", 3);
   }
   if (gpus >= 2) {
     flexlink::gpu::GpuEngine engine(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl());
