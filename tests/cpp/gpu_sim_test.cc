@@ -434,6 +434,24 @@ void TestSingleRankThroughLinks() {
          "1 rank through the links: the shutdown released the 4 link sets' groups (" +
              std::to_string(report.released.size()) + ")");
   s.ExpectNoSimErrors("1 rank through the links, shutdown");
+  {
+    // Stage 1 on one rank: NCCL's profiling calls with their event times (cuda_ranks_test).
+    Sim one(1);
+    gpu::GpuEngineOptions o;
+    o.device_of = one.h.device_of;
+    o.single_rank_through_links = true;
+    one.engine = std::make_unique<gpu::GpuEngine>(&one.device, &one.comm, o);
+    int calls = 0;
+    const auto model = CheckStageOne(*one.engine, one.h, "nccl;pcie@slot_mib=0.25", "1 rank, stage 1", false, &calls);
+    std::printf("  1 rank, stage 1: fits after %d calls:", calls);
+    if (model)
+      for (size_t i = 0; i < model->num_links(); ++i)
+        std::printf(" %s %.3g GB/s + %.3g us", model->links()[i].c_str(),
+                    model->Fits(Kind::kAllReduce)[i].bytes_per_second() / 1e9, model->Fits(Kind::kAllReduce)[i].alpha * 1e6);
+    std::printf("\n");
+    one.ExpectNoSimErrors("1 rank, stage 1");
+    one.ExpectScratchFreed("1 rank, stage 1");
+  }
   Sim plain(1);
   ResetLinkStats();
   RunSuite(plain, "nccl", {}, 20000, "1 rank, the identity on XLA's stream");

@@ -142,6 +142,10 @@ int main() {
     Suite(engine, h, "nccl@staging_mib=0.0625", {}, 1 << 18, "1 rank on GPU 0, nccl staged in 64 KiB", false);
     Suite(engine, h, "nccl;pcie@slot_mib=0.25", {0.5, 0.5}, 1 << 20, "1 rank on GPU 0, nccl;pcie 50/50", false);
     ExpectShutdown(engine, "1 rank on GPU 0, 3 link sets", 3);
+    // Stage 1 with NCCL's profiling calls timed by CUDA events.
+    flexlink::gpu::GpuEngine staged(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl(), single);
+    StageOne(staged, h, "nccl;pcie", "1 rank on GPU 0, stage 1 on nccl;pcie", false);
+    ExpectShutdown(staged, "1 rank on GPU 0, stage 1", 1);
   }
   if (gpus >= 2) {
     flexlink::gpu::GpuEngine engine(&flexlink::gpu::ProcessDevice(), &flexlink::gpu::ProcessNccl());
