@@ -161,7 +161,7 @@ def device_id_map(devices) -> list[int]:
   kept when jax shows a process only some GPUs (`jax_cuda_visible_devices`, or
   `jax.distributed.initialize(local_device_ids=...)`, which cluster auto-detection sets to one GPU per
   process), so a process given GPU 3 alone runs it as ordinal 3; jax's ids are its own numbering."""
-  ordinals = [d.local_hardware_id for d in devices]
+  ordinals = [getattr(d, "local_hardware_id", None) for d in devices]
   if any(o is None for o in ordinals):  # no hardware id: the devices' local order is CUDA's
     ordinals = list(range(len(devices)))
   if len(set(ordinals)) != len(ordinals) or any(o < 0 for o in ordinals):
