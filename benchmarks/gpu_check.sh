@@ -17,10 +17,11 @@
 # 6. bench: with 2+ GPUs, python -m jax_flexlink.bench --scenario gpu --links 'nccl;pcie', FlexLink
 #    split over NVLink and PCIe by its balancer (stage 1, then stage 2 during the warm-up calls) vs
 #    native (nccl-tests layout, OUTDIR/bench.txt and bench.json); with one GPU skipped;
-# 7. processes: FlexLink's GPU groups across processes under python -m jax_flexlink.launch (left out
-#    of step 4): tests/test_launch.py::test_processes_share_one_gpu (2 processes on GPU 0, the pcie
-#    link, against numpy) and, with 2+ GPUs, ::test_gpu_job_across_processes (--gpus-per-process 1,
-#    every collective on nccl;pcie against XLA's) (OUTDIR/processes.log);
+# 7. processes, processes-gpus: FlexLink's GPU groups across processes, jobs of 2 processes under
+#    python -m jax_flexlink.launch running tests/multiprocess/gpu_processes.py (the jobs of
+#    tests/test_launch.py's two gpu-marked tests, which step 4 leaves out): both processes on GPU 0
+#    through the pcie link, and with 2+ GPUs rank i on GPU 1-i through nccl;pcie; every collective
+#    against numpy (OUTDIR/processes.log, processes-gpus.log);
 # 8. OUTDIR/summary.md: a table of every step and the bench's numbers (benchmarks/gpu_check_summary.py).
 #
 # Every step is time-boxed (`timeout`) inside a total budget (GPU_CHECK_BUDGET_S, default 420 s; with
@@ -56,8 +57,8 @@ mkdir -p "$OUT" || { echo "$0: cannot create $OUT" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
 PY=${GPU_CHECK_PYTHON:-python3}
 TESTS_DIR=${GPU_CHECK_BUILD_DIR:-build/gpu-check-tests}
-# The processes step's tests (below); the pytest step leaves them out.
-PROCESSES_TESTS=(tests/test_launch.py::test_processes_share_one_gpu tests/test_launch.py::test_gpu_job_across_processes)
+# The processes steps run these tests' jobs themselves (below), so the pytest step leaves them out.
+PROCESSES_TESTS=(tests/test_launch.py::test_processes_share_one_gpu tests/test_launch.py::test_processes_on_gpus_in_reverse)
 PY_EXE=$("$PY" -c 'import sys; print(sys.executable)' 2>/dev/null || echo "$PY")  # not a pyenv shim
 BUDGET=${GPU_CHECK_BUDGET_S:-420}
 START=$(date +%s)
@@ -267,17 +268,30 @@ elif (( LAST_RC != 124 )); then
 fi
 
 # --- GPU groups across processes, under the launcher ---------------------------------------------
-# Two jobs of 2 processes: both on GPU 0 (the pcie link across processes; any GPU count), and with
-# 2+ GPUs one GPU each (nccl;pcie against XLA's collectives). Last: jax processes start for them
-# (~10 s a job), which must not squeeze the steps above.
-if (( NGPUS < 1 )); then
-  record processes SKIP 0 "" "" "no GPU visible to jax"
-elif run processes 150 processes.log env JAX_PLATFORMS=cpu,cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider "${PROCESSES_TESTS[@]}"; then
-  (( DRY )) || record processes PASS "$LAST_SECONDS" 0 processes.log "$(last_line processes.log)"
-elif (( LAST_RC != 124 )); then
-  record processes FAIL "$LAST_SECONDS" "$LAST_RC" processes.log "$(last_line processes.log)"
-fi
+# Two jobs of 2 processes (tests/multiprocess/gpu_processes.py, every collective against numpy): both
+# on GPU 0 through the pcie link (any GPU count), and with 2+ GPUs rank i on GPU 1-i through
+# nccl;pcie. Last, so that their jax start-ups (~10 s a job) take time from no other step; each job
+# needs about a minute, so with less of the budget left it is skipped, saying so. The launcher's own
+# deadline (60 s) comes before the step's box, so that it, not `timeout`, stops the ranks.
+processes_step() {  # NAME MIN_GPUS WHAT LAUNCH_ARGS... -- PROGRAM_ARGS
+  local name=$1 min=$2 what=$3
+  shift 3
+  local left=$(( DEADLINE - $(date +%s) ))
+  if (( NGPUS < 1 )); then
+    record "$name" SKIP 0 "" "" "no GPU visible to jax"
+  elif (( NGPUS < min )); then
+    record "$name" SKIP 0 "" "" "$NGPUS GPU: $what needs $min"
+  elif (( left < 75 )) && ! (( DRY )); then
+    record "$name" SKIP 0 "" "" "not started: ${left}s of the ${BUDGET}s budget left, it needs about 75s"
+  elif run "$name" 75 "$name.log" env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      "$PY" -m jax_flexlink.launch -n 2 --timeout 60 "$@"; then
+    (( DRY )) || record "$name" PASS "$LAST_SECONDS" 0 "$name.log" "$(grep -c 'ALL OK' "$OUT/$name.log") of 2 processes: $(grep -m1 'ALL OK' "$OUT/$name.log" | cut -c1-120)"
+  elif (( LAST_RC != 124 )); then
+    record "$name" FAIL "$LAST_SECONDS" "$LAST_RC" "$name.log" "exit $LAST_RC: $(last_line "$name.log")"
+  fi
+}
+processes_step processes 1 "" -- "$PY" tests/multiprocess/gpu_processes.py --shared
+processes_step processes-gpus 2 "a process per GPU" --gpus-per-process 1 -- "$PY" tests/multiprocess/gpu_processes.py --reversed
 
 # --- summary --------------------------------------------------------------------------------------
 TOTAL=$(( $(date +%s) - START ))

@@ -14,8 +14,9 @@ Environment of rank i (of N, K devices each, H emulated hosts):
   FLEXLINK_DEVICES_PER_PROCESS=K  JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT
   JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:PORT (jax's default binds every interface)
   host devices: XLA_FLAGS=... --xla_force_host_platform_device_count=K  JAX_PLATFORMS=cpu (unless set)
-  GPUs (--gpus-per-process K): FLEXLINK_LOCAL_DEVICE_IDS=iK,...,iK+K-1 (initialize() passes them to jax as
-    local_device_ids)  JAX_PLATFORMS=cuda (unless set); XLA_FLAGS as inherited
+  GPUs (--gpus-per-process K): FLEXLINK_LOCAL_DEVICE_IDS=JAX_LOCAL_DEVICE_IDS=iK,...,iK+K-1 (initialize()
+    passes them to jax as local_device_ids; a plain jax.distributed.initialize reads the second)
+    JAX_PLATFORMS=cuda (unless set; a value without cuda or gpu is a usage error); XLA_FLAGS as inherited
   PYTHONUNBUFFERED=1 (unless set; lines arrive as they are printed)
   GLIBC_TUNABLES gains glibc.malloc.trim_threshold=268435456 and glibc.malloc.mmap_threshold=33554432
     unless the inherited value sets them or --no-keep-freed-memory is given (KEEP_FREED_MEMORY below)
@@ -44,7 +45,8 @@ _POLL_S = 0.05
 
 # The variables this launcher owns; a value inherited from an outer launch must not leak through.
 ENV_VARS = ("FLEXLINK_COORDINATOR", "FLEXLINK_NUM_PROCESSES", "FLEXLINK_PROCESS_ID",
-            "FLEXLINK_DEVICES_PER_PROCESS", "FLEXLINK_LOCAL_DEVICE_IDS", "FLEXLINK_HOST_ID", "FLEXLINK_NUM_HOSTS")
+            "FLEXLINK_DEVICES_PER_PROCESS", "FLEXLINK_LOCAL_DEVICE_IDS", "JAX_LOCAL_DEVICE_IDS",
+            "FLEXLINK_HOST_ID", "FLEXLINK_NUM_HOSTS")
 
 _DEVCOUNT_RE = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -162,6 +164,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("no command to run; put it after --, e.g. "
                 f"`{PROG} -n 2 -- python script.py`")
     if a.gpus_per_process is not None:
+        platforms = os.environ.get("JAX_PLATFORMS")
+        if platforms is not None and not {t.strip() for t in platforms.split(",")} & {"cuda", "gpu"}:
+            p.error(f"JAX_PLATFORMS={platforms!r} leaves out CUDA, which a --gpus-per-process job runs on "
+                    "(unset it, or include cuda)")
         need = a.nprocs * a.gpus_per_process
         have, how = gpu_count()
         if have is not None and need > have:
@@ -234,7 +240,8 @@ def child_env(base: dict, rank: int, nprocs: int, devices: int, hosts: int | Non
     if gpus:
         # jax numbers GPUs as CUDA does; XLA keeps that numbering for the ones it is given
         # (docs/cuda.md, "Device ids"), so rank i's GPUs are ordinals iK.. in its process too.
-        env["FLEXLINK_LOCAL_DEVICE_IDS"] = ",".join(str(rank * devices + g) for g in range(devices))
+        ids = ",".join(str(rank * devices + g) for g in range(devices))
+        env["FLEXLINK_LOCAL_DEVICE_IDS"] = env["JAX_LOCAL_DEVICE_IDS"] = ids  # the second: jax's own call
         env.setdefault("JAX_PLATFORMS", "cuda")
     else:
         env["XLA_FLAGS"] = with_device_count(base.get("XLA_FLAGS", ""), devices)

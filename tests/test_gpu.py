@@ -221,7 +221,7 @@ def test_shutdown_releases_the_groups(two_gpus, flexlink_on_gpus):
         from jax import lax
         from jax.sharding import Mesh, PartitionSpec as P
         import jax_flexlink as flx
-        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        gpus = jax.devices("gpu")  # JAX_PLATFORMS=cpu,cuda (gpu_check.sh) keeps cpu the default backend
         mesh = Mesh(np.array(gpus), ("x",))
         make = lambda mod: jax.jit(jax.shard_map(lambda v: mod.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
         flx.configure(links="nccl;pcie", autotune_min_bytes=0)
@@ -262,7 +262,7 @@ def test_new_links_release_the_earlier_groups(two_gpus, flexlink_on_gpus):
         import jax_flexlink as flx
         from jax_flexlink._src import native, runtime
         cuda = native.cuda_module()
-        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        gpus = jax.devices("gpu")  # JAX_PLATFORMS=cpu,cuda (gpu_check.sh) keeps cpu the default backend
         mesh = Mesh(np.array(gpus), ("x",))
         make = lambda mod: jax.jit(jax.shard_map(lambda v: mod.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
         x = jax.device_put(jnp.arange(len(gpus) * (1 << 18), dtype=jnp.int32), jax.sharding.NamedSharding(mesh, P("x")))
@@ -290,7 +290,7 @@ def test_new_links_release_the_earlier_groups(two_gpus, flexlink_on_gpus):
 
 def test_gpus_jax_was_shown_only_some_of(two_gpus, flexlink_on_gpus):
     """jax shown every GPU but the first (jax_cuda_visible_devices, as jax.distributed's
-    local_device_ids sets it; no environment variable reads it): XLA runs them as CUDA ordinals 1.. while jax numbers them from 0
+    local_device_ids sets it): XLA runs them as CUDA ordinals 1.. while jax numbers them from 0
     (docs/cuda.md, "Device ids"). The CUDA module's map follows local_hardware_id, and every
     collective through nccl;pcie matches lax (with 2 GPUs, one GPU: the one-device path)."""
     program = """
@@ -300,7 +300,7 @@ def test_gpus_jax_was_shown_only_some_of(two_gpus, flexlink_on_gpus):
         from jax.sharding import Mesh, PartitionSpec as P
         import jax_flexlink as flx
         from jax_flexlink._src import native
-        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        gpus = jax.devices("gpu")  # JAX_PLATFORMS=cpu,cuda (gpu_check.sh) keeps cpu the default backend
         assert gpus and min(d.local_hardware_id for d in gpus) >= 1, [(d.id, d.local_hardware_id) for d in gpus]
         mesh = Mesh(np.array(gpus), ("x",))
         flx.configure(links="nccl;pcie", autotune_min_bytes=0)
@@ -332,7 +332,7 @@ def test_configure_links_while_gpu_calls_are_queued(two_gpus, flexlink_on_gpus):
         from jax import lax
         from jax.sharding import Mesh, PartitionSpec as P
         import jax_flexlink as flx
-        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        gpus = jax.devices("gpu")  # JAX_PLATFORMS=cpu,cuda (gpu_check.sh) keeps cpu the default backend
         mesh = Mesh(np.array(gpus), ("x",))
         make = lambda mod: jax.jit(jax.shard_map(lambda v: mod.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
         x = jax.device_put(jnp.arange(len(gpus) * (1 << 20), dtype=jnp.int32) % 1000,

@@ -27,6 +27,9 @@ if [ "$1" = "-m" ]; then
     pytest)
       for a in "$@"; do case "$a" in --junitxml=*) cp "$FAKE_JUNIT" "${a#--junitxml=}" ;; esac; done
       echo "3 passed, 1 skipped in 0.50s"; exit "${FAKE_PYTEST_RC:-0}" ;;
+    jax_flexlink.launch)
+      echo "fake launch $*"; echo "[0] ALL OK 45 checks; links: fake"; echo "[1] ALL OK 45 checks; links: fake"
+      exit "${FAKE_LAUNCH_RC:-0}" ;;
     jax_flexlink.bench)
       prev=""; for a in "$@"; do [ "$prev" = "--json" ] && cp "$FAKE_BENCH" "$a"; prev=$a; done
       echo "# Out of bounds values : 0 OK"; exit "${FAKE_BENCH_RC:-0}" ;;
@@ -119,19 +122,21 @@ def test_dry_run_creates_outdir_and_runs_nothing(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     steps = _steps(out)
     assert list(steps) == ["environment", "build", "cpp-build", "topology", "gpus", "pytest", "cpp",
-                           "gpu_host_bench", "bench", "processes", "dry-run"]
+                           "gpu_host_bench", "bench", "processes", "processes-gpus", "dry-run"]
     assert all(s["result"] == "DRY" for name, s in steps.items() if name != "dry-run")
     assert "cmake.define.FLEXLINK_CUDA=ON" in steps["build"]["note"] and "--no-build-isolation" in steps["build"]["note"]
     assert "-m jax_flexlink.topology" in steps["topology"]["note"]
     assert "-m pytest -q -m gpu" in steps["pytest"]["note"]
-    # The cross-process GPU job runs as a step of its own, last, and the pytest step leaves it out.
+    # The cross-process GPU jobs run as steps of their own, last, and the pytest step leaves their tests out.
     pytest_line = next(ln for ln in res.stdout.splitlines() if ln.startswith("DRY-RUN pytest "))
     assert ("--deselect tests/test_launch.py::test_processes_share_one_gpu "
-            "--deselect tests/test_launch.py::test_gpu_job_across_processes tests") in pytest_line, pytest_line
-    processes_line = next(ln for ln in res.stdout.splitlines() if ln.startswith("DRY-RUN processes "))
-    assert processes_line.endswith("-m pytest -q -m gpu -rs -p no:cacheprovider "
-                                   "tests/test_launch.py::test_processes_share_one_gpu "
-                                   "tests/test_launch.py::test_gpu_job_across_processes"), processes_line
+            "--deselect tests/test_launch.py::test_processes_on_gpus_in_reverse tests") in pytest_line, pytest_line
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("DRY-RUN processes "))
+    assert line.endswith("-m jax_flexlink.launch -n 2 --timeout 60 -- python3 tests/multiprocess/gpu_processes.py "
+                         "--shared"), line
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("DRY-RUN processes-gpus "))
+    assert line.endswith("-m jax_flexlink.launch -n 2 --timeout 60 --gpus-per-process 1 -- python3 "
+                         "tests/multiprocess/gpu_processes.py --reversed"), line
     # The bench splits over both GPU links (the balancer's claim), not nccl alone (the GPU default).
     assert "jax_flexlink.bench --scenario gpu --links nccl;pcie" in steps["bench"]["note"], steps["bench"]
     assert "--target cuda_ranks_test cuda_pcie_bench gpu_host_bench" in steps["cpp-build"]["note"], steps["cpp-build"]
@@ -158,7 +163,8 @@ def test_no_gpu_on_this_machine(tmp_path):
     assert steps["pytest"] == {"result": "SKIP", "rc": "", "log": "", "note": "no GPU visible to jax (see gpus)"}
     assert steps["cpp"]["result"] == "SKIP" and "no CUDA C++ test binary" in steps["cpp"]["note"]
     assert steps["gpu_host_bench"]["result"] == "SKIP" and "cpp-build makes it" in steps["gpu_host_bench"]["note"]
-    assert steps["bench"]["result"] == "SKIP" and steps["processes"]["result"] == "SKIP"
+    assert steps["bench"]["result"] == "SKIP"
+    assert steps["processes"]["note"] == steps["processes-gpus"]["note"] == "no GPU visible to jax"
     doc = json.loads((out / "topology.json").read_text())
     assert doc["format"] == "jax_flexlink.topology" and doc["gpus"] == []
     summary = (out / "summary.md").read_text()
@@ -183,7 +189,10 @@ def test_faked_gpu_machine_passes(tmp_path, machine):
     assert {k: v["result"] for k, v in steps.items()} == {
         "environment": "PASS", "build": "PASS", "cpp-build": "PASS", "topology": "PASS", "gpus": "PASS",
         "pytest": "PASS", "cuda_ranks_test": "PASS", "cuda_pcie_bench": "PASS", "gpu_host_bench": "PASS",
-        "bench": "PASS", "processes": "PASS"}
+        "bench": "PASS", "processes": "PASS", "processes-gpus": "PASS"}
+    assert steps["processes"]["note"] == "2 of 2 processes: [0] ALL OK 45 checks; links: fake", steps["processes"]
+    assert "fake launch -m jax_flexlink.launch -n 2 --timeout 60 --gpus-per-process 1 --" in \
+        (out / "processes-gpus.log").read_text()
     assert steps["gpu_host_bench"]["note"] == "2 ranks, 4 KiB, us per call: nccl 2.90, pcie 5.68", steps["gpu_host_bench"]
     assert "args: --ranks 2,8 --calls 20000 --reps 3" in (out / "cpp_gpu_host_bench.log").read_text()
     assert "fake pip -m pip install --no-build-isolation --no-deps -v -e . -C cmake.define.FLEXLINK_CUDA=ON" in \
@@ -206,7 +215,7 @@ def test_faked_gpu_machine_passes(tmp_path, machine):
 def test_failures_are_recorded_and_the_run_goes_on(tmp_path, machine):
     env, tests_dir = machine
     _executable(tests_dir / "cuda_ranks_test", "#!/bin/sh\necho 'rank 3: 12 wrong elements'\nexit 3\n")
-    env = dict(env, FAKE_BUILD_RC="1", FAKE_BENCH_RC="1")
+    env = dict(env, FAKE_BUILD_RC="1", FAKE_BENCH_RC="1", FAKE_LAUNCH_RC="3")
     out = tmp_path / "out"
     res = _run([str(out)], env=env)
     assert res.returncode == 1
@@ -219,7 +228,9 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path, machine):
     assert steps["cuda_ranks_test"]["note"].endswith("exit 3: rank 3: 12 wrong elements")
     assert steps["bench"]["result"] == "FAIL" and steps["bench"]["rc"] == "1"
     summary = (out / "summary.md").read_text()
-    assert "**FAILED**: build, topology, cuda_ranks_test, bench." in summary
+    assert steps["processes"]["result"] == steps["processes-gpus"]["result"] == "FAIL"
+    assert steps["processes"]["note"] == "exit 3: [1] ALL OK 45 checks; links: fake", steps["processes"]
+    assert "**FAILED**: build, topology, cuda_ranks_test, bench, processes, processes-gpus." in summary
     assert "| cuda_ranks_test | **FAIL** |" in summary
 
 
@@ -230,7 +241,9 @@ def test_one_gpu_skips_the_cross_gpu_bench(tmp_path, machine):
     assert res.returncode == 0, res.stdout + res.stderr
     steps = _steps(out)
     assert steps["bench"] == {"result": "SKIP", "rc": "", "log": "", "note": "1 GPU: no cross-GPU collective to time"}
-    assert steps["processes"]["result"] == "PASS"  # both processes on GPU 0 (the 2-GPU test skips itself)
+    assert steps["processes"]["result"] == "PASS"  # both processes on GPU 0
+    assert steps["processes-gpus"] == {"result": "SKIP", "rc": "", "log": "",
+                                       "note": "1 GPU: a process per GPU needs 2"}
     assert steps["cpp"]["result"] == "SKIP" and steps["pytest"]["result"] == "PASS"
     assert not (out / "bench.json").exists()
     assert "No bench.json" in (out / "summary.md").read_text()
@@ -246,6 +259,8 @@ def test_time_boxes_and_the_budget(tmp_path, machine):
     steps = _steps(out)
     assert steps["cuda_slow_test"]["result"] == "TIMEOUT" and "killed after its" in steps["cuda_slow_test"]["note"]
     assert steps["bench"] == {"result": "TIMEOUT", "rc": "", "log": "", "note": "not started: the 20s budget is spent"}
+    assert steps["processes"]["result"] == "SKIP" and "of the 20s budget left, it needs about 75s" in \
+        steps["processes"]["note"], steps["processes"]
     assert "| cuda_slow_test | **TIMEOUT** |" in (out / "summary.md").read_text()
 
 

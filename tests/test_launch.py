@@ -216,6 +216,7 @@ def test_usage_errors_exit_2(argv, message, capsys):
 
 
 def test_gpus_beyond_the_machine_are_a_usage_error(monkeypatch, capsys):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     with pytest.raises(SystemExit) as e:
         launch.parse(["-n", "2", "--gpus-per-process", "2", "--", "true"])
@@ -225,6 +226,13 @@ def test_gpus_beyond_the_machine_are_a_usage_error(monkeypatch, capsys):
     a = launch.parse(["-n", "3", "--gpus-per-process", "1", "--", "true"])
     assert (a.gpus_per_process, a.devices_per_process) == (1, None)
     assert launch.parse(["-n", "3", "--", "true"]).devices_per_process == 1
+    # A GPU job on JAX_PLATFORMS without CUDA would run on host devices: refused.
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    with pytest.raises(SystemExit):
+        launch.parse(["-n", "1", "--gpus-per-process", "1", "--", "true"])
+    assert "JAX_PLATFORMS='cpu' leaves out CUDA" in capsys.readouterr().err
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu,cuda")
+    assert launch.parse(["-n", "1", "--gpus-per-process", "1", "--", "true"]).gpus_per_process == 1
 
 
 def test_gpu_count():
@@ -271,11 +279,13 @@ def test_environment_helpers():
         "GLIBC_TUNABLES"] == "x=1"
     # A GPU job: rank 1 of K=2 drives GPUs 2 and 3; no host device count; JAX_PLATFORMS cuda unless set.
     env = launch.child_env({"XLA_FLAGS": "--a=1", "FLEXLINK_LOCAL_DEVICE_IDS": "7"}, 1, 2, 2, None, 1, gpus=True)
-    assert env["FLEXLINK_LOCAL_DEVICE_IDS"] == "2,3" and env["FLEXLINK_DEVICES_PER_PROCESS"] == "2"
+    assert env["FLEXLINK_LOCAL_DEVICE_IDS"] == env["JAX_LOCAL_DEVICE_IDS"] == "2,3"
+    assert env["FLEXLINK_DEVICES_PER_PROCESS"] == "2"
     assert env["XLA_FLAGS"] == "--a=1" and env["JAX_PLATFORMS"] == "cuda"
     assert launch.child_env({"JAX_PLATFORMS": "cpu,cuda"}, 0, 2, 1, None, 1, gpus=True)["JAX_PLATFORMS"] == "cpu,cuda"
     # A host-device job never passes on GPU ids inherited from an outer GPU launch.
-    assert "FLEXLINK_LOCAL_DEVICE_IDS" not in launch.child_env({"FLEXLINK_LOCAL_DEVICE_IDS": "0"}, 0, 2, 1, None, 1)
+    cpu_env = launch.child_env({"FLEXLINK_LOCAL_DEVICE_IDS": "0", "JAX_LOCAL_DEVICE_IDS": "0"}, 0, 2, 1, None, 1)
+    assert "FLEXLINK_LOCAL_DEVICE_IDS" not in cpu_env and "JAX_LOCAL_DEVICE_IDS" not in cpu_env
 
 
 # Frees 8 MiB and allocates it again: the page faults of touching it the second time.
@@ -363,59 +373,56 @@ def test_gpu_job_environment_through_the_launcher(tmp_path):
     assert sorted(res.stdout.splitlines()) == ["[0] 0,1 cuda False", "[1] 2,3 cuda False"]
 
 
-@pytest.mark.gpu
-def test_gpu_job_across_processes(gpus):
-    """On a machine with 2+ GPUs: 2 processes of one GPU each (--gpus-per-process 1), every collective
-    of tests/multiprocess/worker.py through FlexLink's GPU groups across processes (nccl;pcie: the
-    NCCL ids through jax's store, the pcie link staging through the shared segment) against XLA's own
-    collectives. Process 1 runs its GPU as CUDA ordinal 1 (docs/cuda.md, "Device ids")."""
-    from jax_flexlink._src import native
-    if len(gpus) < 2:
-        pytest.skip(f"needs 2 or more GPUs, this machine has {len(gpus)}")
-    if native.cuda_module() is None:
-        pytest.skip("this jax_flexlink was built without the CUDA module (FLEXLINK_CUDA=ON)")
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess", "worker.py")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env.update(FLEXLINK_LINKS="nccl;pcie", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    res = run_launcher(["-n", "2", "--gpus-per-process", "1", "--timeout", "200", "--",
-                        sys.executable, worker, "collectives"], timeout=240, env=env)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert sum("ALL OK" in ln for ln in res.stdout.splitlines()) == 2, res.stdout[-4000:]
+
+GPU_PROCESSES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess", "gpu_processes.py")
 
 
-
-SHARED_GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess", "shared_gpu.py")
-
-
-def test_shared_gpu_program_on_host_devices():
-    """tests/multiprocess/shared_gpu.py's own expectations (numpy's results for every collective), on
-    2 processes of one host device each through FlexLink's CPU links: what the GPU check below
-    compares against is right."""
+def test_gpu_processes_program_on_host_devices():
+    """tests/multiprocess/gpu_processes.py's own expectations (numpy's results for every collective),
+    on 2 processes of one host device each through FlexLink's CPU links: what the GPU checks below
+    compare against is right."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "FLEXLINK_LINKS")}
-    res = run_launcher(["-n", "2", "--timeout", "200", "--", sys.executable, SHARED_GPU, "--cpu"], timeout=240,
+    res = run_launcher(["-n", "2", "--timeout", "200", "--", sys.executable, GPU_PROCESSES, "--cpu"], timeout=240,
                        env=env)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     lines = res.stdout.splitlines()
     assert sum("ALL OK 45 checks" in ln for ln in lines) == 2, res.stdout[-4000:]
     assert sum(ln.endswith("ok bfloat16: psum, pmax, pmin, all_gather, psum_scatter, ppermute, all_to_all")
                for ln in lines) == 2, res.stdout[-4000:]
+    bad = run_launcher(["-n", "1", "--", sys.executable, GPU_PROCESSES, "--bogus"], timeout=60, env=env)
+    assert bad.returncode == 1 and "usage: gpu_processes.py --shared|--reversed|--cpu" in bad.stderr
 
 
-@pytest.mark.gpu
-def test_processes_share_one_gpu(gpus):
-    """What one GPU can check of FlexLink's GPU groups across processes: 2 processes both on GPU 0
-    (local_device_ids=[0]), every collective in 6 dtypes and a 16 MiB psum through the pcie link
-    across processes (staging through the shared segment, registered with cudaHostRegister, ordered
-    by stream memory operations), against numpy (NCCL, and so XLA's collectives, refuse two ranks on
-    one GPU)."""
+def _gpu_job(args, mode):
     from jax_flexlink._src import native
     if native.cuda_module() is None:
         pytest.skip("this jax_flexlink was built without the CUDA module (FLEXLINK_CUDA=ON)")
     env = {k: v for k, v in os.environ.items() if k != "FLEXLINK_LINKS"}
     env.update(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    res = run_launcher(["-n", "2", "--timeout", "150", "--", sys.executable, SHARED_GPU], timeout=180, env=env)
+    res = run_launcher(["-n", "2", *args, "--timeout", "150", "--", sys.executable, GPU_PROCESSES, mode],
+                       timeout=180, env=env)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert sum("ALL OK 45 checks" in ln for ln in res.stdout.splitlines()) == 2, res.stdout[-4000:]
+
+
+@pytest.mark.gpu
+def test_processes_share_one_gpu(gpus):
+    """What one GPU can check of FlexLink's GPU groups across processes: 2 processes both on GPU 0,
+    every collective in 6 dtypes and a 16 MiB psum through the pcie link across processes (staging
+    through the shared segment, registered with cudaHostRegister, ordered by stream memory
+    operations), against numpy (NCCL, and so XLA's collectives, refuse two ranks on one GPU)."""
+    _gpu_job([], "--shared")
+
+
+@pytest.mark.gpu
+def test_processes_on_gpus_in_reverse(gpus):
+    """2+ GPUs: 2 processes of one GPU each (--gpus-per-process 1), rank i on GPU 1-i, every
+    collective through nccl;pcie across processes against numpy. Rank 0 runs GPU 1 (CUDA ordinal 1)
+    as jax's device 0 and rank 1 GPU 0 as device 1, so a wrong ordinal -> id map fails the job
+    (docs/cuda.md, "Device ids")."""
+    if len(gpus) < 2:
+        pytest.skip(f"needs 2 or more GPUs, this machine has {len(gpus)}")
+    _gpu_job(["--gpus-per-process", "1"], "--reversed")
 
 
 JAX_JOB = """

@@ -263,9 +263,16 @@ def test_device_ids_set_once(monkeypatch):
   import jax
   monkeypatch.setattr(processes, "_ids_set", [])
   module = Ids()
-  processes._set_device_ids(module)  # this machine's devices are CPUs
+  processes._set_device_ids(module)  # this machine has no GPU backend
   assert module.got == [] and processes._ids_set == []
-  monkeypatch.setattr(jax, "local_devices", lambda: [Gpu(0, 1), Gpu(1, 3)])
+
+  class Cpu:
+    id, local_hardware_id, platform = 0, None, "cpu"
+
+  # The GPU backend's devices even where cpu is the default backend (JAX_PLATFORMS=cpu,cuda).
+  def local_devices(process_index=None, backend=None):
+    return [Gpu(0, 1), Gpu(1, 3)] if backend == "gpu" else [Cpu()]
+  monkeypatch.setattr(jax, "local_devices", local_devices)
   processes._set_device_ids(module)
   processes._set_device_ids(module)
   assert module.got == [[-1, 0, -1, 1]]

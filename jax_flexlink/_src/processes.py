@@ -147,9 +147,14 @@ def _set_device_ids(module) -> None:
   ordinal, groups hold jax's global ids (xla_ffi/cuda/device_ids.h)."""
   if _ids_set:
     return
-  ids = device_id_map([d for d in jax.local_devices() if d.platform == "gpu"])
+  try:
+    # The GPU backend's devices whatever the default backend is (JAX_PLATFORMS=cpu,cuda makes it cpu).
+    gpus = jax.local_devices(backend="gpu")
+  except RuntimeError:
+    return  # no GPU backend here (lowering for another machine): nothing to map yet
+  ids = device_id_map([d for d in gpus if d.platform == "gpu"])
   if not ids:
-    return  # no GPU here (lowering for another machine): nothing to map yet
+    return
   module.set_device_ids(ids)
   _ids_set.append(True)
 

@@ -1,23 +1,39 @@
-"""One process of a job whose processes all drive the same GPU (started by `python -m jax_flexlink.launch
--n N` with JAX_PLATFORMS=cuda; tests/test_launch.py::test_processes_share_one_gpu).
+"""One process of a job checking FlexLink's GPU groups across processes (started by
+`python -m jax_flexlink.launch -n N ...`; tests/test_launch.py and benchmarks/gpu_check.sh run it).
 
-What a machine with one GPU can check of FlexLink's GPU groups across processes: every process claims
-GPU 0 (`local_device_ids=[0]`), so the job has N jax devices on one GPU, and a group of all of them
-runs on the pcie link across processes (xla_ffi/cuda/pcie_xproc.*: staging through the shared segment
-registered with cudaHostRegister, the devices ordered by stream memory operations on its flags). NCCL
-puts at most one rank of a communicator on a GPU, so neither nccl nor XLA's own collectives can run
-here: every result is checked against numpy instead of lax. Prints one line per check, then
-`ALL OK <n> checks`; exits non-zero at the first wrong result. With `--cpu` (the test suite's check
-of this program): one host device per process, FlexLink's CPU links, the same expectations.
+Modes (argv[1]):
+  --shared    every process on GPU 0 (`local_device_ids=[0]`): the job has N jax devices on one GPU,
+              and a group of all of them runs on the pcie link across processes
+              (xla_ffi/cuda/pcie_xproc.*: staging through the shared segment registered with
+              cudaHostRegister, the devices ordered by stream memory operations on its flags). NCCL
+              puts at most one rank of a communicator on a GPU, so neither nccl nor XLA's own
+              collectives can run there. What a machine with one GPU can check.
+  --reversed  rank i on GPU N-1-i (N GPUs or more), links nccl;pcie: every process runs its GPU under
+              a CUDA ordinal that is not its jax id (rank 0's GPU N-1 is jax's device 0), so a wrong
+              ordinal -> id map (docs/cuda.md, "Device ids") fails the job.
+  --cpu       one host device per process, FlexLink's CPU links: the test suite's check of the
+              expectations below.
+Every result is checked against numpy (small integers in every dtype: exact in any order). Prints
+one line per dtype, then `ALL OK <n> checks`; exits non-zero at the first wrong result.
+XLA_PYTHON_CLIENT_PREALLOCATE defaults to false here: with --shared each process would otherwise
+take 75 % of the one GPU's memory.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import jax_flexlink.launch
 
-ON_CPU = "--cpu" in sys.argv[1:]
-jax_flexlink.launch.initialize(**({} if ON_CPU else {"local_device_ids": [0]}))  # every process: GPU 0
+MODE = sys.argv[1] if len(sys.argv) > 1 else ""
+if MODE not in ("--shared", "--reversed", "--cpu"):
+  sys.exit(f"usage: gpu_processes.py --shared|--reversed|--cpu, got {sys.argv[1:]}")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+if MODE == "--cpu":
+  jax_flexlink.launch.initialize()
+else:
+  n, me = int(os.environ["FLEXLINK_NUM_PROCESSES"]), int(os.environ["FLEXLINK_PROCESS_ID"])
+  jax_flexlink.launch.initialize(local_device_ids=[0 if MODE == "--shared" else n - 1 - me])
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -25,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_flexlink as flx  # noqa: E402
 
-DEVICES = jax.devices()
+DEVICES = jax.devices() if MODE == "--cpu" else jax.devices("gpu")  # gpu whatever the default backend
 N = len(DEVICES)
 ROWS, COLS = 4 * N, 33  # ROWS divisible by N: psum_scatter and all_to_all split a block N ways
 
@@ -72,9 +88,10 @@ BODIES = {
 
 
 def main() -> int:
-  assert all(d.platform == ("cpu" if ON_CPU else "gpu") for d in DEVICES) and N == jax.process_count(), DEVICES
-  if not ON_CPU:
-    flx.configure(links="pcie", autotune_min_bytes=0)
+  on_cpu = MODE == "--cpu"
+  assert all(d.platform == ("cpu" if on_cpu else "gpu") for d in DEVICES) and N == jax.process_count(), DEVICES
+  if not on_cpu:
+    flx.configure(links="pcie" if MODE == "--shared" else "nccl;pcie", autotune_min_bytes=0)
   mesh = Mesh(np.array(DEVICES), ("x",))
   sharding = NamedSharding(mesh, P("x"))
   me = jax.process_index()
@@ -110,6 +127,14 @@ def main() -> int:
       return 1
     checks += 1
   say("ok psum 16 MiB per device, 3 calls")
+  if not on_cpu:  # the CUDA module's map names this process's GPU by its CUDA ordinal
+    from jax_flexlink._src import native  # noqa: PLC0415
+    d = jax.local_devices(backend="gpu")[0]
+    ids = native.cuda_module().device_ids()
+    if not (d.local_hardware_id < len(ids) and ids[d.local_hardware_id] == d.id):
+      say(f"WRONG device ids: jax device {d.id} is CUDA ordinal {d.local_hardware_id}, the map says {ids}")
+      return 1
+    say(f"jax device {d.id} on CUDA ordinal {d.local_hardware_id}, map {ids}")
   say(f"ALL OK {checks} checks; links: {flx.stats().get('links')}")
   return 0
 
