@@ -1,6 +1,7 @@
 // Which jax device a GPU handler runs for. XLA hands a handler its device's CUDA ordinal (FFI's
-// DeviceOrdinal is the StreamExecutor's ordinal), while a call's groups hold jax's global device
-// ids. The two differ in a multi-process job (process 1's first GPU is ordinal 0 but, say, id 8)
+// DeviceOrdinal is the run options' device ordinal, which PjRt sets to the device's local_device_id:
+// in the StreamExecutor GPU client, the executor's ordinal), while a call's groups hold jax's global
+// device ids. The two differ in a multi-process job (process 1's first GPU is ordinal 0 but, say, id 8)
 // and wherever jax hides GPUs without CUDA_VISIBLE_DEVICES (`jax_cuda_visible_devices`, or
 // `jax.distributed.initialize(local_device_ids=...)`, which cluster auto-detection sets to one GPU
 // per process): XLA then makes executors only for the visible ordinals and keeps CUDA's numbering
