@@ -16,7 +16,7 @@ Environment of rank i (of N, K devices each, H emulated hosts):
   host devices: XLA_FLAGS=... --xla_force_host_platform_device_count=K  JAX_PLATFORMS=cpu (unless set)
   GPUs (--gpus-per-process K): FLEXLINK_LOCAL_DEVICE_IDS=JAX_LOCAL_DEVICE_IDS=iK,...,iK+K-1 (initialize()
     passes them to jax as local_device_ids; a plain jax.distributed.initialize reads the second)
-    JAX_PLATFORMS=cuda (unless set; a value without cuda or gpu is a usage error); XLA_FLAGS as inherited
+    JAX_PLATFORMS=cuda (unless set; a value not listing cuda or gpu first is a usage error); XLA_FLAGS as inherited
   PYTHONUNBUFFERED=1 (unless set; lines arrive as they are printed)
   GLIBC_TUNABLES gains glibc.malloc.trim_threshold=268435456 and glibc.malloc.mmap_threshold=33554432
     unless the inherited value sets them or --no-keep-freed-memory is given (KEEP_FREED_MEMORY below)
@@ -164,10 +164,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("no command to run; put it after --, e.g. "
                 f"`{PROG} -n 2 -- python script.py`")
     if a.gpus_per_process is not None:
+        # jax's default backend is the first listed; with cpu first, jax.devices() are CPUs, and
+        # FlexLink maps the default backend's device ids to processes (hosts.py).
         platforms = os.environ.get("JAX_PLATFORMS")
-        if platforms is not None and not {t.strip() for t in platforms.split(",")} & {"cuda", "gpu"}:
-            p.error(f"JAX_PLATFORMS={platforms!r} leaves out CUDA, which a --gpus-per-process job runs on "
-                    "(unset it, or include cuda)")
+        if platforms is not None and platforms.split(",")[0].strip() not in ("cuda", "gpu"):
+            p.error(f"JAX_PLATFORMS={platforms!r} does not make CUDA jax's default backend, which a "
+                    "--gpus-per-process job runs on (unset it, or list cuda first)")
         need = a.nprocs * a.gpus_per_process
         have, how = gpu_count()
         if have is not None and need > have:

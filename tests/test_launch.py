@@ -226,12 +226,13 @@ def test_gpus_beyond_the_machine_are_a_usage_error(monkeypatch, capsys):
     a = launch.parse(["-n", "3", "--gpus-per-process", "1", "--", "true"])
     assert (a.gpus_per_process, a.devices_per_process) == (1, None)
     assert launch.parse(["-n", "3", "--", "true"]).devices_per_process == 1
-    # A GPU job on JAX_PLATFORMS without CUDA would run on host devices: refused.
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    with pytest.raises(SystemExit):
-        launch.parse(["-n", "1", "--gpus-per-process", "1", "--", "true"])
-    assert "JAX_PLATFORMS='cpu' leaves out CUDA" in capsys.readouterr().err
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu,cuda")
+    # A GPU job whose default backend would not be CUDA (the first of JAX_PLATFORMS): refused.
+    for platforms in ("cpu", "cpu,cuda"):
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+        with pytest.raises(SystemExit):
+            launch.parse(["-n", "1", "--gpus-per-process", "1", "--", "true"])
+        assert f"JAX_PLATFORMS={platforms!r} does not make CUDA jax's default backend" in capsys.readouterr().err
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
     assert launch.parse(["-n", "1", "--gpus-per-process", "1", "--", "true"]).gpus_per_process == 1
 
 
