@@ -101,6 +101,51 @@ def test_one_gpu_is_nothing_to_do(gpus, flexlink_on_gpus):
     np.testing.assert_array_equal(np.asarray(_psum_program(flx, _mesh(gpus[:1]))(x)), x)
 
 
+def test_one_gpu_through_the_links(gpus, flexlink_on_gpus):
+    """What one GPU can run of the links inside jax: the CUDA module told to send 1-rank groups
+    through them (set_single_rank_through_links, tests only; normally a copy on XLA's stream), every
+    collective in three dtypes through nccl (a 1-rank NCCL communicator), pcie and nccl;pcie pinned
+    at 50/50, equal to lax's, every link moved bytes (counted from CUDA events read back), and the
+    shutdown released the group (ncclCommFinalize/Destroy)."""
+    program = """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import lax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        import jax_flexlink as flx
+        from jax_flexlink._src import native
+        cuda = native.cuda_module()
+        cuda.set_single_rank_through_links(True)
+        gpu = jax.devices("gpu")[:1]  # JAX_PLATFORMS=cpu,cuda (gpu_check.sh) keeps cpu the default backend
+        mesh = Mesh(np.array(gpu), ("x",))
+        bodies = [lambda m: lambda v: m.psum(v, "x"), lambda m: lambda v: m.pmax(v, "x"),
+                  lambda m: lambda v: m.all_gather(v, "x", tiled=True),
+                  lambda m: lambda v: m.psum_scatter(v, "x", tiled=True),
+                  lambda m: lambda v: m.ppermute(v, "x", [(0, 0)]),
+                  lambda m: lambda v: m.all_to_all(v, "x", 0, 0, tiled=True)]
+        for links in ("nccl", "pcie", "nccl;pcie"):
+            flx.configure(links=links, autotune_min_bytes=0)
+            flx.reset_stats()
+            if ";" in links:  # pinned halves in every size bucket: the balancer might leave a link out
+                for kind in ("all_reduce", "all_gather", "reduce_scatter", "ppermute", "all_to_all"):
+                    for b in range(10, 24):
+                        cuda.set_shares(kind, 1 << b, [0.5, 0.5], True)
+            for dtype in (jnp.float32, jnp.bfloat16, jnp.int32):
+                x = jax.device_put(jnp.arange(4096 * 3, dtype=jnp.float32).astype(dtype), NamedSharding(mesh, P("x")))
+                for body in bodies:
+                    make = lambda mod: jax.jit(jax.shard_map(body(mod), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+                    np.testing.assert_array_equal(np.asarray(make(flx)(x)), np.asarray(make(lax)(x)))
+            jax.effects_barrier()
+            moved = {name: s["bytes"] for name, s in flx.stats()["links"].items() if name in links.split(";")}
+            assert len(moved) == len(links.split(";")) and all(moved.values()), (links, flx.stats()["links"])
+            print(links, moved, flush=True)
+        report = flx.shutdown(30)  # new links released the earlier ones' groups: one left
+        assert len(report["released"]) == 1 and not report["kept"] and not report["errors"], report
+        print("ok")
+    """
+    result = helpers.run_python(program, timeout=150)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout, result.stderr)
+
+
 # Every collective against lax across all GPUs, through each link alone and split over both -----------
 
 CASES = {

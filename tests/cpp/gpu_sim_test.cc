@@ -458,6 +458,12 @@ void TestSingleRankThroughLinks() {
   plain.engine->PollTimings();
   for (const auto& st : SnapshotLinkStats())
     Expect(st.calls == 0, "1 rank without the option: " + st.name + " ran no call");
+  plain.engine->SetSingleRankThroughLinks(true);  // the CUDA module's set_single_rank_through_links
+  CheckCase(*plain.engine, plain.h, {Kind::kAllReduce, ReduceOp::kSum, {DType::kBF16}, {{4099}}, 0, {}, false},
+            "1 rank, switched on later");
+  plain.engine->PollTimings();
+  for (const auto& st : SnapshotLinkStats())
+    if (st.name == "nccl") Expect(st.calls == 1, "1 rank, switched on later: nccl ran the call");
 }
 
 // XLA's CUDA ordinal <-> jax's global id (xla_ffi/cuda/device_ids.h): the map's rules, then a group

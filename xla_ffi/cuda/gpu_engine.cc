@@ -30,7 +30,11 @@ uint8_t* Bytes(const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p
 }  // namespace
 
 GpuEngine::GpuEngine(DeviceApi* api, CommApi* comm, GpuEngineOptions options)
-    : serial_(NextSerial()), api_(*api), comm_(*comm), options_(std::move(options)) {}
+    : serial_(NextSerial()),
+      api_(*api),
+      comm_(*comm),
+      options_(std::move(options)),
+      single_rank_through_links_(options_.single_rank_through_links) {}
 
 GpuEngine::~GpuEngine() { StopWatchdog(); }
 
@@ -220,7 +224,7 @@ Status GpuEngine::RunOrThrow(const CollectiveArgs& args, Stream stream) {
   if (desc.total_units() == 0) return Status::Ok();
   DeviceGuard guard(api_);
   FLEXLINK_RETURN_IF_ERROR(api_.SetDevice(options_.device_of(args.device)));
-  if (n == 1 && !options_.single_rank_through_links) {
+  if (n == 1 && !single_rank_through_links_.load(std::memory_order_relaxed)) {
     // The identity (ppermute without the pair (0, 0): zeros), enqueued on XLA's stream.
     const bool zeros = desc.kind == Kind::kPpermute && desc.sources[0] < 0;
     for (const Part& p : desc.parts) {

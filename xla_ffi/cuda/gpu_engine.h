@@ -51,7 +51,8 @@ struct GpuEngineOptions {
   // Tests only: a group of one rank runs through its links as any group does (NCCL with one rank,
   // the pcie link's slots), instead of the copy on XLA's stream it needs. NCCL puts at most one
   // rank of a communicator on a GPU, so on a machine with one GPU this is the only way the nccl
-  // link's calls run (tests/cpp/cuda/cuda_ranks_test.cc).
+  // link's calls run (tests/cpp/cuda/cuda_ranks_test.cc; the CUDA module's
+  // set_single_rank_through_links, tests/test_gpu.py). GpuEngine::SetSingleRankThroughLinks changes it.
   bool single_rank_through_links = false;
 };
 
@@ -68,6 +69,8 @@ class GpuEngine {
   uint64_t serial() const { return serial_; }
   // The CUDA device of a group member id (GpuEngineOptions::device_of).
   int DeviceOf(int64_t id) const { return options_.device_of(id); }
+  // Tests only (GpuEngineOptions::single_rank_through_links); calls already inside Run are unaffected.
+  void SetSingleRankThroughLinks(bool on) { single_rank_through_links_.store(on, std::memory_order_relaxed); }
 
   // Returns once this rank's work is enqueued on `stream` (or with the error that stopped it).
   Status Run(const CollectiveArgs& args, Stream stream);
@@ -172,6 +175,7 @@ class GpuEngine {
   DeviceApi& api_;
   CommApi& comm_;
   const GpuEngineOptions options_;
+  std::atomic<bool> single_rank_through_links_;
   SplitLog splits_;
   std::mutex mu_;
   std::shared_ptr<const GpuLinkSet> links_;

@@ -241,6 +241,10 @@ NB_MODULE(_flexlink_cuda, m) {
       "[...], 'errors': [...], 'again': bool} (GpuEngine::Shutdown).");
   m.def("is_shut_down", [] { return ProcessEngine().shut_down(); });
   m.def("has_groups", [] { return ProcessEngine().HasGroups(); }, "Whether the GPU engine made any group.");
+  m.def("set_single_rank_through_links", [](bool on) { ProcessEngine().SetSingleRankThroughLinks(on); },
+        nb::arg("on"),
+        "Tests only: groups of one rank run through the links (NCCL with one rank) instead of a copy on "
+        "XLA's stream, so that a machine with one GPU makes NCCL's calls (gpu_engine.h).");
   m.def("set_debug_level", &SetDebugLevel, nb::arg("level"));
   m.def("configure_links", [](const std::string& spec) { Check(ProcessEngine().ConfigureLinks(spec)); },
         nb::arg("spec"), "Selects the GPU links (kinds nccl, pcie; rdma is refused); calls must not be running.");
