@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -403,6 +404,16 @@ void RunSuite(Sim& s, const std::string& links, const std::vector<double>& share
   std::printf("  %-58s %4zu cases %6.2f s\n", what.c_str(), cases.size(), Seconds(t0));
 }
 
+// Stage 1's all_reduce fits, as CheckStageOne (gpu_cases.h) left them.
+void PrintFits(const std::string& what, int calls, const std::optional<plan::CostModel>& model) {
+  std::printf("  %s: fits after %d calls:", what.c_str(), calls);
+  if (model)
+    for (size_t i = 0; i < model->num_links(); ++i)
+      std::printf(" %s %.3g GB/s + %.3g us", model->links()[i].c_str(),
+                  model->Fits(Kind::kAllReduce)[i].bytes_per_second() / 1e9, model->Fits(Kind::kAllReduce)[i].alpha * 1e6);
+  std::printf("\n");
+}
+
 // One rank through the links (GpuEngineOptions::single_rank_through_links, what a 1-GPU machine runs
 // in cuda_ranks_test to exercise NCCL's calls): every standard case through nccl (direct and staged),
 // pcie and both, right, and the links counted the calls: they ran, not the identity copy.
@@ -437,18 +448,10 @@ void TestSingleRankThroughLinks() {
   {
     // Stage 1 on one rank: NCCL's profiling calls with their event times (cuda_ranks_test).
     Sim one(1);
-    gpu::GpuEngineOptions o;
-    o.device_of = one.h.device_of;
-    o.single_rank_through_links = true;
-    one.engine = std::make_unique<gpu::GpuEngine>(&one.device, &one.comm, o);
+    one.engine->SetSingleRankThroughLinks(true);
     int calls = 0;
     const auto model = CheckStageOne(*one.engine, one.h, "nccl;pcie@slot_mib=0.25", "1 rank, stage 1", false, &calls);
-    std::printf("  1 rank, stage 1: fits after %d calls:", calls);
-    if (model)
-      for (size_t i = 0; i < model->num_links(); ++i)
-        std::printf(" %s %.3g GB/s + %.3g us", model->links()[i].c_str(),
-                    model->Fits(Kind::kAllReduce)[i].bytes_per_second() / 1e9, model->Fits(Kind::kAllReduce)[i].alpha * 1e6);
-    std::printf("\n");
+    PrintFits("1 rank, stage 1", calls, model);
     one.ExpectNoSimErrors("1 rank, stage 1");
     one.ExpectScratchFreed("1 rank, stage 1");
   }
@@ -849,12 +852,7 @@ void TestStageOneCheck() {
         "stage 1 check, " + std::to_string(n) + " ranks" + (one_device ? " on one device, " : ", ") + links;
     int calls = 0;
     const auto model = CheckStageOne(*s.engine, s.h, links, what, false, &calls);
-    std::printf("  %s: fits after %d calls:", what.c_str(), calls);
-    if (model)
-      for (size_t i = 0; i < model->num_links(); ++i)
-        std::printf(" %s %.3g GB/s + %.3g us", model->links()[i].c_str(),
-                    model->Fits(Kind::kAllReduce)[i].bytes_per_second() / 1e9, model->Fits(Kind::kAllReduce)[i].alpha * 1e6);
-    std::printf("\n");
+    PrintFits(what, calls, model);
     s.ExpectNoSimErrors(what);
     s.ExpectScratchFreed(what);
   }
